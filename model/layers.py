@@ -1,0 +1,169 @@
+"""Transformer building blocks as pure functions of (params, activations).
+
+Shapes are in the names: b batch, s sequence, h hidden, n heads, d head dim, f ffn.
+Linear weights use the Hugging Face layout [out, in]. Nothing here knows about
+parallelism: the linear layers, embedding and cross-entropy come from an `Ops` value,
+whose single-device version below is plain PyTorch (parallel/tensor.py supplies others).
+"""
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from model import rng
+
+
+def _linear(x, w, b=None):
+  return F.linear(x, w, b)
+
+
+def _embed(ids_bs, table_vh):
+  return F.embedding(ids_bs, table_vh)
+
+
+def _cross_entropy(logits_bsv, labels_bs, vocab_size):
+  """Per-token loss; logits of padded vocab rows (>= vocab_size) never get probability."""
+  logits = logits_bsv[..., :vocab_size].float()
+  return F.cross_entropy(logits.flatten(0, 1), labels_bs.flatten(), reduction='none').view_as(labels_bs)
+
+
+def _identity(x):
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+  """The parallelism-aware operations the model is built from (single-device defaults)."""
+  column_linear: Callable = _linear    # output features sharded under TP
+  row_linear: Callable = _linear       # input features sharded under TP; output reduced
+  embed: Callable = _embed             # vocab-sharded under TP
+  lm_head: Callable = _linear          # vocab-sharded logits
+  cross_entropy: Callable = _cross_entropy  # over (possibly vocab-sharded) logits
+  gather_sequence: Callable = _identity  # SP: sequence shards -> full sequence, before column linears
+  scatter_sequence: Callable = _identity  # SP: full sequence -> this rank's shard (used at the embedding)
+
+
+LOCAL_OPS = Ops()
+
+
+# --- norms -------------------------------------------------------------------------
+
+
+def rms_norm(x_bsh, weight_h, eps):
+  x = x_bsh.float()
+  x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+  return weight_h * x.to(x_bsh.dtype)
+
+
+def layer_norm(x_bsh, weight_h, bias_h, eps):
+  return F.layer_norm(x_bsh, (x_bsh.shape[-1],), weight_h, bias_h, eps)
+
+
+def norm(params, prefix, x_bsh, cfg):
+  if cfg.normalization == 'rmsnorm':
+    return rms_norm(x_bsh, params[prefix + '.weight'], cfg.layernorm_epsilon)
+  return layer_norm(x_bsh, params[prefix + '.weight'], params[prefix + '.bias'], cfg.layernorm_epsilon)
+
+
+# --- dropout -------------------------------------------------------------------------
+
+
+def dropout(x_b_, p, key, sample_ids_b):
+  """Dropout whose mask for sample i is a pure function of (key, global sample index i).
+
+  Keying by sample index (not by rank or micro batch) makes every DP degree, micro
+  batch size and recompute pass draw the same mask as one device.
+  """
+  if p == 0.0 or key is None:
+    return x_b_
+  keep = torch.stack([rng.uniform(x_b_.shape[1:], *key, int(i)) for i in sample_ids_b]) >= p
+  return x_b_ * keep.to(x_b_.device) / (1.0 - p)
+
+
+# --- rotary embedding -----------------------------------------------------------------
+
+
+def rope_cos_sin(position_ids_bs, rot_dim, theta, dtype):
+  inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+  angles = position_ids_bs.double()[..., None] * inv_freq.to(position_ids_bs.device)
+  angles = torch.cat([angles, angles], dim=-1)                        # rotate-half layout (HF)
+  return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # [b, 1, s, r]
+
+
+def apply_rope(x_bnsd, cos_b1sr, sin_b1sr):
+  """Rotate the first r dims of each head (r = rotary_percentage * d), HF's rotate-half."""
+  r = cos_b1sr.shape[-1]
+  x_rot, x_pass = x_bnsd[..., :r], x_bnsd[..., r:]
+  x1, x2 = x_rot.chunk(2, dim=-1)
+  rotated = torch.cat([-x2, x1], dim=-1)
+  return torch.cat([x_rot * cos_b1sr + rotated * sin_b1sr, x_pass], dim=-1)
+
+
+# --- attention ---------------------------------------------------------------------------
+
+
+def attention_mask(segment_ids_bs, s):
+  """Causal mask [b, 1, s, s] (True = attend), restricted to the same document when given."""
+  causal = torch.ones(s, s, dtype=torch.bool).tril()
+  if segment_ids_bs is None:
+    return None
+  same_doc = segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :]
+  return (same_doc & causal.to(same_doc.device))[:, None]
+
+
+def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b):
+  """softmax(q k^T / sqrt(d)) v over grouped KV heads, causal (and per-document if masked)."""
+  groups = q_bnsd.shape[1] // k_bnsd.shape[1]
+  use_sdpa = cfg.fusions.flash_attention and (cfg.attention_dropout == 0.0 or drop_key is None)
+  if use_sdpa:
+    if mask_b1ss is None:
+      return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, is_causal=True, enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, attn_mask=mask_b1ss, enable_gqa=groups > 1)
+  k_bnsd = k_bnsd.repeat_interleave(groups, dim=1)
+  v_bnsd = v_bnsd.repeat_interleave(groups, dim=1)
+  # Query-key layer scaling (Megatron) divides the scores by the layer number and multiplies
+  # back inside an fp32 softmax: exact in fp32, it keeps fp16 scores from overflowing.
+  coeff = float(layer + 1) if cfg.apply_query_key_layer_scaling else 1.0
+  scores = (q_bnsd @ k_bnsd.transpose(-1, -2)) / (math.sqrt(q_bnsd.shape[-1]) * coeff)
+  s = q_bnsd.shape[2]
+  if mask_b1ss is None:
+    mask_b1ss = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril()
+  scores = scores.float().masked_fill(~mask_b1ss, float('-inf')) * coeff
+  probs = torch.softmax(scores, dim=-1).to(q_bnsd.dtype)
+  probs = dropout(probs, cfg.attention_dropout, drop_key, sample_ids_b)
+  return probs @ v_bnsd
+
+
+def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b):
+  d = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+  bias = (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
+  x_bsh = ops.gather_sequence(x_bsh)
+  q = ops.column_linear(x_bsh, params[prefix + '.q_proj.weight'], bias('q_proj'))
+  k = ops.column_linear(x_bsh, params[prefix + '.k_proj.weight'], bias('k_proj'))
+  v = ops.column_linear(x_bsh, params[prefix + '.v_proj.weight'], bias('v_proj'))
+  # Local head counts come from the (possibly TP-sharded) weights, not from the config.
+  q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
+  if cos_sin is not None:
+    q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+  out = core_attention(q, k, v, mask, cfg, layer, drop_key and drop_key + ('attn',), sample_ids_b)
+  out = rearrange(out, 'b n s d -> b s (n d)')
+  return ops.row_linear(out, params[prefix + '.o_proj.weight'], bias('o_proj'))
+
+
+# --- MLP -----------------------------------------------------------------------------------
+
+
+def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
+  bias = (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
+  x_bsh = ops.gather_sequence(x_bsh)
+  up_bsf = ops.column_linear(x_bsh, params[prefix + '.up_proj.weight'], bias('up_proj'))
+  if cfg.activation == 'swiglu':
+    gate_bsf = ops.column_linear(x_bsh, params[prefix + '.gate_proj.weight'], bias('gate_proj'))
+    inner_bsf = F.silu(gate_bsf) * up_bsf
+  else:
+    inner_bsf = F.gelu(up_bsf)
+  inner_bsf = dropout(inner_bsf, cfg.ffn_dropout, drop_key and drop_key + ('ffn',), sample_ids_b)
+  return ops.row_linear(inner_bsf, params[prefix + '.down_proj.weight'], bias('down_proj'))

@@ -1,0 +1,162 @@
+"""The Megatron/Llama decoder as data (a flat dict of global-named tensors) and pure functions.
+
+Parameter names are Hugging Face Llama's without the leading `model.`
+(`layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`, `lm_head.weight`), so
+import/export is a rename. `param_specs` describes every tensor (global shape, init) from the
+config alone: counting parameters needs no memory, and init of any shard is a pure function
+of (seed, name).
+"""
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from model import layers, rng
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  shape: tuple
+  init: str          # normal | ones | zeros
+  std: float = 0.0
+
+
+def padded_vocab_size(cfg, tp=1) -> int:
+  multiple = cfg.make_vocab_size_divisible_by * tp
+  return int(math.ceil(cfg.vocab_size / multiple) * multiple)
+
+
+def head_dim(cfg) -> int:
+  return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def kv_heads(cfg) -> int:
+  return cfg.num_kv_heads or cfg.num_attention_heads
+
+
+def param_specs(cfg, tp=1) -> dict:
+  """Global name -> ParamSpec, in forward order. `cfg` is the `model` section."""
+  h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
+  std = cfg.init_method_std
+  out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.use_scaled_init_method else std
+  specs = {'embed_tokens.weight': ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std)}
+  if cfg.position_embedding_type == 'learned_absolute':
+    specs['embed_positions.weight'] = ParamSpec((cfg.max_position_embeddings, h), 'normal', std)
+
+  def norm_specs(name):
+    specs[name + '.weight'] = ParamSpec((h,), 'ones')
+    if cfg.normalization == 'layernorm':
+      specs[name + '.bias'] = ParamSpec((h,), 'zeros')
+
+  def linear_specs(name, out_dim, in_dim, w_std):
+    specs[name + '.weight'] = ParamSpec((out_dim, in_dim), 'normal', w_std)
+    if cfg.has_bias:
+      specs[name + '.bias'] = ParamSpec((out_dim,), 'zeros')
+
+  for i in range(cfg.num_layers):
+    p = f'layers.{i}'
+    norm_specs(p + '.input_layernorm')
+    linear_specs(p + '.self_attn.q_proj', cfg.num_attention_heads * d, h, std)
+    linear_specs(p + '.self_attn.k_proj', kv_heads(cfg) * d, h, std)
+    linear_specs(p + '.self_attn.v_proj', kv_heads(cfg) * d, h, std)
+    linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std)
+    norm_specs(p + '.post_attention_layernorm')
+    if cfg.activation == 'swiglu':
+      linear_specs(p + '.mlp.gate_proj', f, h, std)
+    linear_specs(p + '.mlp.up_proj', f, h, std)
+    linear_specs(p + '.mlp.down_proj', h, f, out_std)
+  norm_specs('norm')
+  if not cfg.share_embeddings_and_output_weights:
+    specs['lm_head.weight'] = ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std)
+  return specs
+
+
+def init_param(spec: ParamSpec, seed: int, name: str) -> torch.Tensor:
+  if spec.init == 'ones':
+    return torch.ones(spec.shape)
+  if spec.init == 'zeros':
+    return torch.zeros(spec.shape)
+  return rng.normal(spec.shape, spec.std, seed, 'init', name)
+
+
+def init(cfg, seed: int, device='cpu', dtype=torch.float32) -> dict:
+  """Fresh parameters: each one a pure function of (seed, its global name)."""
+  return {name: init_param(spec, seed, name).to(device=device, dtype=dtype).requires_grad_()
+          for name, spec in param_specs(cfg).items()}
+
+
+def count_params(cfg, embedding=True) -> int:
+  """Unpadded-vocab parameter count (the published size); embedding=False drops the input table."""
+  total = 0
+  for name, spec in param_specs(cfg).items():
+    if name in ('embed_tokens.weight', 'lm_head.weight'):
+      shape = (cfg.vocab_size,) + spec.shape[1:]
+      if name == 'embed_tokens.weight' and not embedding and not cfg.share_embeddings_and_output_weights:
+        continue
+    elif name == 'embed_positions.weight' and not embedding:
+      continue
+    else:
+      shape = spec.shape
+    total += math.prod(shape)
+  return total
+
+
+def flops_per_token(cfg, seq_length: int) -> float:
+  """Training FLOPs per token, PaLM/torchtitan convention: 6 N_nonembedding + 12 L h s.
+
+  N_nonembedding excludes the input embedding table but keeps the LM head (for tied
+  embeddings the one table is the LM head and counts). Attention counted non-causal.
+  """
+  return 6 * count_params(cfg, embedding=False) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
+
+
+def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=None,
+            segment_ids_bs=None, sample_ids_b=None, dropout_key: Optional[tuple] = None,
+            layer_fn=None):
+  """Logits [b, s, V_padded/t]. `dropout_key` (e.g. (seed, 'dropout')) enables dropout.
+
+  `layer_fn(fn, *args)` wraps each block call (activation recompute plugs in here).
+  """
+  b, s = tokens_bs.shape
+  if position_ids_bs is None:
+    position_ids_bs = torch.arange(s, device=tokens_bs.device).expand(b, s)
+  x = ops.embed(tokens_bs, params['embed_tokens.weight'])
+  if cfg.position_embedding_type == 'learned_absolute':
+    x = x + params['embed_positions.weight'][position_ids_bs]
+  cos_sin = None
+  if cfg.position_embedding_type == 'rope':
+    rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
+    cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x.dtype)
+  mask = layers.attention_mask(segment_ids_bs, s)
+  x = layers.dropout(x, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
+  x = ops.scatter_sequence(x)
+  layer_fn = layer_fn or (lambda fn, *args: fn(*args))
+  for i in range(cfg.num_layers):
+    key = dropout_key and dropout_key + (i,)
+    x = layer_fn(block, params, i, x, cos_sin, mask, cfg, ops, key, sample_ids_b)
+  x = layers.norm(params, 'norm', x, cfg)
+  x = ops.gather_sequence(x)
+  head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
+  return ops.lm_head(x, head)
+
+
+def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
+  """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+  p = f'layers.{i}'
+  h = layers.norm(params, p + '.input_layernorm', x_bsh, cfg)
+  h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b)
+  x_bsh = x_bsh + layers.dropout(h, cfg.hidden_dropout, drop_key and drop_key + ('attn_out',), sample_ids_b)
+  h = layers.norm(params, p + '.post_attention_layernorm', x_bsh, cfg)
+  h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
+  return x_bsh + layers.dropout(h, cfg.hidden_dropout, drop_key and drop_key + ('mlp_out',), sample_ids_b)
+
+
+def loss_sum(params, batch, cfg, ops=layers.LOCAL_OPS, *, dropout_key=None, layer_fn=None):
+  """Sum of masked next-token losses over the micro batch (the caller divides by the
+  global token count, so every layout and accumulation split gives the same update)."""
+  logits = forward(params, batch['tokens'], cfg, ops, position_ids_bs=batch.get('position_ids'),
+                   segment_ids_bs=batch.get('segment_ids'), sample_ids_b=batch.get('sample_ids'),
+                   dropout_key=dropout_key, layer_fn=layer_fn)
+  per_token = ops.cross_entropy(logits, batch['labels'], cfg.vocab_size)
+  return (per_token * batch['loss_mask']).sum()
