@@ -1,0 +1,68 @@
+"""The device layer: which device, which collective backend, and the peak FLOP/s for MFU.
+
+cpu (gloo) and cuda (nccl) are real today; xla (torch-xla: Trainium, TPU) is resolved
+lazily so the core never imports torch_xla unless asked to.
+"""
+import time
+
+import torch
+
+# Dense bf16 datasheet peaks (never sparse), matched against torch.cuda.get_device_name().
+CUDA_PEAK_BF16 = (('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('L40S', 362e12),
+                  ('A10G', 125e12), ('L4', 121e12), ('V100', 125e12))
+
+
+def resolve(name: str, local_rank: int = 0) -> torch.device:
+  if name == 'auto':
+    name = 'cuda' if torch.cuda.is_available() else 'cpu'
+  if name == 'cuda':
+    if not torch.cuda.is_available():
+      raise RuntimeError('device=cuda but torch.cuda.is_available() is False; use --config.device=cpu')
+    torch.cuda.set_device(local_rank)
+    return torch.device('cuda', local_rank)
+  if name == 'xla':
+    try:
+      import torch_xla.core.xla_model as xm  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+      raise RuntimeError('device=xla needs torch-xla (its own environment: see README)') from e
+    return xm.xla_device()
+  return torch.device('cpu')
+
+
+def backend(device: torch.device) -> str:
+  return {'cuda': 'nccl', 'xla': 'xla'}.get(device.type, 'gloo')
+
+
+def synchronize(device: torch.device):
+  """Wait for queued device work (timing only; never in the hot path except logging steps)."""
+  if device.type == 'cuda':
+    torch.cuda.synchronize(device)
+  elif device.type == 'xla':
+    import torch_xla.core.xla_model as xm  # pylint: disable=import-outside-toplevel
+    xm.mark_step()
+    xm.wait_device_ops()
+
+
+def measured_matmul_flops(device: torch.device, dtype=torch.float32, n=1024, repeats=5) -> float:
+  """Best-of-`repeats` FLOP/s of an n x n matmul: the CPU's practical peak for MFU."""
+  a = torch.randn(n, n, device=device, dtype=dtype)
+  b = torch.randn(n, n, device=device, dtype=dtype)
+  (a @ b).sum().item()
+  best = float('inf')
+  for _ in range(repeats):
+    synchronize(device)
+    start = time.perf_counter()
+    a @ b
+    synchronize(device)
+    best = min(best, time.perf_counter() - start)
+  return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, dtype=torch.float32) -> tuple:
+  """(peak FLOP/s, where it came from). CUDA: datasheet bf16 dense; else a measured matmul."""
+  if device.type == 'cuda':
+    name = torch.cuda.get_device_name(device)
+    for key, flops in CUDA_PEAK_BF16:
+      if key in name:
+        return flops, f'{name} datasheet bf16 dense'
+  return measured_matmul_flops(device, dtype), f'measured {dtype} 1024^3 matmul on {device.type}'

@@ -1,0 +1,102 @@
+"""Model configs, presets and the up-front validation."""
+import importlib
+
+import pytest
+
+from configs import base, validate
+from model import transformer
+
+PUBLISHED = {'llama7b': 6_738_415_616, 'llama3_8b': 8_030_261_248, 'llama3_70b': 70_553_706_496}
+ALL = ('llama_tiny', 'llama7b', 'llama3_8b', 'llama3_70b', 'gpt_345m')
+
+
+def load(name, arg=None):
+  return importlib.import_module(f'configs.{name}').get_config(arg)
+
+
+@pytest.mark.parametrize('name', sorted(PUBLISHED))
+def test_parameter_count_equals_published_size(name):
+  assert transformer.count_params(load(name).model) == PUBLISHED[name]
+
+
+def test_gpt_345m_count_and_features():
+  m = load('gpt_345m').model
+  # Megatron GPT-2 medium: 24 x (12 h^2 + 13 h) + (V + 1024) h + 2h with tied embeddings.
+  h, v = 1024, 50257
+  assert transformer.count_params(m) == 24 * (12 * h * h + 13 * h) + (v + 1024) * h + 2 * h
+  assert transformer.padded_vocab_size(m) == 50304
+  specs = transformer.param_specs(m)
+  assert 'lm_head.weight' not in specs and 'embed_positions.weight' in specs
+  assert 'layers.0.mlp.gate_proj.weight' not in specs and 'layers.0.mlp.up_proj.bias' in specs
+
+
+@pytest.mark.parametrize('name', ALL)
+def test_every_config_validates(name):
+  validate.validate(load(name))
+
+
+@pytest.mark.parametrize('name', ('llama7b', 'llama3_8b', 'llama3_70b', 'gpt_345m'))
+def test_smoke_preset_keeps_features_and_shrinks(name):
+  full, smoke = load(name), load(name, 'smoke')
+  validate.validate(smoke)
+  assert transformer.count_params(smoke.model) < 1_000_000
+  for key in ('position_embedding_type', 'normalization', 'activation', 'has_bias',
+              'share_embeddings_and_output_weights'):
+    assert smoke.model[key] == full.model[key]
+  def is_gqa(m):
+    return 0 < m.num_kv_heads < m.num_attention_heads
+  assert is_gqa(smoke.model) == is_gqa(full.model)
+
+
+def test_unknown_preset_is_an_error():
+  with pytest.raises(ValueError, match='unknown preset'):
+    load('llama7b', 'huge')
+
+
+def test_validation_reports_every_problem_at_once():
+  c = base.get_config()
+  c.model.normalization = 'batchnorm'
+  c.model.num_attention_heads = 6           # 64 % 6 != 0
+  c.model.optim.name = 'adamx'
+  c.precision.type = 'fp8'
+  c.data.global_batch_size = 7
+  c.data.micro_batch_size = 2
+  problems = validate.check(c)
+  text = '\n'.join(problems)
+  for needle in ('model.normalization', 'rmsnorm', 'model.hidden_size=64', 'model.optim.name',
+                 'adamw', 'precision.type', 'data.global_batch_size=7'):
+    assert needle in text
+  with pytest.raises(validate.ConfigError, match=r'\d+ problems'):
+    validate.validate(c)
+
+
+def test_layout_errors_name_the_keys():
+  c = base.get_config()
+  c.model.num_attention_heads, c.model.num_kv_heads, c.model.hidden_size = 8, 2, 64
+  c.distributed_strategy.tensor_model_parallel_size = 4
+  text = '\n'.join(validate.check(c, world_size=4))
+  assert 'kv_replicator=2' in text                     # tp 4 > 2 kv heads: the fix is named
+  c.distributed_strategy.tensor_model_parallel_size = 3
+  text = '\n'.join(validate.check(c, world_size=4))
+  assert 'world size 4 is not divisible' in text
+  assert 'num_attention_heads=8 is not divisible' in text
+  c = base.get_config()
+  c.distributed_strategy.sequence_parallel = True
+  assert any('sequence_parallel=True needs tensor_model_parallel_size > 1' in p for p in validate.check(c))
+  c = base.get_config()
+  c.distributed_strategy.pipeline_model_parallel_size = 4
+  c.distributed_strategy.virtual_pipeline_model_parallel_size = 2
+  assert any('num_layers=2 < pipeline_model_parallel_size' in p for p in validate.check(c, 4))
+
+
+def test_global_batch_must_divide_by_micro_batch_times_dp():
+  c = base.get_config()
+  c.data.global_batch_size, c.data.micro_batch_size = 8, 2
+  assert not validate.check(c, world_size=1)
+  assert any('micro_batch_size x data-parallel size = 2 x 8' in p for p in validate.check(c, world_size=8))
+
+
+def test_learned_positions_need_room_for_the_sequence():
+  c = load('gpt_345m', 'smoke')
+  c.data.seq_length = 256
+  assert any('max_position_embeddings' in p for p in validate.check(c))

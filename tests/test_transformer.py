@@ -1,0 +1,170 @@
+"""The functional transformer: init purity, features, masking, dropout keys, recompute."""
+import pytest
+import torch
+
+from configs import base
+from model import transformer
+from parallel import remat
+
+
+def tiny(**overrides):
+  m = base.get_config().model
+  m.num_layers, m.hidden_size, m.ffn_hidden_size = 2, 32, 48
+  m.num_attention_heads, m.num_kv_heads, m.vocab_size = 4, 2, 100
+  m.max_position_embeddings = 32
+  m.update(overrides)
+  return m
+
+
+def batch(b=2, s=12, vocab=100, seed=0):
+  g = torch.Generator().manual_seed(seed)
+  toks = torch.randint(0, vocab, (b, s + 1), generator=g)
+  return {'tokens': toks[:, :-1], 'labels': toks[:, 1:], 'loss_mask': torch.ones(b, s),
+          'sample_ids': torch.arange(b)}
+
+
+def test_init_is_a_pure_function_of_seed_and_name():
+  m = tiny()
+  a, b, c = transformer.init(m, 1), transformer.init(m, 1), transformer.init(m, 2)
+  assert all(torch.equal(a[k], b[k]) for k in a)
+  assert not torch.equal(a['layers.0.self_attn.q_proj.weight'], c['layers.0.self_attn.q_proj.weight'])
+  # Adding a layer does not change the existing layers' values: init is keyed by name.
+  deeper = transformer.init(tiny(num_layers=3), 1)
+  assert torch.equal(a['layers.1.mlp.up_proj.weight'], deeper['layers.1.mlp.up_proj.weight'])
+
+
+def test_megatron_init_statistics():
+  m = tiny(hidden_size=256, ffn_hidden_size=512, num_layers=8, vocab_size=128)
+  p = transformer.init(m, 0)
+  assert p['layers.0.self_attn.q_proj.weight'].std().item() == pytest.approx(0.02, rel=0.05)
+  assert p['layers.0.mlp.down_proj.weight'].std().item() == pytest.approx(0.02 / 4, rel=0.05)
+  assert torch.equal(p['norm.weight'], torch.ones(256))
+
+
+def test_param_shapes_and_vocab_padding():
+  m = tiny()
+  specs = transformer.param_specs(m)
+  assert specs['embed_tokens.weight'].shape == (128, 32)
+  assert specs['layers.0.self_attn.k_proj.weight'].shape == (16, 32)          # 2 kv heads x d 8
+  assert transformer.padded_vocab_size(m, tp=4) == 512
+  assert transformer.count_params(m) == sum(
+      torch.Size(s.shape).numel() for s in specs.values()) - 2 * 28 * 32      # padding not counted
+
+
+def logits(m, params, b):
+  return transformer.forward(params, b['tokens'], m, position_ids_bs=b.get('position_ids'),
+                             segment_ids_bs=b.get('segment_ids'))
+
+
+def test_causal_future_tokens_do_not_change_past_logits():
+  m = tiny()
+  p, b = transformer.init(m, 0), batch()
+  out = logits(m, p, b)
+  b2 = dict(b, tokens=b['tokens'].clone())
+  b2['tokens'][:, 6:] = 7
+  out2 = logits(m, p, b2)
+  torch.testing.assert_close(out[:, :6], out2[:, :6])
+  assert not torch.allclose(out[:, 6:], out2[:, 6:])
+
+
+@pytest.mark.parametrize('overrides', [
+    {}, {'num_kv_heads': 0}, {'apply_query_key_layer_scaling': True},
+    {'position_embedding_type': 'learned_absolute', 'normalization': 'layernorm',
+     'activation': 'gelu', 'has_bias': True, 'share_embeddings_and_output_weights': True},
+])
+def test_sdpa_and_explicit_attention_agree(overrides):
+  m = tiny(**overrides)
+  p, b = transformer.init(m, 0), batch()
+  fused = logits(m, p, b)
+  m.fusions.flash_attention = False
+  torch.testing.assert_close(logits(m, p, b), fused, atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+  gqa, mha = tiny(num_kv_heads=2), tiny(num_kv_heads=4)
+  p = transformer.init(gqa, 0)
+  q = dict(p)
+  for i in range(2):
+    for name in ('k_proj', 'v_proj'):
+      w = p[f'layers.{i}.self_attn.{name}.weight']                      # [2 heads * 8, 32]
+      q[f'layers.{i}.self_attn.{name}.weight'] = w.view(2, 8, 32).repeat_interleave(2, 0).reshape(32, 32)
+  b = batch()
+  torch.testing.assert_close(logits(gqa, p, b), logits(mha, q, b), atol=1e-5, rtol=1e-5)
+
+
+def test_partial_rotary_leaves_the_other_dims_position_free():
+  m = tiny(rotary_percentage=0.5)
+  p, b = transformer.init(m, 0), batch()
+  full = tiny()
+  assert not torch.allclose(logits(m, p, b), logits(full, p, b))
+
+
+def test_segment_mask_and_reset_positions_isolate_documents():
+  m = tiny()
+  p = transformer.init(m, 0)
+  b = batch(b=1, s=12)
+  segments = torch.tensor([[0] * 5 + [1] * 7])
+  positions = torch.tensor([list(range(5)) + list(range(7))])
+  packed = logits(m, p, dict(b, segment_ids=segments, position_ids=positions))
+  alone = logits(m, p, {'tokens': b['tokens'][:, 5:]})
+  torch.testing.assert_close(packed[:, 5:], alone, atol=1e-5, rtol=1e-5)
+  m.fusions.flash_attention = False
+  torch.testing.assert_close(logits(m, p, dict(b, segment_ids=segments, position_ids=positions)),
+                             packed, atol=1e-5, rtol=1e-5)
+
+
+def loss_and_grads(m, p, batches, n_tokens, **kw):
+  for t in p.values():
+    t.grad = None
+  total = 0.0
+  for b in batches:
+    loss = transformer.loss_sum(p, b, m, **kw) / n_tokens
+    loss.backward()
+    total += loss.item()
+  return total, {k: t.grad.clone() for k, t in p.items()}
+
+
+def split(b, n):
+  return [{k: v.chunk(n)[i] for k, v in b.items()} for i in range(n)]
+
+
+def test_dropout_is_keyed_by_sample_so_micro_batch_split_does_not_matter():
+  m = tiny(hidden_dropout=0.1, attention_dropout=0.1, ffn_dropout=0.1)
+  m.fusions.flash_attention = False
+  p, b = transformer.init(m, 0), batch(b=4)
+  key = (0, 'dropout')
+  whole, g_whole = loss_and_grads(m, p, [b], 48, dropout_key=key)
+  halves, g_halves = loss_and_grads(m, p, split(b, 2), 48, dropout_key=key)
+  assert whole == pytest.approx(halves, rel=1e-6)
+  for k in g_whole:
+    torch.testing.assert_close(g_whole[k], g_halves[k], atol=1e-6, rtol=1e-5)
+  other, _ = loss_and_grads(m, p, [dict(b, sample_ids=b['sample_ids'] + 100)], 48, dropout_key=key)
+  no_drop, _ = loss_and_grads(m, p, [b], 48)
+  assert len({round(whole, 6), round(other, 6), round(no_drop, 6)}) == 3
+
+
+def test_full_recompute_gives_identical_gradients():
+  m = tiny(hidden_dropout=0.1)
+  p, b = transformer.init(m, 0), batch()
+  ref, g_ref = loss_and_grads(m, p, [b], 24, dropout_key=(0, 'd'))
+  got, g_got = loss_and_grads(m, p, [b], 24, dropout_key=(0, 'd'), layer_fn=remat.layer_fn('full'))
+  assert ref == got
+  for k in g_ref:
+    assert torch.equal(g_ref[k], g_got[k]), k
+
+
+def test_padded_vocab_rows_get_no_probability():
+  m = tiny()
+  p, b = transformer.init(m, 0), batch()
+  with torch.no_grad():
+    p['lm_head.weight'][100:] = 50.0          # huge logits on padded ids must not matter
+  loss = transformer.loss_sum(p, b, m) / 24
+  with torch.no_grad():
+    p['lm_head.weight'][100:] = 0.0
+  torch.testing.assert_close(loss, transformer.loss_sum(p, b, m) / 24)
+
+
+def test_flops_per_token_formula():
+  m = tiny()
+  n_nonembed = transformer.count_params(m) - 100 * 32
+  assert transformer.flops_per_token(m, 16) == 6 * n_nonembed + 12 * 2 * 32 * 16
