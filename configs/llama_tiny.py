@@ -39,6 +39,8 @@ def get_config(arg=None):
     c.trainer.max_steps = 10
     c.trainer.log_every_n_steps = 1
     c.trainer.val_check_interval = 5
+    c.data.synthetic_vocab_size = 32     # a small chain the small model learns within 30 steps
+    m.optim.lr, m.optim.sched.warmup_steps = 1e-2, 3
   elif arg:
     raise ValueError(f"llama_tiny: unknown preset {arg!r}; valid: 'test' or none")
   return c

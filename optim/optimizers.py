@@ -1,0 +1,136 @@
+"""Optimizers under NxD Training's names, over a flat dict of named parameters.
+
+Weight decay skips norm weights and all biases unless do_layer_norm_weight_decay.
+Embeddings and the LM head are decayed, as in Megatron. Each parameter group carries its
+parameters' names (torch's `param_names`), so optimizer state dicts say which tensor is which.
+"""
+import torch
+
+OPTIMIZERS = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adadelta', 'adamax', 'adagrad', 'rmsprop',
+              'rprop', 'adafactor', 'novograd')
+
+
+class Novograd(torch.optim.Optimizer):
+  """NeMo's Novograd (Ginsburg et al. 2019, arXiv:1905.11286), without its amsgrad/luc options.
+
+  Per parameter tensor (the "layer" of layer-wise moments), with gradient g:
+    v = ||g||^2 while v is 0 (first step), else beta2 v + (1 - beta2) ||g||^2   (one scalar)
+    m = beta1 m + g / (sqrt(v) + eps) + weight_decay p
+    p = p - lr m
+  As in NeMo, m sums whole normalized gradients (no 1 - beta1 factor: NeMo's grad_averaging=False).
+  Unlike NeMo, p.grad is left as it was rather than overwritten with the normalized gradient.
+  """
+
+  def __init__(self, params, lr=1e-3, betas=(0.95, 0.98), eps=1e-8, weight_decay=0.0):
+    if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
+      raise ValueError(f'Novograd: invalid lr={lr}, eps={eps} or betas={betas}')
+    super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+  @torch.no_grad()
+  def step(self, closure=None):
+    loss = None
+    if closure is not None:
+      with torch.enable_grad():
+        loss = closure()
+    for group in self.param_groups:
+      beta1, beta2 = group['betas']
+      for p in group['params']:
+        if p.grad is None:
+          continue
+        state = self.state[p]
+        if not state:
+          state['step'] = 0
+          state['exp_avg'] = torch.zeros_like(p, memory_format=torch.preserve_format)
+          state['exp_avg_sq'] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state['step'] += 1
+        grad_sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
+        exp_avg_sq = state['exp_avg_sq']
+        # NeMo starts the average at the first nonzero norm; torch.where keeps that without a
+        # host sync on the comparison.
+        exp_avg_sq.copy_(torch.where(exp_avg_sq == 0, grad_sq, exp_avg_sq * beta2 + grad_sq * (1 - beta2)))
+        update = p.grad / (exp_avg_sq.sqrt() + group['eps'])
+        if group['weight_decay'] != 0:
+          update = update + p * group['weight_decay']
+        state['exp_avg'].mul_(beta1).add_(update)
+        p.add_(state['exp_avg'], alpha=-group['lr'])
+    return loss
+
+
+_ADAM_KEYS = ('lr', 'betas', 'eps', 'weight_decay')
+
+# Constructor and the config keys it takes, per name. Adafactor gets no eps: torch's is a pair
+# (eps1, eps2) with its own defaults, not an Adam epsilon. Rprop has no weight decay at all.
+_BUILDERS = {
+    'adamw': (torch.optim.AdamW, _ADAM_KEYS),
+    # fp32 moments under bf16 params come with the precision work; until then this is AdamW.
+    'adamw_fp32OptState': (torch.optim.AdamW, _ADAM_KEYS),
+    'adam': (torch.optim.Adam, _ADAM_KEYS),
+    'sgd': (torch.optim.SGD, ('lr', 'momentum', 'weight_decay')),
+    'adadelta': (torch.optim.Adadelta, ('lr', 'eps', 'weight_decay')),
+    'adamax': (torch.optim.Adamax, _ADAM_KEYS),
+    'adagrad': (torch.optim.Adagrad, ('lr', 'eps', 'weight_decay')),
+    'rmsprop': (torch.optim.RMSprop, ('lr', 'eps', 'momentum', 'weight_decay')),
+    'rprop': (torch.optim.Rprop, ('lr',)),
+    'adafactor': (torch.optim.Adafactor, ('lr', 'weight_decay')),
+    'novograd': (Novograd, _ADAM_KEYS),
+}
+
+
+def decays_weight(name: str) -> bool:
+  """Whether weight decay applies to parameter `name` by default: not to norms or biases."""
+  return not (name.endswith('.bias') or 'layernorm' in name or 'norm.' in name)
+
+
+def param_groups(params: dict, optim_cfg, with_weight_decay: bool = True) -> list[dict]:
+  """[decayed, not decayed] groups of (name, tensor) pairs in dict order; empty groups dropped.
+
+  Weight decay skips norm weights and all biases unless do_layer_norm_weight_decay.
+  """
+  decay_all = bool(optim_cfg.do_layer_norm_weight_decay)
+  unique = {}
+  for name, tensor in params.items():  # a tied tensor listed twice is optimized once
+    unique.setdefault(id(tensor), (name, tensor))
+  decayed = [(n, p) for n, p in unique.values() if decay_all or decays_weight(n)]
+  exempt = [(n, p) for n, p in unique.values() if not (decay_all or decays_weight(n))]
+  groups = [{'params': decayed, 'weight_decay': float(optim_cfg.weight_decay)},
+            {'params': exempt, 'weight_decay': 0.0}]
+  if not with_weight_decay:
+    groups = [{'params': g['params']} for g in groups]
+  return [g for g in groups if g['params']]
+
+
+def make_optimizer(params: dict, optim_cfg) -> torch.optim.Optimizer:
+  """The optimizer `optim_cfg.name` over `params` (name -> leaf tensor), grouped for weight decay."""
+  if optim_cfg.name not in _BUILDERS:
+    raise ValueError(_unknown_name(optim_cfg.name))
+  cls, keys = _BUILDERS[optim_cfg.name]
+  kwargs = {k: tuple(optim_cfg[k]) if k == 'betas' else float(optim_cfg[k]) for k in keys}
+  kwargs.pop('weight_decay', None)  # set per group
+  return cls(param_groups(params, optim_cfg, 'weight_decay' in keys), **kwargs)
+
+
+def _unknown_name(name):
+  return f"model.optim.name={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}"
+
+
+def check(optim_cfg) -> list[str]:
+  """Problems with `model.optim` (not its `sched`), each naming the key and what would be valid."""
+  p = 'model.optim.'
+  problems = []
+  if optim_cfg.name not in OPTIMIZERS:
+    problems.append(_unknown_name(optim_cfg.name))
+  if not optim_cfg.lr > 0:
+    problems.append(f'{p}lr={optim_cfg.lr!r} must be > 0')
+  betas = tuple(optim_cfg.betas)
+  if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    problems.append(f'{p}betas={betas!r} must be two values, each in [0, 1)')
+  if not optim_cfg.eps > 0:
+    problems.append(f'{p}eps={optim_cfg.eps!r} must be > 0')
+  if not optim_cfg.weight_decay >= 0:
+    problems.append(f'{p}weight_decay={optim_cfg.weight_decay!r} must be >= 0')
+  if not optim_cfg.momentum >= 0:
+    problems.append(f'{p}momentum={optim_cfg.momentum!r} must be >= 0')
+  if optim_cfg.name == 'rprop' and optim_cfg.weight_decay > 0:
+    problems.append(f'{p}weight_decay={optim_cfg.weight_decay!r} would be ignored: rprop has no weight '
+                    f'decay; set it to 0')
+  return problems

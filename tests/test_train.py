@@ -1,0 +1,133 @@
+"""The training loop end to end: metrics, invariance to the micro batch split, errors, CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from configs import llama_tiny
+from data.loader import Loader
+from model import transformer
+from optim import optimizers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(**trainer):
+  c = llama_tiny.get_config('test')
+  c.exp_manager.create_tensorboard_logger = False
+  c.trainer.update(trainer)
+  return c
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_training_writes_metrics_and_the_loss_falls(tmp_path):
+  c = tiny_config(max_steps=30, val_check_interval=15, limit_val_batches=1, num_sanity_val_steps=1)
+  c.exp_manager.create_tensorboard_logger = True
+  train.run(c, str(tmp_path))
+  records = read_metrics(tmp_path)
+  steps = [r for r in records if 'loss' in r]
+  vals = [r for r in records if 'val_loss' in r]
+  assert [r['step'] for r in steps] == list(range(1, 31))
+  for key in ('loss', 'lr', 'grad_norm', 'tokens_per_sec', 'mfu', 'consumed_samples', 'param_norm'):
+    assert all(key in r for r in steps), key
+  assert steps[-1]['consumed_samples'] == 30 * 8
+  assert steps[-1]['loss'] < steps[0]['loss'] - 1.0
+  assert [r['step'] for r in vals] == [15, 30] and vals[1]['val_loss'] < vals[0]['val_loss']
+  assert any(name.startswith('events.out.tfevents') for name in os.listdir(tmp_path / 'tensorboard'))
+  assert json.load(open(tmp_path / 'config.json'))['model']['hidden_size'] == 32
+
+
+def run_losses(config, workdir):
+  seen = []
+  real_step = train.train_step
+
+  def spy(*args, **kwargs):
+    out = real_step(*args, **kwargs)
+    seen.append(out['loss'].item())
+    return out
+
+  train.train_step = spy
+  try:
+    _, params = train.run(config, workdir)
+  finally:
+    train.train_step = real_step
+  return seen, params
+
+
+@pytest.mark.parametrize('dropout', [0.0, 0.1])
+def test_micro_batch_split_does_not_change_the_update(tmp_path, dropout):
+  """Gradient accumulation is exact: 1 x 8, 2 x 4 and 4 x 2 give the same training run."""
+  runs = []
+  for mbs in (8, 2, 1):
+    c = tiny_config(max_steps=6, val_check_interval=0)
+    c.data.micro_batch_size = mbs
+    c.model.hidden_dropout = c.model.attention_dropout = dropout
+    runs.append(run_losses(c, str(tmp_path / f'mbs{mbs}')))
+  (ref_losses, ref_params), others = runs[0], runs[1:]
+  for losses, params in others:
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for name in ref_params:
+      torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-5)
+
+
+def test_clipping_matches_torch_clip_grad_norm():
+  params = {f'p{i}': torch.randn(5, 3, requires_grad=True) for i in range(3)}
+  for p in params.values():
+    p.grad = torch.randn_like(p) * 10
+  expected = [p.grad.clone() for p in params.values()]
+  ref_norm = torch.nn.utils.clip_grad_norm_([torch.nn.Parameter(torch.zeros(5, 3)) for _ in expected], 1.0)
+  copies = [torch.nn.Parameter(torch.zeros(5, 3)) for _ in expected]
+  for c, g in zip(copies, expected):
+    c.grad = g.clone()
+  ref_norm = torch.nn.utils.clip_grad_norm_(copies, 1.0)
+  norm = train.grad_norm_and_clip(params, 1.0)
+  torch.testing.assert_close(norm, ref_norm)
+  for c, p in zip(copies, params.values()):
+    torch.testing.assert_close(p.grad, c.grad)
+
+
+@pytest.mark.parametrize('policy', ['error', 'skip'])
+def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
+  c = tiny_config(nonfinite_policy=policy)
+  params = transformer.init(c.model, 0)
+  with torch.no_grad():
+    params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
+  before = {k: v.detach().clone() for k, v in params.items()}
+  opt = optimizers.make_optimizer(params, c.model.optim)
+  batches = Loader(c).global_batch(0)
+  if policy == 'error':
+    with pytest.raises(FloatingPointError, match='step 7'):
+      train.train_step(params, opt, batches, c, 7, torch.device('cpu'))
+  else:
+    out = train.train_step(params, opt, batches, c, 7, torch.device('cpu'))
+    assert out['skipped']
+    for k in params:
+      torch.testing.assert_close(params[k].detach(), before[k], equal_nan=True)
+
+
+def cli(*args):
+  return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=240)
+
+
+def test_cli_overrides_and_parse_time_errors(tmp_path):
+  ok = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.trainer.max_steps=3',
+           '--config.exp_manager.create_tensorboard_logger=False', '--config.model.optim.lr=0.01')
+  assert ok.returncode == 0, ok.stderr
+  assert [r['step'] for r in read_metrics(tmp_path) if 'loss' in r] == [1, 2, 3]
+  assert read_metrics(tmp_path)[0]['lr'] > 0
+  typo = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.trainer.max_stepz=3')
+  assert typo.returncode != 0 and 'max_stepz' in typo.stderr
+  bad = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.model.activation=relu',
+            '--config.data.global_batch_size=7')
+  assert bad.returncode != 0
+  assert 'model.activation' in bad.stderr and 'data.global_batch_size=7' in bad.stderr
+  assert 'Traceback' not in bad.stderr
