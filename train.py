@@ -8,7 +8,6 @@ plain data: `params` (flat dict of tensors), the optimizer, and `consumed_sample
 whole data position). Every random draw is keyed, so nothing else needs saving.
 """
 import json
-import math
 import os
 import time
 
@@ -20,7 +19,8 @@ from configs import validate as config_validation
 from data.loader import Loader
 from model import transformer
 from optim import optimizers, schedules
-from parallel import device as devices, memory, remat
+from parallel import comm, grads, memory, mesh as meshes, remat, tensor
+from parallel import device as devices
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
@@ -36,20 +36,21 @@ def to_device(batch, device):
   return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_backward(params, micro_batches, config, device, training=True):
-  """Accumulate grads of the global-token-mean loss; return (loss sum, token count).
+def forward_backward(params, micro_batches, config, mesh, ops, training=True):
+  """Accumulate grads of the global-token-mean loss; return (local loss sum, global token count).
 
-  Each micro batch's summed loss is divided by the token count of the whole global batch,
-  so the accumulated gradient is the same for any micro batch split (and, with the count
-  summed over DP, for any DP degree).
+  Each micro batch's summed loss is divided by the token count of the whole global batch
+  (summed over DP), so the accumulated gradient is the same for any micro batch split and
+  any DP degree: `grads.sync` then only has to add the ranks' gradients.
   """
   m = config.model
-  n_tokens = sum(mb['loss_mask'].sum() for mb in micro_batches).to(device)
+  n_tokens = sum(mb['loss_mask'].sum() for mb in micro_batches).to(mesh.device)
+  n_tokens = comm.all_reduce_(n_tokens, mesh.dp_group, name='all_reduce(token count over dp)')
   dropout = training and max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout) > 0
   layer_fn = remat.layer_fn(m.activations_checkpoint_granularity) if training else None
-  loss_sum = torch.zeros((), device=device)
+  loss_sum = torch.zeros((), device=mesh.device)
   for mb in micro_batches:
-    loss = transformer.loss_sum(params, to_device(mb, device), m,
+    loss = transformer.loss_sum(params, to_device(mb, mesh.device), m, ops,
                                 dropout_key=(config.seed, 'dropout') if dropout else None,
                                 layer_fn=layer_fn)
     if training:
@@ -58,23 +59,20 @@ def forward_backward(params, micro_batches, config, device, training=True):
   return loss_sum, n_tokens
 
 
-def grad_norm_and_clip(params, max_norm):
-  grads = [p.grad for p in params.values() if p.grad is not None]
-  norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-  if max_norm > 0:
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-  return norm
+def global_loss(loss_sum, n_tokens, mesh):
+  return comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(loss over dp)') / n_tokens
 
 
-def train_step(params, optimizer, micro_batches, config, step, device):
-  """One optimizer step. Returns metrics as tensors (no host sync here)."""
-  loss_sum, n_tokens = forward_backward(params, micro_batches, config, device)
-  grad_norm = grad_norm_and_clip(params, config.trainer.gradient_clip_val)
+def train_step(params, optimizer, micro_batches, config, step, mesh, ops):
+  """One optimizer step. Returns metrics as tensors (no host sync here except the finite check)."""
+  loss_sum, n_tokens = forward_backward(params, micro_batches, config, mesh, ops)
+  grads.sync(params, mesh, config.distributed_strategy.sequence_parallel)
+  grad_norm = grads.clip(params, mesh, config.trainer.gradient_clip_val)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
   for group in optimizer.param_groups:
     group['lr'] = lr
-  loss = loss_sum / n_tokens
+  loss = global_loss(loss_sum, n_tokens, mesh)
   finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
   if finite:
     optimizer.step()
@@ -87,17 +85,20 @@ def train_step(params, optimizer, micro_batches, config, step, device):
 
 
 @torch.no_grad()
-def evaluate(params, loader, config, device, num_batches):
+def evaluate(params, loader, config, mesh, ops, num_batches):
   total, tokens = 0.0, 0.0
   for i in range(num_batches):
     loss_sum, n = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
-                                   config, device, training=False)
-    total, tokens = total + loss_sum.item(), tokens + n.item()
+                                   config, mesh, ops, training=False)
+    total += comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(val loss over dp)').item()
+    tokens += n.item()
   return total / max(tokens, 1.0)
 
 
-def param_norm(params):
-  return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.detach()) for p in params.values()]))
+def init_params(config, mesh):
+  """This rank's boxes of the global parameters (equal to slices of the single-device init)."""
+  return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
+                          boxes=tensor.boxes(config.model, mesh))
 
 
 # ======================================================================================
@@ -129,23 +130,26 @@ class MetricsLog:
       self.writer.close()
 
 
-def summary(config, dp, device, peak):
+def summary(config, mesh, params, peak):
   m, a = config.model, config.data
   n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
-  est = memory.estimate(config, dp)
+  n_local = sum(p.numel() for p in params.values())
+  est = memory.estimate(config, n_local)
   tokens_per_step = a.global_batch_size * a.seq_length
-  accum = a.global_batch_size // (a.micro_batch_size * dp)
-  d = config.distributed_strategy
+  accum = a.global_batch_size // (a.micro_batch_size * mesh.dp)
+  sp = ' +sp' if config.distributed_strategy.sequence_parallel else ''
   lines = [
-      f'flatron | {config.name} | device {device} | world dp={dp} tp={d.tensor_model_parallel_size} '
-      f'pp={d.pipeline_model_parallel_size}',
-      f'params {n_total:,} ({n_nonembed:,} non-embedding) | FLOPs/token '
+      f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
+      f'dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp}{sp}',
+      f'params {n_total:,} ({n_nonembed:,} non-embedding), {n_local:,} on this rank | FLOPs/token '
       f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs)',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
-      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {dp}',
+      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),
-      f'MFU peak: {peak[0]:.3e} FLOP/s ({peak[1]})',
+      f'MFU peak: {peak[0]:.3e} FLOP/s per process ({peak[1]})',
   ]
+  if mesh.world_size > 1:
+    lines += ['layout:'] + ['  ' + line for line in tensor.describe_layout(config, mesh)]
   return '\n'.join(lines)
 
 
@@ -160,63 +164,73 @@ def fmt_eta(seconds):
 
 
 def run(config, workdir):
-  """Train `config`, writing to `workdir`. Returns the last logged record."""
-  dp = config_validation.validate(config)
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    f.write(config.to_json_best_effort(indent=2))
-  device = devices.resolve(config.device)
-  peak = devices.peak_flops(device)
-  logging.info('\n%s', summary(config, dp, device, peak))
+  """Train `config` on this process's share of the mesh. Returns (last logged record, params)."""
+  # --- setup
+  world_size = int(os.environ.get('WORLD_SIZE', '1'))
+  config_validation.validate(config, world_size)
+  mesh = meshes.init(config)
+  lead = mesh.rank == 0                    # the one rank that prints and writes files
+  if not lead:
+    logging.set_verbosity(logging.WARNING)
+  if lead:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      f.write(config.to_json_best_effort(indent=2))
+  ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
+  peak = devices.peak_flops(mesh.device)
 
-  # --- data
-  train_data = Loader(config, 'train')
-  valid_data = Loader(config, 'valid')
+  # --- data: each DP rank reads its slice of every global batch
+  train_data = Loader(config, 'train', mesh.dp_rank, mesh.dp)
+  valid_data = Loader(config, 'valid', mesh.dp_rank, mesh.dp)
 
   # --- init
-  params = transformer.init(config.model, config.seed, device=device)
+  params = init_params(config, mesh)
   optimizer = optimizers.make_optimizer(params, config.model.optim)
   consumed_samples = 0
+  logging.info('\n%s', summary(config, mesh, params, peak))
 
-  log = MetricsLog(workdir, config.exp_manager.create_tensorboard_logger)
+  # --- loop
+  log = MetricsLog(workdir, config.exp_manager.create_tensorboard_logger) if lead else None
   t = config.trainer
   if t.num_sanity_val_steps:
     logging.info('sanity validation: val_loss %.4f',
-                 evaluate(params, valid_data, config, device, t.num_sanity_val_steps))
-
+                 evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps))
   tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   window_start, window_steps, record = time.perf_counter(), 0, {}
   for step in range(t.max_steps):
-    out = train_step(params, optimizer, train_data.global_batch(consumed_samples), config, step, device)
+    out = train_step(params, optimizer, train_data.global_batch(consumed_samples), config, step, mesh, ops)
     consumed_samples += config.data.global_batch_size
     window_steps += 1
     last = step + 1 == t.max_steps
     if (step + 1) % t.log_every_n_steps == 0 or last:
-      devices.synchronize(device)
+      devices.synchronize(mesh.device)
       elapsed = (time.perf_counter() - window_start) / window_steps
       tokens_per_sec = tokens_per_step / elapsed
       record = {'step': step + 1, 'loss': out['loss'].item(), 'lr': out['lr'],
                 'grad_norm': out['grad_norm'].item(), 'tokens_per_sec': tokens_per_sec,
-                'mfu': tokens_per_sec * flops_per_token / peak[0], 'step_time': elapsed,
-                'consumed_samples': consumed_samples}
+                'mfu': tokens_per_sec * flops_per_token / (peak[0] * mesh.world_size),
+                'step_time': elapsed, 'consumed_samples': consumed_samples}
       if out['skipped']:
         record['skipped'] = True
       if config.exp_manager.log_parameter_norm:
-        record['param_norm'] = param_norm(params).item()
+        record['param_norm'] = grads.global_norm(params, mesh).item()
       logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
                    '%.3f s/step | ETA %s', step + 1, t.max_steps, record['loss'], record['lr'],
                    record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
                    fmt_eta(elapsed * (t.max_steps - step - 1)))
-      log.write(record)
+      if lead:
+        log.write(record)
       window_start, window_steps = time.perf_counter(), 0
     if t.val_check_interval and ((step + 1) % t.val_check_interval == 0 or last) and t.limit_val_batches:
-      val_loss = evaluate(params, valid_data, config, device, t.limit_val_batches)
+      val_loss = evaluate(params, valid_data, config, mesh, ops, t.limit_val_batches)
       logging.info('step %d | val_loss %.4f', step + 1, val_loss)
-      log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples})
+      if lead:
+        log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples})
       record['val_loss'] = val_loss
       window_start = time.perf_counter()    # validation time is not training throughput
-  log.close()
+  if lead:
+    log.close()
   logging.info('done: %d steps | metrics %s | TensorBoard %s', t.max_steps,
                os.path.join(workdir, 'metrics.jsonl'), os.path.join(workdir, 'tensorboard'))
   return record, params
@@ -231,6 +245,8 @@ def main(argv):
     run(_CONFIG.value, _WORKDIR.value)
   except config_validation.ConfigError as e:
     raise SystemExit(f'error: {e}') from None
+  finally:
+    meshes.shutdown()
 
 
 if __name__ == '__main__':

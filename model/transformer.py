@@ -15,11 +15,15 @@ import torch
 from model import layers, rng
 
 
+INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
   shape: tuple
   init: str          # normal | ones | zeros
   std: float = 0.0
+  used_rows: int = 0  # vocab tables: rows past the real vocabulary are padding, initialized to 0
 
 
 def padded_vocab_size(cfg, tp=1) -> int:
@@ -40,7 +44,8 @@ def param_specs(cfg, tp=1) -> dict:
   h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
   std = cfg.init_method_std
   out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.use_scaled_init_method else std
-  specs = {'embed_tokens.weight': ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std)}
+  vocab_table = ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std, used_rows=cfg.vocab_size)
+  specs = {'embed_tokens.weight': vocab_table}
   if cfg.position_embedding_type == 'learned_absolute':
     specs['embed_positions.weight'] = ParamSpec((cfg.max_position_embeddings, h), 'normal', std)
 
@@ -68,22 +73,43 @@ def param_specs(cfg, tp=1) -> dict:
     linear_specs(p + '.mlp.down_proj', h, f, out_std)
   norm_specs('norm')
   if not cfg.share_embeddings_and_output_weights:
-    specs['lm_head.weight'] = ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std)
+    specs['lm_head.weight'] = vocab_table
   return specs
 
 
-def init_param(spec: ParamSpec, seed: int, name: str) -> torch.Tensor:
+def full_box(shape) -> tuple:
+  return tuple(slice(0, n) for n in shape)
+
+
+def init_box(spec: ParamSpec, seed: int, name: str, box=None) -> torch.Tensor:
+  """The `box` (one slice per dim) of parameter `name`'s initial value, drawing only its rows.
+
+  Normal weights are drawn in blocks of INIT_ROWS_PER_KEY rows keyed by (seed, name, block),
+  so any shard of any layout equals the same slice of the single-device tensor.
+  """
+  box = box or full_box(spec.shape)
+  shape = tuple(sl.stop - sl.start for sl in box)
   if spec.init == 'ones':
-    return torch.ones(spec.shape)
+    return torch.ones(shape)
   if spec.init == 'zeros':
-    return torch.zeros(spec.shape)
-  return rng.normal(spec.shape, spec.std, seed, 'init', name)
+    return torch.zeros(shape)
+  rows, rest = box[0], box[1:]
+  r = INIT_ROWS_PER_KEY
+  first, last = rows.start // r, (rows.stop - 1) // r
+  blocks = [rng.normal((r,) + tuple(spec.shape[1:]), spec.std, seed, 'init', name, k)[(slice(None),) + rest]
+            for k in range(first, last + 1)]
+  out = torch.cat(blocks)[rows.start - first * r:rows.stop - first * r]
+  if spec.used_rows:
+    out[max(spec.used_rows - rows.start, 0):] = 0.0
+  return out
 
 
-def init(cfg, seed: int, device='cpu', dtype=torch.float32) -> dict:
-  """Fresh parameters: each one a pure function of (seed, its global name)."""
-  return {name: init_param(spec, seed, name).to(device=device, dtype=dtype).requires_grad_()
-          for name, spec in param_specs(cfg).items()}
+def init(cfg, seed: int, device='cpu', dtype=torch.float32, boxes=None, tp=1) -> dict:
+  """Fresh parameters (or, with `boxes`, this rank's boxes of them): pure functions of (seed, name)."""
+  specs = param_specs(cfg, tp)
+  boxes = boxes or {name: None for name in specs}
+  return {name: init_box(specs[name], seed, name, box).to(device=device, dtype=dtype).requires_grad_()
+          for name, box in boxes.items()}
 
 
 def count_params(cfg, embedding=True) -> int:
@@ -136,20 +162,32 @@ def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=Non
     key = dropout_key and dropout_key + (i,)
     x = layer_fn(block, params, i, x, cos_sin, mask, cfg, ops, key, sample_ids_b)
   x = layers.norm(params, 'norm', x, cfg)
-  x = ops.gather_sequence(x)
+  x = ops.enter_tp(x)
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
   return ops.lm_head(x, head)
 
 
 def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
-  """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x))."""
+  """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)).
+
+  Under SP `x_bsh` is this rank's sequence shard; residual dropout draws the full-sequence
+  mask and keeps its part.
+  """
   p = f'layers.{i}'
+
+  def residual_dropout(h, site):
+    if not drop_key or cfg.hidden_dropout == 0.0:
+      return h
+    full = (h.shape[1] * ops.sequence_shards, h.shape[2])
+    return layers.dropout(h, cfg.hidden_dropout, drop_key + (site,), sample_ids_b, full,
+                          lambda m: ops.local_part(m, 'seq'))
+
   h = layers.norm(params, p + '.input_layernorm', x_bsh, cfg)
   h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b)
-  x_bsh = x_bsh + layers.dropout(h, cfg.hidden_dropout, drop_key and drop_key + ('attn_out',), sample_ids_b)
+  x_bsh = x_bsh + residual_dropout(h, 'attn_out')
   h = layers.norm(params, p + '.post_attention_layernorm', x_bsh, cfg)
   h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
-  return x_bsh + layers.dropout(h, cfg.hidden_dropout, drop_key and drop_key + ('mlp_out',), sample_ids_b)
+  return x_bsh + residual_dropout(h, 'mlp_out')
 
 
 def loss_sum(params, batch, cfg, ops=layers.LOCAL_OPS, *, dropout_key=None, layer_fn=None):

@@ -11,6 +11,8 @@ import train
 from configs import llama_tiny
 from data.loader import Loader
 from model import transformer
+from model.layers import LOCAL_OPS
+from parallel import grads, mesh as meshes
 from optim import optimizers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +90,7 @@ def test_clipping_matches_torch_clip_grad_norm():
   for c, g in zip(copies, expected):
     c.grad = g.clone()
   ref_norm = torch.nn.utils.clip_grad_norm_(copies, 1.0)
-  norm = train.grad_norm_and_clip(params, 1.0)
+  norm = grads.clip(params, meshes.Mesh(), 1.0)
   torch.testing.assert_close(norm, ref_norm)
   for c, p in zip(copies, params.values()):
     torch.testing.assert_close(p.grad, c.grad)
@@ -97,6 +99,7 @@ def test_clipping_matches_torch_clip_grad_norm():
 @pytest.mark.parametrize('policy', ['error', 'skip'])
 def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
   c = tiny_config(nonfinite_policy=policy)
+  mesh = meshes.Mesh()
   params = transformer.init(c.model, 0)
   with torch.no_grad():
     params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
@@ -105,9 +108,9 @@ def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
   batches = Loader(c).global_batch(0)
   if policy == 'error':
     with pytest.raises(FloatingPointError, match='step 7'):
-      train.train_step(params, opt, batches, c, 7, torch.device('cpu'))
+      train.train_step(params, opt, batches, c, 7, mesh, LOCAL_OPS)
   else:
-    out = train.train_step(params, opt, batches, c, 7, torch.device('cpu'))
+    out = train.train_step(params, opt, batches, c, 7, mesh, LOCAL_OPS)
     assert out['skipped']
     for k in params:
       torch.testing.assert_close(params[k].detach(), before[k], equal_nan=True)

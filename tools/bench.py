@@ -21,7 +21,7 @@ from configs import validate  # pylint: disable=wrong-import-position
 from data.loader import Loader  # pylint: disable=wrong-import-position
 from model import transformer  # pylint: disable=wrong-import-position
 from optim import optimizers  # pylint: disable=wrong-import-position
-from parallel import device as devices  # pylint: disable=wrong-import-position
+from parallel import device as devices, mesh as meshes, tensor  # pylint: disable=wrong-import-position
 
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
@@ -29,17 +29,19 @@ _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
 
 def bench(config, steps, warmup):
   """Median step time and derived figures as a dict."""
-  dp = validate.validate(config)
-  device = devices.resolve(config.device)
-  params = transformer.init(config.model, config.seed, device=device)
+  validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
+  mesh = meshes.init(config)
+  device = mesh.device
+  ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
+  params = train.init_params(config, mesh)
   optimizer = optimizers.make_optimizer(params, config.model.optim)
-  loader = Loader(config, 'train')
+  loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
   batches = [loader.global_batch(i * config.data.global_batch_size) for i in range(steps + warmup)]
   times = []
   for step, micro_batches in enumerate(batches):
     devices.synchronize(device)
     start = time.perf_counter()
-    train.train_step(params, optimizer, micro_batches, config, step, device)
+    train.train_step(params, optimizer, micro_batches, config, step, mesh, ops)
     devices.synchronize(device)
     times.append(time.perf_counter() - start)
   step_time = statistics.median(times[warmup:])
@@ -47,7 +49,7 @@ def bench(config, steps, warmup):
   flops = transformer.flops_per_token(config.model, config.data.seq_length) * tokens / step_time
   peak, source = devices.peak_flops(device) if device.type == 'cuda' else (
       devices.measured_matmul_flops(device, n=2048), f'measured fp32 2048^3 matmul on {device.type}')
-  return {'name': config.name, 'params': transformer.count_params(config.model), 'dp': dp,
+  return {'name': config.name, 'params': transformer.count_params(config.model), 'mesh': mesh.describe(),
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
           'mfu': flops / peak, 'threads': torch.get_num_threads()}

@@ -1,0 +1,145 @@
+"""Every collective flatron uses, and the autograd pairs Megatron's TP/SP are built from.
+
+A `group` of None means "a group of one": the op is the identity. Collectives that fail or
+time out (distributed_strategy.collective_timeout_s) are re-raised naming this rank and
+the operation, so a hang reads "rank 3: all_reduce(tp) timed out", not a bare gloo error.
+
+Conjugate pairs (forward / backward):
+  copy_to_group      identity   / all-reduce      (Megatron's f: entering a TP region)
+  reduce_from_group  all-reduce / identity        (Megatron's g: leaving it)
+  gather_seq         all-gather / reduce-scatter  (SP: entering a TP region)
+  reduce_scatter_seq reduce-scatter / all-gather  (SP: leaving it)
+  split_seq          keep own shard / all-gather  (SP: where the sequence is first sharded)
+"""
+import torch
+import torch.distributed as dist
+
+
+def _run(name, group, fn):
+  try:
+    return fn()
+  except RuntimeError as e:
+    raise RuntimeError(f'rank {dist.get_rank()}: {name} over ranks '
+                       f'{dist.get_process_group_ranks(group)} failed: {e}') from e
+
+
+def group_size(group):
+  return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group):
+  return 0 if group is None else dist.get_rank(group)
+
+
+def all_reduce_(x, group, op=dist.ReduceOp.SUM, name='all_reduce'):
+  """In-place all-reduce; identity for a group of one."""
+  if group is not None:
+    _run(name, group, lambda: dist.all_reduce(x, op=op, group=group))
+  return x
+
+
+def all_gather(x, group, dim, name='all_gather'):
+  if group is None:
+    return x
+  if dim != 0:
+    return all_gather(x.movedim(dim, 0).contiguous(), group, 0, name).movedim(0, dim)
+  n = dist.get_world_size(group)
+  out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
+  _run(name, group, lambda: dist.all_gather_into_tensor(out, x.contiguous(), group=group))
+  return out
+
+
+def reduce_scatter(x, group, dim, name='reduce_scatter'):
+  if group is None:
+    return x
+  if dim != 0:
+    return reduce_scatter(x.movedim(dim, 0).contiguous(), group, 0, name).movedim(0, dim)
+  n = dist.get_world_size(group)
+  out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
+  _run(name, group, lambda: dist.reduce_scatter_tensor(out, x.contiguous(), group=group))
+  return out
+
+
+def own_chunk(x, group, dim):
+  if group is None:
+    return x
+  return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, group):
+    ctx.group = group
+    return x.view_as(x)
+
+  @staticmethod
+  def backward(ctx, grad):
+    return all_reduce_(grad.contiguous(), ctx.group, name='all_reduce(grad of TP input)'), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, group):
+    return all_reduce_(x.clone(), group, name='all_reduce(TP output)')
+
+  @staticmethod
+  def backward(ctx, grad):
+    return grad, None
+
+
+class _GatherSeq(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, group, dim):
+    ctx.group, ctx.dim = group, dim
+    return all_gather(x, group, dim, name='all_gather(SP sequence)')
+
+  @staticmethod
+  def backward(ctx, grad):
+    return reduce_scatter(grad, ctx.group, ctx.dim, name='reduce_scatter(grad of SP gather)'), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, group, dim):
+    ctx.group, ctx.dim = group, dim
+    return reduce_scatter(x, group, dim, name='reduce_scatter(SP output)')
+
+  @staticmethod
+  def backward(ctx, grad):
+    return all_gather(grad, ctx.group, ctx.dim, name='all_gather(grad of SP reduce-scatter)'), None, None
+
+
+class _SplitSeq(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, group, dim):
+    ctx.group, ctx.dim = group, dim
+    return own_chunk(x, group, dim)
+
+  @staticmethod
+  def backward(ctx, grad):
+    return all_gather(grad, ctx.group, ctx.dim, name='all_gather(grad of SP split)'), None, None
+
+
+def copy_to_group(x, group):
+  return x if group is None else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x, group):
+  return x if group is None else _ReduceFromGroup.apply(x, group)
+
+
+def gather_seq(x, group, dim=1):
+  return x if group is None else _GatherSeq.apply(x, group, dim)
+
+
+def reduce_scatter_seq(x, group, dim=1):
+  return x if group is None else _ReduceScatterSeq.apply(x, group, dim)
+
+
+def split_seq(x, group, dim=1):
+  return x if group is None else _SplitSeq.apply(x, group, dim)

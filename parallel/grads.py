@@ -1,0 +1,75 @@
+"""Gradient synchronization, global norms and clipping across the mesh.
+
+After backward each rank holds gradients of its parameter boxes for its share of the
+global batch. `sync` makes them the gradients of the global loss:
+  1. SP: replicated parameters applied to sequence shards (norms, row biases) saw only their
+     shard's tokens, so their gradients are summed over TP (Megatron-LM #1446 forgot this);
+  2. KV replicas: each copy of a KV head saw only its ranks' query heads: summed over the
+     replicas;
+  3. DP: summed over data-parallel ranks in flat buckets (the loss is already divided by the
+     global token count, so a sum, not a mean, is the global gradient).
+Norms count every element of the global model once: TP-replicated boxes only on TP rank 0,
+KV copies only on the first replica, then one sum over TP (and PP).
+"""
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from parallel import comm, tensor
+
+BUCKET_BYTES = 32 * 2**20
+
+
+def _all_reduce_bucketed(tensors, group, name):
+  """Sum `tensors` over `group` through flat buffers of at most BUCKET_BYTES."""
+  if group is None or not tensors:
+    return
+  bucket, size = [], 0
+  for t in tensors + [None]:
+    if t is not None:
+      bucket.append(t)
+      size += t.numel() * t.element_size()
+    if bucket and (t is None or size >= BUCKET_BYTES):
+      flat = comm.all_reduce_(_flatten_dense_tensors(bucket), group, name=name)
+      for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        dst.copy_(src)
+      bucket, size = [], 0
+
+
+def sync(params, mesh, sequence_parallel):
+  grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+  if sequence_parallel:
+    _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_sequence_parallel_replicated(n)],
+                         mesh.tp_group, 'all_reduce(SP replicated grads over tp)')
+  if mesh.kv_group is not None:
+    _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_kv(n)], mesh.kv_group,
+                         'all_reduce(KV replica grads)')
+  _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)')
+
+
+def counts_once(name, mesh):
+  """Whether this rank's box of `name` is the one copy counted in global norms."""
+  if tensor.is_tp_replicated(name):
+    return mesh.tp_rank == 0
+  if tensor.is_kv(name):
+    return mesh.tp_rank % mesh.kv_replicator == 0
+  return True
+
+
+def global_norm(tensors_by_name, mesh):
+  """L2 norm of the global model's tensors, each element counted once."""
+  device = mesh.device
+  squares = [t.detach().float().pow(2).sum() for n, t in tensors_by_name.items()
+             if t is not None and counts_once(n, mesh)]
+  total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+  total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
+  total = comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
+  return total.sqrt()
+
+
+def clip(params, mesh, max_norm):
+  """Global gradient norm; grads scaled so it is at most `max_norm` (0 = no clipping)."""
+  norm = global_norm({n: p.grad for n, p in params.items()}, mesh)
+  if max_norm > 0:
+    grads = [p.grad for p in params.values() if p.grad is not None]
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+  return norm

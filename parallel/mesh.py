@@ -1,0 +1,114 @@
+"""The process mesh: dp x pp x tp ranks (tp fastest) and their process groups, as a value.
+
+Built from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). World
+size 1 needs no process group at all: every collective in parallel/comm.py is then skipped.
+Groups are passed down explicitly; there is no global state beyond torch.distributed's own.
+
+    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+"""
+import dataclasses
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from parallel import device as devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  dp: int = 1
+  pp: int = 1
+  tp: int = 1
+  rank: int = 0
+  device: torch.device = torch.device('cpu')
+  kv_replicator: int = 1
+  dp_group: Optional[object] = None
+  pp_group: Optional[object] = None
+  tp_group: Optional[object] = None
+  kv_group: Optional[object] = None      # TP ranks holding copies of the same KV head
+  timeout_s: float = 300.0
+
+  @property
+  def world_size(self):
+    return self.dp * self.pp * self.tp
+
+  @property
+  def tp_rank(self):
+    return self.rank % self.tp
+
+  @property
+  def pp_rank(self):
+    return self.rank // self.tp % self.pp
+
+  @property
+  def dp_rank(self):
+    return self.rank // (self.tp * self.pp)
+
+  def rank_of(self, dp_rank=0, pp_rank=0, tp_rank=0):
+    return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+  def describe(self):
+    return (f'rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp} '
+            f'tp {self.tp_rank}/{self.tp}')
+
+
+def _groups(sizes, rank, make_group):
+  """Every rank creates every group in the same order (torch.distributed requires it)."""
+  dp, pp, tp = sizes
+  mine = {}
+  coords = [(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)]
+  rank_of = lambda d, p, t: (d * pp + p) * tp + t
+  families = {
+      'tp': {(d, p): [rank_of(d, p, t) for t in range(tp)] for d, p, _ in coords},
+      'pp': {(d, t): [rank_of(d, p, t) for p in range(pp)] for d, _, t in coords},
+      'dp': {(p, t): [rank_of(d, p, t) for d in range(dp)] for _, p, t in coords},
+  }
+  for name, members_by_key in families.items():
+    for members in members_by_key.values():
+      group = make_group(members)
+      if rank in members:
+        mine[name] = group
+  return mine
+
+
+def _kv_groups(dp, pp, tp, replicator, rank, make_group):
+  mine = None
+  for base in range(0, dp * pp * tp, tp):
+    for first in range(base, base + tp, replicator):
+      members = list(range(first, first + replicator))
+      group = make_group(members)
+      if rank in members:
+        mine = group
+  return mine
+
+
+def init(config, device_name=None) -> Mesh:
+  """The mesh for this process, initializing torch.distributed when WORLD_SIZE > 1."""
+  d = config.distributed_strategy
+  world = int(os.environ.get('WORLD_SIZE', '1'))
+  rank = int(os.environ.get('RANK', '0'))
+  device = devices.resolve(device_name or config.device, int(os.environ.get('LOCAL_RANK', '0')))
+  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
+  if world % (tp * pp):
+    raise ValueError(f'world size {world} is not divisible by tp x pp = {tp} x {pp}')
+  dp = world // (tp * pp)
+  kv_replicator = d.kv_replicator
+  if world == 1:
+    return Mesh(device=device, kv_replicator=kv_replicator, timeout_s=d.collective_timeout_s)
+  if not dist.is_initialized():
+    dist.init_process_group(devices.backend(device), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=d.collective_timeout_s))
+  make_group = lambda ranks: dist.new_group(ranks) if len(ranks) > 1 else None
+  groups = _groups((dp, pp, tp), rank, make_group)
+  kv_group = _kv_groups(dp, pp, tp, kv_replicator, rank, make_group) if kv_replicator > 1 else None
+  return Mesh(dp=dp, pp=pp, tp=tp, rank=rank, device=device, kv_replicator=kv_replicator,
+              dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
+              kv_group=kv_group, timeout_s=d.collective_timeout_s)
+
+
+def shutdown():
+  if dist.is_initialized():
+    dist.destroy_process_group()

@@ -1,0 +1,142 @@
+"""Tensor and sequence parallelism (Megatron): which box of each parameter a TP rank holds,
+and the `Ops` that make the single-device model run on those boxes.
+
+Column-parallel (output rows split): q/k/v, gate/up, their biases, the vocab tables.
+Row-parallel (input columns split, output all-reduced or, under SP, reduce-scattered):
+o_proj, down_proj. Everything else is replicated. With tp > num_kv_heads each KV head is held
+by `kv_replicator` consecutive TP ranks (rank r holds KV head r // kv_replicator).
+"""
+import torch
+import torch.nn.functional as F
+
+from model import layers, transformer
+from parallel import comm
+
+COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
+ROW_PARALLEL = ('o_proj', 'down_proj')
+VOCAB_TABLES = ('embed_tokens.weight', 'lm_head.weight')
+
+
+def _module(name):
+  parts = name.split('.')
+  return parts[-2] if len(parts) >= 2 else ''
+
+
+def is_kv(name):
+  return _module(name) in ('k_proj', 'v_proj')
+
+
+def is_tp_replicated(name):
+  """Parameters every TP rank holds whole (norms, row-parallel biases, learned positions)."""
+  if name in VOCAB_TABLES:
+    return False
+  module = _module(name)
+  return not (module in COLUMN_PARALLEL or (module in ROW_PARALLEL and name.endswith('.weight')))
+
+
+def is_sequence_parallel_replicated(name):
+  """Replicated parameters applied to sequence shards under SP: their grads need a TP sum."""
+  return is_tp_replicated(name) and name != 'embed_positions.weight'
+
+
+def _split(size, parts, index):
+  chunk = size // parts
+  return slice(index * chunk, (index + 1) * chunk)
+
+
+def tp_box(name, spec, tp, tp_rank, kv_replicator=1):
+  """The slices of the global parameter `name` that TP rank `tp_rank` holds."""
+  box = list(transformer.full_box(spec.shape))
+  if name in VOCAB_TABLES or _module(name) in ('q_proj', 'gate_proj', 'up_proj'):
+    box[0] = _split(spec.shape[0], tp, tp_rank)
+  elif is_kv(name):
+    box[0] = _split(spec.shape[0], tp // kv_replicator, tp_rank // kv_replicator)
+  elif _module(name) in ROW_PARALLEL and name.endswith('.weight'):
+    box[1] = _split(spec.shape[1], tp, tp_rank)
+  return tuple(box)
+
+
+def boxes(model_cfg, mesh, names=None):
+  """name -> box for this rank (all parameters, or `names`), at the TP-padded vocabulary."""
+  specs = transformer.param_specs(model_cfg, mesh.tp)
+  return {name: tp_box(name, specs[name], mesh.tp, mesh.tp_rank, mesh.kv_replicator)
+          for name in (names or specs)}
+
+
+def vocab_parallel_embedding(ids_bs, table_vh, group):
+  """Each rank looks up the ids in its vocab range; the partial rows are summed over TP."""
+  rows = table_vh.shape[0]
+  start = comm.group_rank(group) * rows
+  local = ids_bs - start
+  outside = (local < 0) | (local >= rows)
+  out = F.embedding(local.masked_fill(outside, 0), table_vh).masked_fill(outside[..., None], 0.0)
+  return comm.reduce_from_group(out, group)
+
+
+def vocab_parallel_cross_entropy(logits_bsv, labels_bs, vocab_size, group):
+  """Per-token loss over vocab-sharded logits without gathering them; padded ids excluded.
+
+  log sum_v exp(z_v) - z_label, with the max and both sums reduced over the TP group.
+  """
+  logits = logits_bsv.float()
+  width = logits.shape[-1]
+  start = comm.group_rank(group) * width
+  ids = torch.arange(start, start + width, device=logits.device)
+  logits = logits.masked_fill(ids >= vocab_size, float('-inf'))
+  top = logits.max(dim=-1).values.detach()
+  top = comm.all_reduce_(top, group, op=torch.distributed.ReduceOp.MAX, name='all_reduce(max logit)')
+  shifted = logits - top[..., None]
+  sum_exp = comm.reduce_from_group(shifted.exp().sum(dim=-1), group)
+  local = labels_bs - start
+  mine = (local >= 0) & (local < width)
+  picked = shifted.gather(-1, local.clamp(0, width - 1)[..., None]).squeeze(-1)
+  label_logit = comm.reduce_from_group(torch.where(mine, picked, torch.zeros_like(picked)), group)
+  return sum_exp.log() - label_logit
+
+
+def make_ops(mesh, sequence_parallel=False):
+  """The model's Ops for this rank's TP group (plain PyTorch when tp == 1)."""
+  group = mesh.tp_group
+  if group is None:
+    return layers.LOCAL_OPS
+  sp = sequence_parallel
+
+  def row_linear(x, w, b=None):
+    out = F.linear(x, w)
+    out = comm.reduce_scatter_seq(out, group) if sp else comm.reduce_from_group(out, group)
+    return out if b is None else out + b
+
+  def local_part(mask_b_, kind):
+    if kind == 'seq':
+      return comm.own_chunk(mask_b_, group, 1) if sp else mask_b_
+    return comm.own_chunk(mask_b_, group, -1 if kind == 'ffn' else 1)
+
+  return layers.Ops(
+      column_linear=F.linear,
+      row_linear=row_linear,
+      embed=lambda ids, table: vocab_parallel_embedding(ids, table, group),
+      lm_head=F.linear,
+      cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, group),
+      enter_tp=(lambda x: comm.gather_seq(x, group)) if sp else (lambda x: comm.copy_to_group(x, group)),
+      scatter_sequence=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
+      sequence_shards=mesh.tp if sp else 1,
+      local_part=local_part,
+  )
+
+
+def describe_layout(config, mesh):
+  """One line per rank: its mesh coordinates and which heads / ffn columns / vocab rows it holds."""
+  m = config.model
+  specs = transformer.param_specs(m, mesh.tp)
+  d = transformer.head_dim(m)
+
+  def span(name, t, divisor=1):
+    rows = tp_box(name, specs[name], mesh.tp, t, mesh.kv_replicator)[0]
+    return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
+
+  return [f'rank {r}: dp {r // (mesh.tp * mesh.pp)} pp {r // mesh.tp % mesh.pp} tp {r % mesh.tp} | '
+          f'q heads {span("layers.0.self_attn.q_proj.weight", r % mesh.tp, d)}, '
+          f'kv heads {span("layers.0.self_attn.k_proj.weight", r % mesh.tp, d)}, '
+          f'ffn {span("layers.0.mlp.up_proj.weight", r % mesh.tp)}, '
+          f'vocab rows {span("embed_tokens.weight", r % mesh.tp)}'
+          for r in range(mesh.world_size)]
