@@ -14,6 +14,10 @@ Conjugate pairs (forward / backward):
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives; torch 2.9 (torch-xla's pin) has only the old names.
+_all_gather_flat = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
+
 
 def _run(name, group, fn):
   try:
@@ -45,7 +49,7 @@ def all_gather(x, group, dim, name='all_gather'):
     return all_gather(x.movedim(dim, 0).contiguous(), group, 0, name).movedim(0, dim)
   n = dist.get_world_size(group)
   out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
-  _run(name, group, lambda: dist.all_gather_into_tensor(out, x.contiguous(), group=group))
+  _run(name, group, lambda: _all_gather_flat(out, x.contiguous(), group=group))
   return out
 
 
@@ -56,7 +60,7 @@ def reduce_scatter(x, group, dim, name='reduce_scatter'):
     return reduce_scatter(x.movedim(dim, 0).contiguous(), group, 0, name).movedim(0, dim)
   n = dist.get_world_size(group)
   out = torch.empty((x.shape[0] // n,) + x.shape[1:], dtype=x.dtype, device=x.device)
-  _run(name, group, lambda: dist.reduce_scatter_tensor(out, x.contiguous(), group=group))
+  _run(name, group, lambda: _reduce_scatter_flat(out, x.contiguous(), group=group))
   return out
 
 

@@ -134,3 +134,21 @@ def test_cli_overrides_and_parse_time_errors(tmp_path):
   assert bad.returncode != 0
   assert 'model.activation' in bad.stderr and 'data.global_batch_size=7' in bad.stderr
   assert 'Traceback' not in bad.stderr
+
+
+def test_torchrun_tp2_sp_dp2_logs_the_single_process_losses(tmp_path):
+  common = ['--config=configs/llama_tiny.py:test', '--config.trainer.max_steps=4',
+            '--config.exp_manager.create_tensorboard_logger=False', '--config.trainer.val_check_interval=0']
+  single = cli(*common, f'--workdir={tmp_path / "single"}')
+  assert single.returncode == 0, single.stderr
+  env = dict(os.environ, OMP_NUM_THREADS='1')
+  multi = subprocess.run(
+      [os.path.join(os.path.dirname(sys.executable), 'torchrun'), '--nproc_per_node=4',
+       '--standalone', 'train.py', *common, f'--workdir={tmp_path / "multi"}',
+       '--config.distributed_strategy.tensor_model_parallel_size=2',
+       '--config.distributed_strategy.sequence_parallel=True'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert multi.returncode == 0, multi.stderr[-3000:]
+  assert 'dp=2 x pp=1 x tp=2 +sp' in multi.stderr
+  losses = lambda d: [r['loss'] for r in read_metrics(d) if 'loss' in r]
+  assert losses(tmp_path / 'multi') == pytest.approx(losses(tmp_path / 'single'), rel=1e-5)

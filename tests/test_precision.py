@@ -1,0 +1,204 @@
+"""Stochastic rounding and precision recipes."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from configs import base
+from parallel import precision
+from parallel.precision import stochastic_round, stochastic_round_keyed, add_stochastic
+
+BF16_ULP_AT_ONE = 2.0**-7            # 7 stored mantissa bits: the spacing of bf16 in [1, 2)
+
+
+def bf16_bits(x_bf16):
+  return x_bf16.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def bf16_neighbours(x):
+  """(toward zero, away from zero): the bf16 values bracketing fp32 x, from bit patterns.
+
+  Truncating the low 16 bits of a sign-magnitude pattern rounds toward zero; adding one
+  to the bf16 pattern steps to the next value away from zero (nextafter), for either sign.
+  """
+  high = (x.view(torch.int32) >> 16) & 0xFFFF                     # unsigned 16-bit pattern
+
+  def as_bf16(pattern):
+    signed = torch.where(pattern >= 1 << 15, pattern - (1 << 16), pattern)
+    return signed.to(torch.int16).view(torch.bfloat16)
+  return as_bf16(high), as_bf16(high + 1)
+
+
+def random_fp32(n, seed):
+  """Uniformly random bit patterns: every magnitude, both signs, subnormals, inf, nan."""
+  g = torch.Generator().manual_seed(seed)
+  bits = torch.randint(-2**31, 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+  return bits.view(torch.float32)
+
+
+def test_result_is_always_a_bf16_neighbour():
+  g = torch.Generator().manual_seed(0)
+  subnormal_bits = torch.randint(1, 1 << 23, (2000,), generator=g, dtype=torch.int32)
+  x = torch.cat([random_fp32(20000, 1), subnormal_bits.view(torch.float32),
+                 -subnormal_bits.view(torch.float32), torch.tensor([0.0, -0.0, 1e-45, -1e-45])])
+  x = x[torch.isfinite(x)]
+  down, up = bf16_neighbours(x)
+  assert (down.double().abs() <= x.double().abs()).all()            # the helper brackets x
+  assert (x.double().abs() <= up.double().abs()).all()
+  went_up = torch.zeros(len(x), dtype=torch.bool)
+  for draw in range(8):
+    r = stochastic_round_keyed(x, 0, 'neighbours', draw)
+    is_down, is_up = bf16_bits(r) == bf16_bits(down), bf16_bits(r) == bf16_bits(up)
+    assert (is_down | is_up).all()
+    went_up |= is_up
+  exact = (x.view(torch.int32) & 0xFFFF) == 0
+  assert torch.equal(stochastic_round_keyed(x[exact], 0, 'exact').float(), x[exact])
+  assert not went_up[exact].any()
+  assert went_up[~exact].float().mean() > 0.5                        # not a plain truncation
+
+
+def test_exact_bf16_values_and_specials_pass_through():
+  specials = torch.tensor([0.0, -0.0, 1.0, -2.5, float('inf'), float('-inf'), float('nan')])
+  bf16_values = random_fp32(5000, 2).bfloat16()
+  x = torch.cat([specials, bf16_values.float()])
+  r = stochastic_round_keyed(x, 0, 'specials')
+  assert torch.equal(bf16_bits(r[~x.isnan()]), bf16_bits(x[~x.isnan()].bfloat16()))
+  assert r[x.isnan()].isnan().all()
+
+
+def test_no_overflow_to_inf_near_bf16_max():
+  bf16_max = torch.finfo(torch.bfloat16).max
+  f32_max = torch.finfo(torch.float32).max
+  below_max = torch.tensor([0x7F7E8000], dtype=torch.int32).view(torch.float32).item()
+  above_max = torch.tensor([0x7F7F8000], dtype=torch.int32).view(torch.float32).item()
+  x = torch.tensor([bf16_max, above_max, f32_max, below_max]).repeat(10000)
+  x = torch.cat([x, -x])
+  r = stochastic_round_keyed(x, 0, 'max').float()
+  assert torch.isfinite(r).all()
+  beyond = x.abs() > bf16_max                                        # saturate to +-bf16 max
+  assert torch.equal(r[beyond], torch.sign(x[beyond]) * bf16_max)
+  halfway = x.abs() == below_max                                     # can still round up to max
+  below_neighbour = torch.tensor([0x7F7E0000], dtype=torch.int32).view(torch.float32).item()
+  assert set(r[halfway].abs().unique().tolist()) == {below_neighbour, bf16_max}
+  assert torch.isinf(stochastic_round_keyed(torch.tensor([float('inf')]), 0, 'x')).all()
+
+
+def test_explicit_noise_sets_the_direction():
+  x = torch.tensor([1.0 + 2**-10, -(1.0 + 2**-10), 3.0])
+  down, up = bf16_neighbours(x)
+  zeros, full = torch.zeros(3, dtype=torch.int32), torch.full((3,), 0xFFFF, dtype=torch.int32)
+  assert torch.equal(stochastic_round(x, zeros), down)
+  assert torch.equal(stochastic_round(x, full)[:2], up[:2])
+  assert stochastic_round(x, full)[2] == 3.0                         # exact values never move
+  with pytest.raises(ValueError, match='noise'):
+    stochastic_round(x, torch.zeros(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize('x', [1.0 + 0.3 * BF16_ULP_AT_ONE, -(1.0 + 0.9 * BF16_ULP_AT_ONE),
+                               3.14159, -2.7e-3, 1e-3 * 2**-126, 12345.678])
+def test_unbiased_in_expectation(x):
+  n = 200_000
+  xs = torch.full((n,), x)
+  x = xs[0].double().item()                                          # the fp32 value rounded
+  down, up = (v[0].double().item() for v in bf16_neighbours(xs[:1]))
+  p_up = (x - down) / (up - down)
+  # Each draw is down + (up - down) * Bernoulli(p_up): the mean's standard error follows.
+  standard_error = abs(up - down) * math.sqrt(p_up * (1 - p_up) / n)
+  mean = stochastic_round_keyed(xs, 0, 'unbiased', x).double().mean().item()
+  assert abs(mean - x) < 5 * standard_error
+  nearest_error = abs(xs[:1].bfloat16().double().item() - x)
+  assert nearest_error > 20 * standard_error                         # RTN is biased; SR is not
+
+
+def test_same_key_same_bits_and_different_keys_differ():
+  x = torch.randn(4096) * 10
+  a = stochastic_round_keyed(x, 7, 'sr', 3, 'w')
+  assert torch.equal(bf16_bits(a), bf16_bits(stochastic_round_keyed(x, 7, 'sr', 3, 'w')))
+  assert not torch.equal(a, stochastic_round_keyed(x, 7, 'sr', 4, 'w'))
+  torch.manual_seed(0)                                               # the global RNG plays no part
+  assert torch.equal(a, stochastic_round_keyed(x, 7, 'sr', 3, 'w'))
+
+
+def test_small_updates_stall_under_round_to_nearest_but_not_under_sr():
+  steps, seed = 1000, 1234
+  update = torch.tensor(1e-4)
+  assert update < BF16_ULP_AT_ONE / 2                                # below half an ulp at 1.0
+  nearest = torch.ones((), dtype=torch.bfloat16)
+  for _ in range(steps):
+    nearest = (nearest.float() + update).bfloat16()
+  assert nearest.item() == 1.0
+
+  # The weight stays in [1, 2), where one step rounds up by an ulp with p = update / ulp:
+  # per-step variance ulp^2 p (1 - p), independent across steps, mean exactly +update.
+  p = update.item() / BF16_ULP_AT_ONE
+  sd = math.sqrt(steps * BF16_ULP_AT_ONE**2 * p * (1 - p))
+  expected = 1.0 + steps * update.item()
+  w = torch.ones((), dtype=torch.bfloat16)
+  many = torch.ones(4096, dtype=torch.bfloat16)                     # independent replicas
+  for step in range(steps):
+    w = add_stochastic(w, update, seed, step)
+    many = add_stochastic(many, update.expand(4096), seed, 'replicas', step)
+  assert w.dtype == torch.bfloat16
+  assert abs(w.item() - expected) < 5 * sd
+  assert abs(many.double().mean().item() - expected) < 5 * sd / math.sqrt(4096)
+
+
+def _cfg(**kw):
+  c = base.get_config().precision
+  for k, v in kw.items():
+    setattr(c, k, v)
+  return c
+
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize('kind, expected', [
+    ('fp32', (F32, F32, False, F32, F32, False, False)),
+    ('bf16SR', (BF16, BF16, False, BF16, BF16, True, False)),
+    ('mixed_precision', (BF16, BF16, True, F32, F32, False, False)),
+    ('mixed_precisionSR', (BF16, BF16, True, F32, F32, True, False)),
+    ('autocast', (F32, BF16, False, F32, F32, False, True)),
+])
+def test_named_recipes(kind, expected):
+  r = precision.recipe(_cfg(type=kind))
+  assert r.name == kind
+  assert (r.param_dtype, r.compute_dtype, r.master_weights, r.grad_acc_dtype, r.reduce_dtype,
+          r.stochastic_rounding, r.autocast) == expected
+
+
+def test_manual_recipe_follows_its_knobs():
+  r = precision.recipe(_cfg(type='manual', parameter_dtype='bf16', master_weights=True,
+                            fp32_grad_acc=True, stochastic_rounding=True))
+  assert (r.param_dtype, r.compute_dtype, r.master_weights) == (BF16, BF16, True)
+  assert (r.grad_acc_dtype, r.reduce_dtype, r.stochastic_rounding, r.autocast) == (
+      F32, F32, True, False)
+  r = precision.recipe(_cfg(type='manual', parameter_dtype='bf16'))
+  assert (r.grad_acc_dtype, r.master_weights, r.stochastic_rounding) == (BF16, False, False)
+  fp32 = precision.recipe(_cfg(type='fp32'))
+  assert precision.recipe(_cfg(type='manual')) == dataclasses.replace(fp32, name='manual')
+
+
+def test_check_messages():
+  assert precision.check(base.get_config().precision) == []
+  [msg] = precision.check(_cfg(type='fp8'))
+  assert "precision.type='fp8' is unknown" in msg and 'mixed_precisionSR' in msg and 'manual' in msg
+  [msg] = precision.check(_cfg(type='manual', parameter_dtype='fp16'))
+  assert "precision.parameter_dtype='fp16'" in msg and 'fp32, bf16' in msg
+  [msg] = precision.check(_cfg(type='manual', master_weights=True))
+  assert 'precision.master_weights=True' in msg and "parameter_dtype='bf16'" in msg
+  [msg] = precision.check(_cfg(type='manual', stochastic_rounding=True))
+  assert 'precision.stochastic_rounding=True' in msg
+  [msg] = precision.check(_cfg(type='bf16SR', master_weights=True))
+  assert "precision.master_weights=True is read only with precision.type='manual'" in msg
+  with pytest.raises(ValueError, match='precision.type'):
+    precision.recipe(_cfg(type='bf16'))
+
+
+def test_compute_context_autocasts_only_the_autocast_recipe():
+  a, b = torch.randn(4, 4), torch.randn(4, 4)
+  with precision.compute_context(precision.recipe(_cfg(type='autocast')), 'cpu'):
+    assert (a @ b).dtype == torch.bfloat16
+  with precision.compute_context(precision.recipe(_cfg(type='fp32')), 'cpu'):
+    assert (a @ b).dtype == torch.float32
