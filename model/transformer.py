@@ -140,31 +140,53 @@ def flops_per_token(cfg, seq_length: int) -> float:
 def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=None,
             segment_ids_bs=None, sample_ids_b=None, dropout_key: Optional[tuple] = None,
             layer_fn=None):
-  """Logits [b, s, V_padded/t]. `dropout_key` (e.g. (seed, 'dropout')) enables dropout.
+  """Logits [b, s, V_padded/t] of the whole model (see `stage` for the arguments)."""
+  batch = {'tokens': tokens_bs, 'position_ids': position_ids_bs, 'segment_ids': segment_ids_bs,
+           'sample_ids': sample_ids_b}
+  return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn, output='logits')
 
-  `layer_fn(fn, *args)` wraps each block call (activation recompute plugs in here).
+
+def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=None, last=True,
+          dropout_key: Optional[tuple] = None, layer_fn=None, output='loss_sum'):
+  """A contiguous piece of the model: [embedding] -> layers [lo, hi) -> [norm, head, loss].
+
+  The embedding runs when `x_bsh` is None (the first pipeline stage); otherwise `x_bsh` is the
+  previous stage's output. With `last`, returns the masked loss sum (or logits), else the
+  hidden states. `batch` supplies tokens, labels, loss_mask and optional position_ids,
+  segment_ids (per-document masking) and sample_ids (keys dropout). `dropout_key`, e.g.
+  (seed, 'dropout'), enables dropout; `layer_fn(fn, *args)` wraps each block (recompute).
   """
+  tokens_bs = batch['tokens']
   b, s = tokens_bs.shape
+  position_ids_bs = batch.get('position_ids')
   if position_ids_bs is None:
     position_ids_bs = torch.arange(s, device=tokens_bs.device).expand(b, s)
-  x = ops.embed(tokens_bs, params['embed_tokens.weight'])
-  if cfg.position_embedding_type == 'learned_absolute':
-    x = x + params['embed_positions.weight'][position_ids_bs]
+  sample_ids_b = batch.get('sample_ids')
+  if x_bsh is None:
+    x_bsh = ops.embed(tokens_bs, params['embed_tokens.weight'])
+    if cfg.position_embedding_type == 'learned_absolute':
+      x_bsh = x_bsh + params['embed_positions.weight'][position_ids_bs]
+    x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
+    x_bsh = ops.scatter_sequence(x_bsh)
   cos_sin = None
   if cfg.position_embedding_type == 'rope':
     rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
-    cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x.dtype)
-  mask = layers.attention_mask(segment_ids_bs, s)
-  x = layers.dropout(x, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
-  x = ops.scatter_sequence(x)
+    cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x_bsh.dtype)
+  mask = layers.attention_mask(batch.get('segment_ids'), s)
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
-  for i in range(cfg.num_layers):
+  lo, hi = layer_range or (0, cfg.num_layers)
+  for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
-    x = layer_fn(block, params, i, x, cos_sin, mask, cfg, ops, key, sample_ids_b)
-  x = layers.norm(params, 'norm', x, cfg)
-  x = ops.enter_tp(x)
+    x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, mask, cfg, ops, key, sample_ids_b)
+  if not last:
+    return x_bsh
+  x_bsh = ops.enter_tp(layers.norm(params, 'norm', x_bsh, cfg))
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
-  return ops.lm_head(x, head)
+  logits = ops.lm_head(x_bsh, head)
+  if output == 'logits':
+    return logits
+  per_token = ops.cross_entropy(logits, batch['labels'], cfg.vocab_size)
+  return (per_token * batch['loss_mask']).sum()
 
 
 def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
@@ -193,8 +215,4 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
 def loss_sum(params, batch, cfg, ops=layers.LOCAL_OPS, *, dropout_key=None, layer_fn=None):
   """Sum of masked next-token losses over the micro batch (the caller divides by the
   global token count, so every layout and accumulation split gives the same update)."""
-  logits = forward(params, batch['tokens'], cfg, ops, position_ids_bs=batch.get('position_ids'),
-                   segment_ids_bs=batch.get('segment_ids'), sample_ids_b=batch.get('sample_ids'),
-                   dropout_key=dropout_key, layer_fn=layer_fn)
-  per_token = ops.cross_entropy(logits, batch['labels'], cfg.vocab_size)
-  return (per_token * batch['loss_mask']).sum()
+  return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn)
