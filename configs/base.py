@@ -60,7 +60,7 @@ def get_config(arg=None):
   a.data_prefix = ()                   # () = synthetic stream; else (w1, prefix1, w2, prefix2, ...) of .bin/.idx
   a.splits_string = '980,10,10'        # train,valid,test proportions of documents
   a.index_mapping_dir = placeholder(str)  # where sample-index caches go; default: beside the data
-  a.eod_mask_loss = False              # do not train on predicting the end-of-document token
+  a.eod_mask_loss = False              # Megatron: no loss where the input token is end-of-document
   a.reset_position_ids = False         # restart positions at each document inside a sample
   a.reset_attention_mask = False       # attend only within the current document inside a sample
   a.synthetic_vocab_size = 0           # tokens of the synthetic stream; 0 = the model's vocab_size

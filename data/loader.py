@@ -9,11 +9,15 @@ A micro batch is a dict of tensors, all [micro_batch_size, seq_length] unless no
   tokens, labels (tokens shifted by one), loss_mask (float), position_ids,
   segment_ids (document index inside the sample; only with reset_attention_mask),
   sample_ids [micro_batch_size] (global sample index: keys dropout).
+
+Samples come from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
+split by `splits_string`), or from the synthetic stream when it is empty. Validation builds
+its own Loader(split='valid') and starts at consumed_samples 0 each time.
 """
 import numpy as np
 import torch
 
-from data import synthetic
+from data import blend, gpt_dataset, masks, synthetic, tokenizer
 
 
 class Loader:
@@ -22,7 +26,22 @@ class Loader:
     self.cfg = config.data
     self.split = split
     self.dp_rank, self.dp_size = dp_rank, dp_size
-    self.source = synthetic.SyntheticSource(config, split)
+    if self.cfg.data_prefix:
+      self.source = corpus_source(config, split)
+      self.num_samples = self.source.samples_per_epoch   # before any sample repeats
+    else:
+      self.source = synthetic.SyntheticSource(config, split)
+      self.num_samples = None                            # endless
+    self.eod_id = self._eod_id()
+
+  def _eod_id(self):
+    c = self.cfg
+    if not (c.eod_mask_loss or c.reset_position_ids or c.reset_attention_mask):
+      return None
+    if self.cfg.tokenizer.type == 'none':
+      raise ValueError('data.eod_mask_loss / reset_position_ids / reset_attention_mask find '
+                       'documents by their end-of-document token: set data.tokenizer')
+    return tokenizer.load_tokenizer(self.cfg.tokenizer).eod_id
 
   def global_batch(self, consumed_samples: int) -> list:
     """This DP rank's micro batches of the global batch starting at `consumed_samples`."""
@@ -33,13 +52,29 @@ class Loader:
 
   def micro_batch(self, sample_ids) -> dict:
     windows = self.source.samples(sample_ids)          # int64 [b, seq_length + 1]
-    tokens = torch.from_numpy(windows[:, :-1].copy())
-    labels = torch.from_numpy(windows[:, 1:].copy())
-    b, s = tokens.shape
-    return {
-        'tokens': tokens,
-        'labels': labels,
-        'loss_mask': torch.ones(b, s),
-        'position_ids': torch.arange(s).expand(b, s).clone(),
-        'sample_ids': torch.as_tensor(sample_ids, dtype=torch.int64),
-    }
+    tokens, labels = windows[:, :-1], windows[:, 1:]
+    batch = {'tokens': tokens, 'labels': labels}
+    if self.eod_id is None:
+      b, s = tokens.shape
+      batch['loss_mask'] = np.ones((b, s), np.float32)
+      batch['position_ids'] = np.broadcast_to(np.arange(s, dtype=np.int64), (b, s))
+    else:
+      batch.update(masks.document_fields(
+          tokens, self.eod_id, eod_mask_loss=self.cfg.eod_mask_loss,
+          reset_position_ids=self.cfg.reset_position_ids,
+          reset_attention_mask=self.cfg.reset_attention_mask))
+    batch = {k: torch.from_numpy(np.array(v, order='C')) for k, v in batch.items()}
+    batch['sample_ids'] = torch.as_tensor(sample_ids, dtype=torch.int64)
+    return batch
+
+
+def corpus_source(config, split):
+  """The GPTDataset of one prefix, or the BlendedDataset of several, for `split`."""
+  c = config.data
+  datasets, weights = [], []
+  for weight, prefix in blend.parse_data_prefix(c.data_prefix):
+    datasets.append(gpt_dataset.GPTDataset(
+        prefix, split, c.seq_length, config.seed, c.splits_string,
+        cache_dir=c.get('index_mapping_dir'), vocab_size=config.model.vocab_size))
+    weights.append(weight)
+  return datasets[0] if len(datasets) == 1 else blend.BlendedDataset(datasets, weights)
