@@ -19,7 +19,7 @@ from configs import validate as config_validation
 from data.loader import Loader
 from model import transformer
 from optim import optimizers, schedules
-from parallel import comm, grads, memory, mesh as meshes, remat, tensor
+from parallel import comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, remat, tensor
 from parallel import device as devices
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -37,36 +37,57 @@ def to_device(batch, device):
 
 
 def forward_backward(params, micro_batches, config, mesh, ops, training=True):
-  """Accumulate grads of the global-token-mean loss; return (local loss sum, global token count).
+  """Run this rank's pipeline schedule over the micro batches, accumulating grads of the
+  global-token-mean loss; return (this rank's loss sum, global token count).
 
   Each micro batch's summed loss is divided by the token count of the whole global batch
   (summed over DP), so the accumulated gradient is the same for any micro batch split and
-  any DP degree: `grads.sync` then only has to add the ranks' gradients.
+  any DP degree: `grads.sync` then only has to add the ranks' gradients. With pp = 1 the
+  schedule is forward, backward per micro batch; the loss sum lives on the last stage.
   """
-  m = config.model
+  m, d = config.model, config.distributed_strategy
+  vp = d.virtual_pipeline_model_parallel_size
   n_tokens = sum(mb['loss_mask'].sum() for mb in micro_batches).to(mesh.device)
   n_tokens = comm.all_reduce_(n_tokens, mesh.dp_group, name='all_reduce(token count over dp)')
   dropout = training and max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout) > 0
   layer_fn = remat.layer_fn(m.activations_checkpoint_granularity) if training else None
+  bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
+  last_stage = len(bounds) - 1
   loss_sum = torch.zeros((), device=mesh.device)
-  for mb in micro_batches:
-    loss = transformer.loss_sum(params, to_device(mb, mesh.device), m, ops,
-                                dropout_key=(config.seed, 'dropout') if dropout else None,
-                                layer_fn=layer_fn)
-    if training:
-      (loss / n_tokens).backward()
-    loss_sum += loss.detach()
+  batches = [to_device(mb, mesh.device) for mb in micro_batches]
+
+  def stage_fn(i, chunk, x):
+    nonlocal loss_sum
+    vs = chunk * mesh.pp + mesh.pp_rank
+    out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x,
+                            last=vs == last_stage, layer_fn=layer_fn,
+                            dropout_key=(config.seed, 'dropout') if dropout else None)
+    if vs != last_stage:
+      return out
+    loss_sum = loss_sum + out.detach()
+    return out / n_tokens
+
+  a = config.data
+  shape = (a.micro_batch_size, a.seq_length // ops.sequence_shards, m.hidden_size)
+  if training:
+    schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
+    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape)
+  else:
+    pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape)
   return loss_sum, n_tokens
 
 
 def global_loss(loss_sum, n_tokens, mesh):
+  """The global batch's mean loss on every rank (only last-stage ranks hold loss sums)."""
+  loss_sum = comm.all_reduce_(loss_sum, mesh.pp_group, name='all_reduce(loss over pp)')
   return comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(loss over dp)') / n_tokens
 
 
 def train_step(params, optimizer, micro_batches, config, step, mesh, ops):
   """One optimizer step. Returns metrics as tensors (no host sync here except the finite check)."""
   loss_sum, n_tokens = forward_backward(params, micro_batches, config, mesh, ops)
-  grads.sync(params, mesh, config.distributed_strategy.sequence_parallel)
+  grads.sync(params, mesh, config.distributed_strategy.sequence_parallel,
+             config.model.share_embeddings_and_output_weights)
   grad_norm = grads.clip(params, mesh, config.trainer.gradient_clip_val)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
@@ -90,15 +111,19 @@ def evaluate(params, loader, config, mesh, ops, num_batches):
   for i in range(num_batches):
     loss_sum, n = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
                                    config, mesh, ops, training=False)
-    total += comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(val loss over dp)').item()
+    total += (global_loss(loss_sum, n, mesh) * n).item()
     tokens += n.item()
   return total / max(tokens, 1.0)
 
 
 def init_params(config, mesh):
-  """This rank's boxes of the global parameters (equal to slices of the single-device init)."""
-  return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
-                          boxes=tensor.boxes(config.model, mesh))
+  """This rank's boxes of its pipeline stage's parameters (slices of the single-device init)."""
+  m, d = config.model, config.distributed_strategy
+  vp = d.virtual_pipeline_model_parallel_size
+  bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
+  names = pipeline.owned_names(m, mesh, bounds, vp)
+  return transformer.init(m, config.seed, device=mesh.device, tp=mesh.tp,
+                          boxes=tensor.boxes(m, mesh, names))
 
 
 # ======================================================================================
@@ -110,7 +135,7 @@ class MetricsLog:
   """metrics.jsonl (one JSON object per record) and, optionally, TensorBoard scalars."""
 
   def __init__(self, workdir, tensorboard):
-    self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a')
+    self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'w')
     self.writer = None
     if tensorboard:
       from torch.utils.tensorboard import SummaryWriter  # pylint: disable=import-outside-toplevel

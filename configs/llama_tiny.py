@@ -1,10 +1,11 @@
 """A CPU-sized Llama (GQA, RoPE, SwiGLU, RMSNorm): the demo and test model.
 
-    python train.py --config=configs/llama_tiny.py --workdir=runs/tiny
+    make train        # Shakespeare + a 4096-piece SentencePiece tokenizer, ~3 minutes on 2 cores
+    python train.py --config=configs/llama_tiny.py --workdir=runs/tiny   # synthetic stream
     python train.py --config=configs/llama_tiny.py:test --workdir=/tmp/t   # smaller, for tests
 
-Expect a few hundred thousand parameters and the loss on the synthetic stream to fall from
-ln(V) ~ 5.5 towards ln(4) ~ 1.4 nats within a few hundred steps on two CPU cores.
+On the synthetic stream (vocab 256) the loss falls from ln(256) ~ 5.5 towards ln(4) ~ 1.4 nats.
+On Shakespeare (`make train`) the validation loss ends well below the unigram entropy (~6.2).
 """
 from configs import base
 
@@ -25,9 +26,10 @@ def get_config(arg=None):
   c.data.seq_length = 128
   c.data.micro_batch_size = 4
   c.data.global_batch_size = 16
-  c.trainer.max_steps = 200
-  c.trainer.log_every_n_steps = 10
-  c.trainer.val_check_interval = 50
+  c.trainer.max_steps = 600
+  c.trainer.log_every_n_steps = 20
+  c.trainer.val_check_interval = 100
+  c.trainer.limit_val_batches = 4
   if arg == 'test':
     m.num_layers = 2
     m.hidden_size = 32
@@ -39,6 +41,7 @@ def get_config(arg=None):
     c.trainer.max_steps = 10
     c.trainer.log_every_n_steps = 1
     c.trainer.val_check_interval = 5
+    c.trainer.limit_val_batches = 2
     c.data.synthetic_vocab_size = 32     # a small chain the small model learns within 30 steps
     m.optim.lr, m.optim.sched.warmup_steps = 1e-2, 3
   elif arg:

@@ -124,13 +124,12 @@ def check(config, world_size=1) -> list:
              '(interleaved schedules need equal chunks)')
   if d.pipeline_cuts:
     cuts = list(d.pipeline_cuts)
-    if len(cuts) != pp - 1 or cuts != sorted(set(cuts)) or not all(0 < x < m.num_layers for x in cuts):
-      p.append(f'distributed_strategy.pipeline_cuts={tuple(cuts)} must be {pp - 1} increasing layer '
-               f'indices in (0, {m.num_layers})')
-  for key, value in (('pipeline_model_parallel_size', pp), ('virtual_pipeline_model_parallel_size', vp)):
-    if value > 1:
-      p.append(f'distributed_strategy.{key}={value}: not yet supported (pipeline parallelism is '
-               'the next issue); set it to 1')
+    if len(cuts) != pp * vp - 1 or cuts != sorted(set(cuts)) or not all(0 < x < m.num_layers for x in cuts):
+      p.append(f'distributed_strategy.pipeline_cuts={tuple(cuts)} must be pp x virtual - 1 = '
+               f'{pp * vp - 1} increasing layer indices in (0, {m.num_layers})')
+  if vp > 1 and pp == 1:
+    p.append(f'distributed_strategy.virtual_pipeline_model_parallel_size={vp} needs '
+             'pipeline_model_parallel_size > 1 (interleaving splits a stage across PP ranks)')
   if d.zero1:
     p.append('distributed_strategy.zero1=True: not yet supported; set it to False')
 

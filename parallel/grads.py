@@ -6,10 +6,13 @@ global batch. `sync` makes them the gradients of the global loss:
      shard's tokens, so their gradients are summed over TP (Megatron-LM #1446 forgot this);
   2. KV replicas: each copy of a KV head saw only its ranks' query heads: summed over the
      replicas;
-  3. DP: summed over data-parallel ranks in flat buckets (the loss is already divided by the
+  3. PP with tied embeddings: the first stage's embedding and the last stage's LM head are
+     copies of one table: their gradients are summed over the two stages;
+  4. DP: summed over data-parallel ranks in flat buckets (the loss is already divided by the
      global token count, so a sum, not a mean, is the global gradient).
 Norms count every element of the global model once: TP-replicated boxes only on TP rank 0,
-KV copies only on the first replica, then one sum over TP (and PP).
+KV copies only on the first replica, the tied table only on the first stage, then one sum
+over TP and PP.
 """
 import torch
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -35,7 +38,7 @@ def _all_reduce_bucketed(tensors, group, name):
       bucket, size = [], 0
 
 
-def sync(params, mesh, sequence_parallel):
+def sync(params, mesh, sequence_parallel, tied_embeddings=False):
   grads = {name: p.grad for name, p in params.items() if p.grad is not None}
   if sequence_parallel:
     _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_sequence_parallel_replicated(n)],
@@ -43,11 +46,15 @@ def sync(params, mesh, sequence_parallel):
   if mesh.kv_group is not None:
     _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_kv(n)], mesh.kv_group,
                          'all_reduce(KV replica grads)')
+  if tied_embeddings and mesh.embed_group is not None and 'embed_tokens.weight' in grads:
+    comm.all_reduce_(grads['embed_tokens.weight'], mesh.embed_group, name='all_reduce(tied embedding grads)')
   _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)')
 
 
 def counts_once(name, mesh):
   """Whether this rank's box of `name` is the one copy counted in global norms."""
+  if name == 'embed_tokens.weight' and mesh.pp_rank != 0:
+    return False
   if tensor.is_tp_replicated(name):
     return mesh.tp_rank == 0
   if tensor.is_kv(name):

@@ -29,6 +29,7 @@ class Mesh:
   pp_group: Optional[object] = None
   tp_group: Optional[object] = None
   kv_group: Optional[object] = None      # TP ranks holding copies of the same KV head
+  embed_group: Optional[object] = None   # first and last PP stage (tied embedding copies)
   timeout_s: float = 300.0
 
   @property
@@ -85,6 +86,17 @@ def _kv_groups(dp, pp, tp, replicator, rank, make_group):
   return mine
 
 
+def _embed_groups(dp, pp, tp, rank, make_group):
+  mine = None
+  for d in range(dp):
+    for t in range(tp):
+      members = [(d * pp) * tp + t, (d * pp + pp - 1) * tp + t]
+      group = make_group(members)
+      if rank in members:
+        mine = group
+  return mine
+
+
 def init(config, device_name=None) -> Mesh:
   """The mesh for this process, initializing torch.distributed when WORLD_SIZE > 1."""
   d = config.distributed_strategy
@@ -104,9 +116,10 @@ def init(config, device_name=None) -> Mesh:
   make_group = lambda ranks: dist.new_group(ranks) if len(ranks) > 1 else None
   groups = _groups((dp, pp, tp), rank, make_group)
   kv_group = _kv_groups(dp, pp, tp, kv_replicator, rank, make_group) if kv_replicator > 1 else None
+  embed_group = _embed_groups(dp, pp, tp, rank, make_group) if pp > 1 else None
   return Mesh(dp=dp, pp=pp, tp=tp, rank=rank, device=device, kv_replicator=kv_replicator,
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
-              kv_group=kv_group, timeout_s=d.collective_timeout_s)
+              kv_group=kv_group, embed_group=embed_group, timeout_s=d.collective_timeout_s)
 
 
 def shutdown():

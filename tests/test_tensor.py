@@ -1,81 +1,12 @@
 """TP/SP boxes and ops; every layout trains exactly like one device (gloo, fp32, dropout off)."""
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-import train
-from configs import llama_tiny
 from model import transformer
 from parallel import comm, mesh as meshes, tensor
-from tests import world
-
-STEPS = 10
-
-
-def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0):
-  c = llama_tiny.get_config('test')
-  c.trainer.max_steps = STEPS
-  c.trainer.val_check_interval = 0
-  c.trainer.gradient_clip_val = 0.3          # below the early grad norms: clipping is active
-  c.exp_manager.create_tensorboard_logger = False
-  c.data.global_batch_size, c.data.micro_batch_size = 8, 2    # accumulation at every DP degree
-  c.model.hidden_dropout = c.model.attention_dropout = c.model.ffn_dropout = dropout
-  d = c.distributed_strategy
-  d.tensor_model_parallel_size, d.sequence_parallel, d.kv_replicator = tp, sp, kv_replicator
-  d.collective_timeout_s = 120
-  return c
-
-
-def _train(workdir, **layout):
-  """On every rank: train, then return losses and this rank's parameter boxes."""
-  config = parity_config(**layout)
-  _, params = train.run(config, workdir)
-  mesh = meshes.Mesh(tp=config.distributed_strategy.tensor_model_parallel_size,
-                     rank=int(os.environ.get('RANK', 0)), kv_replicator=config.distributed_strategy.kv_replicator)
-  boxes = tensor.boxes(config.model, mesh)
-  losses, norms = None, None
-  if mesh.rank == 0:
-    records = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
-    losses = [r['loss'] for r in records if 'loss' in r]
-    norms = [r['grad_norm'] for r in records if 'loss' in r]
-  return losses, norms, {n: (boxes[n], p.detach().numpy()) for n, p in params.items()}
-
-
-def assemble(rank_results, model_cfg):
-  """Global parameters (unpadded vocab) from every rank's boxes."""
-  pieces = {}
-  for _, _, boxes in rank_results:
-    for name, (box, value) in boxes.items():
-      pieces.setdefault(name, []).append((box, value))
-  out = {}
-  for name, parts in pieces.items():
-    shape = [max(box[i].stop for box, _ in parts) for i in range(parts[0][1].ndim)]
-    array = np.zeros(shape, dtype=np.float32)
-    written = {}
-    for box, value in parts:
-      key = tuple((sl.start, sl.stop) for sl in box)
-      if key in written:                    # replicas (TP-replicated, KV copies) must agree exactly
-        np.testing.assert_array_equal(value, written[key], err_msg=f'replicas of {name} diverged')
-      written[key] = value
-      array[box] = value
-    out[name] = array[:model_cfg.vocab_size] if name in tensor.VOCAB_TABLES else array
-  return out
-
-
-_REFERENCES = {}
-
-
-def reference(dropout, tmp_path_factory):
-  """The single-device run (once per dropout setting)."""
-  if dropout not in _REFERENCES:
-    results = [_train(str(tmp_path_factory.mktemp('single')), dropout=dropout)]
-    _REFERENCES[dropout] = results[0][0], results[0][1], assemble(results, parity_config().model)
-  return _REFERENCES[dropout]
-
+from tests import parity, world
 
 LAYOUTS = {
     'dp2': (2, {}),
@@ -90,30 +21,14 @@ LAYOUTS = {
 @pytest.mark.parametrize('layout', sorted(LAYOUTS))
 def test_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
   world_size, kwargs = LAYOUTS[layout]
-  ref_losses, ref_norms, ref_params = reference(kwargs.get('dropout', 0.0), tmp_path_factory)
-  results = world.run(_train_layout, world_size, str(tmp_path), kwargs)
-  losses, norms, _ = results[0]
-  assert ref_norms[0] > 0.3                                  # clipping was active
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
-  params = assemble(results, parity_config().model)
-  assert params.keys() == ref_params.keys()
-  worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-  worst_param = max(float(np.abs(params[n] - ref_params[n]).max()) for n in ref_params)
-  print(f'{layout}: worst relative loss error {worst_loss:.2e}, worst parameter error {worst_param:.2e}')
-  for name in ref_params:
-    np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-def _train_layout(workdir, kwargs):
-  return _train(workdir, **kwargs)
+  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
 
 
 # --- unit tests of the ops (in-process where a group of one suffices, else 2 ranks) -------
 
 
 def test_boxes_tile_every_parameter_exactly_once():
-  cfg = parity_config().model
+  cfg = parity.parity_config().model
   cfg.num_kv_heads = 2
   for tp, rep in ((1, 1), (2, 1), (4, 2)):
     specs = transformer.param_specs(cfg, tp)
@@ -126,7 +41,7 @@ def test_boxes_tile_every_parameter_exactly_once():
 
 
 def test_sharded_init_equals_the_slice_of_the_single_device_init():
-  cfg = parity_config().model
+  cfg = parity.parity_config().model
   full = transformer.init(cfg, 5, tp=4)
   for t in range(4):
     mesh = meshes.Mesh(tp=4, rank=t, kv_replicator=2)

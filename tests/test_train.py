@@ -152,3 +152,21 @@ def test_torchrun_tp2_sp_dp2_logs_the_single_process_losses(tmp_path):
   assert 'dp=2 x pp=1 x tp=2 +sp' in multi.stderr
   losses = lambda d: [r['loss'] for r in read_metrics(d) if 'loss' in r]
   assert losses(tmp_path / 'multi') == pytest.approx(losses(tmp_path / 'single'), rel=1e-5)
+
+
+def test_torchrun_pp2_logs_the_single_process_losses(tmp_path):
+  common = ['--config=configs/llama_tiny.py:test', '--config.trainer.max_steps=3',
+            '--config.exp_manager.create_tensorboard_logger=False', '--config.trainer.val_check_interval=3',
+            '--config.trainer.limit_val_batches=1']
+  single = cli(*common, f'--workdir={tmp_path / "single"}')
+  assert single.returncode == 0, single.stderr
+  multi = subprocess.run(
+      [os.path.join(os.path.dirname(sys.executable), 'torchrun'), '--nproc_per_node=2', '--standalone',
+       'train.py', *common, f'--workdir={tmp_path / "multi"}',
+       '--config.distributed_strategy.pipeline_model_parallel_size=2'],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
+  assert multi.returncode == 0, multi.stderr[-3000:]
+  assert 'dp=1 x pp=2 x tp=1' in multi.stderr
+  for key in ('loss', 'val_loss'):
+    values = lambda d: [r[key] for r in read_metrics(d) if key in r]
+    assert values(tmp_path / 'multi') == pytest.approx(values(tmp_path / 'single'), rel=1e-5)

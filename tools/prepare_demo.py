@@ -181,12 +181,30 @@ def prepare(data_dir='.data', vocab_size=4096) -> dict:
           'args': train_args(prefix, model, stats['vocab_size'])}
 
 
+def report(workdir, stats) -> str:
+  """The demo's last line: final validation loss next to the unigram baseline, and where logs are."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    val = [json.loads(line)['val_loss'] for line in f if '"val_loss"' in line]
+  if not val:
+    raise SystemExit(f'{workdir}/metrics.jsonl has no validation record; did training finish?')
+  baseline = stats['unigram_entropy']
+  verdict = 'beats' if val[-1] < baseline else 'does NOT beat'
+  return (f'final val_loss {val[-1]:.3f} nats/token {verdict} the corpus unigram entropy '
+          f'{baseline:.3f} (by {baseline - val[-1]:.3f})\n'
+          f'metrics: {os.path.join(workdir, "metrics.jsonl")}\n'
+          f'TensorBoard: tensorboard --logdir {os.path.join(workdir, "tensorboard")}')
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--data-dir', default='.data')
   p.add_argument('--vocab-size', type=int, default=4096)
+  p.add_argument('--report', metavar='WORKDIR', help='print the trained run\'s result vs the baseline')
   args = p.parse_args()
   out = prepare(args.data_dir, args.vocab_size)
+  if args.report:
+    print(report(args.report, out['stats']))
+    return
   s = out['stats']
   log(f'{out["prefix"]}: {s["documents"]:,} documents, {s["tokens"]:,} tokens; unigram entropy '
       f'{s["unigram_entropy"]:.3f} nats/token (train split)')

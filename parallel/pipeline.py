@@ -1,0 +1,118 @@
+"""Pipeline parallelism: which layers each stage owns, and one executor for any schedule.
+
+A stage is a contiguous range of layers with global names (`layers.17...` lives on whichever
+rank holds layer 17); no tracing, no module wrappers. With v virtual chunks, rank r holds
+virtual stages r, r + p, ..., the schedules in `pipeline_schedule` say in which order it
+runs forwards, backwards and point-to-point exchanges, and `run_schedule` executes them.
+"""
+import torch
+import torch.distributed as dist
+
+from model import transformer
+from parallel import pipeline_schedule as schedules
+
+
+def stage_bounds(num_layers, pp, vp=1, cuts=()):
+  """[(lo, hi)] layer range of each virtual stage: explicit `cuts`, or an even split with the
+  remainder going to the later stages (NxD's auto partition: the last stage also runs the head)."""
+  stages = pp * vp
+  if cuts:
+    edges = [0, *cuts, num_layers]
+  else:
+    base, extra = divmod(num_layers, stages)
+    sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+    edges = [sum(sizes[:s]) for s in range(stages + 1)]
+  return [(edges[s], edges[s + 1]) for s in range(stages)]
+
+
+def virtual_stages(mesh, vp):
+  """The virtual stages this rank runs, by local chunk."""
+  return [c * mesh.pp + mesh.pp_rank for c in range(vp)]
+
+
+def owned_names(model_cfg, mesh, bounds, vp):
+  """Parameters this pipeline rank holds: its layers, the embedding on the first stage, the
+  final norm and head on the last (and, tied, a copy of the embedding there too)."""
+  mine = virtual_stages(mesh, vp)
+  last = len(bounds) - 1
+  layer_ids = {i for vs in mine for i in range(*bounds[vs])}
+  names = []
+  for name in transformer.param_specs(model_cfg):
+    if name.startswith('layers.'):
+      keep = int(name.split('.')[1]) in layer_ids
+    elif name in ('embed_tokens.weight', 'embed_positions.weight'):
+      keep = 0 in mine or (last in mine and name == 'embed_tokens.weight'
+                           and model_cfg.share_embeddings_and_output_weights)
+    else:                                    # final norm, lm_head
+      keep = last in mine
+    if keep:
+      names.append(name)
+  return names
+
+
+def _peer(mesh, pp_rank):
+  return mesh.rank_of(mesh.dp_rank, pp_rank, mesh.tp_rank)
+
+
+def _exchange(comm_action, mesh, outbox, inbox, buffer_shape, dtype):
+  ops = []
+  for op in comm_action.ops:
+    key = (op.tensor, op.microbatch, op.chunk)
+    if op.kind == 'send':
+      ops.append(dist.P2POp(dist.isend, outbox.pop(key).contiguous(), _peer(mesh, op.peer)))
+    else:
+      inbox[key] = torch.empty(buffer_shape, dtype=dtype, device=mesh.device)
+      ops.append(dist.P2POp(dist.irecv, inbox[key], _peer(mesh, op.peer)))
+  try:
+    for request in dist.batch_isend_irecv(ops):
+      request.wait()
+  except RuntimeError as e:
+    raise RuntimeError(f'rank {mesh.rank}: pipeline exchange {comm_action.ops} failed: {e}') from e
+
+
+def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32):
+  """Execute one rank's action list. `stage_fn(microbatch, chunk, x_or_None) -> tensor` runs
+  a chunk (x is None on virtual stage 0); on the last virtual stage it returns the
+  microbatch's scaled loss. Returns the number of forwards run (for checks)."""
+  last_stage = mesh.pp * vp - 1
+  inbox, outbox, kept = {}, {}, {}
+  forwards = 0
+  for action in schedule:
+    if isinstance(action, schedules.Comm):
+      _exchange(action, mesh, outbox, inbox, buffer_shape, dtype)
+      continue
+    i, c = action.microbatch, action.chunk
+    vs = c * mesh.pp + mesh.pp_rank
+    if action.kind == 'F':
+      x = None if vs == 0 else inbox.pop(('act', i, c)).requires_grad_()
+      out = stage_fn(i, c, x)
+      kept[(i, c)] = (x, out)
+      if vs != last_stage:
+        outbox[('act', i, c)] = out.detach()
+      forwards += 1
+    else:
+      x, out = kept.pop((i, c))
+      if vs == last_stage:
+        out.backward()
+      else:
+        torch.autograd.backward(out, grad_tensors=inbox.pop(('grad', i, c)))
+      if vs != 0:
+        outbox[('grad', i, c)] = x.grad
+  assert not kept and not inbox and not outbox, 'schedule left work undone'
+  return forwards
+
+
+def run_forward_only(num_microbatches, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32):
+  """Evaluation: microbatches in order through every chunk, blocking send/recv. Items run in
+  (microbatch, virtual stage) order on every rank, so the waits cannot form a cycle."""
+  last_stage = mesh.pp * vp - 1
+  for i in range(num_microbatches):
+    for c in range(vp):
+      vs = c * mesh.pp + mesh.pp_rank
+      x = None
+      if vs != 0:
+        x = torch.empty(buffer_shape, dtype=dtype, device=mesh.device)
+        dist.recv(x, _peer(mesh, (vs - 1) % mesh.pp))
+      out = stage_fn(i, c, x)
+      if vs != last_stage:
+        dist.send(out.contiguous(), _peer(mesh, (vs + 1) % mesh.pp))

@@ -1,0 +1,102 @@
+"""Shared machinery of the layout-parity tests: train a tiny config on N spawned ranks and
+compare losses, grad norms and the assembled global parameters with the single-device run."""
+import json
+import os
+
+import numpy as np
+
+import train
+from configs import llama_tiny
+from parallel import mesh as meshes, tensor
+from tests import world
+
+STEPS = 10
+
+
+def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
+                  tied=False, micro=2):
+  c = llama_tiny.get_config('test')
+  c.trainer.max_steps = STEPS
+  c.trainer.val_check_interval = 0
+  c.trainer.gradient_clip_val = 0.3          # below the early grad norms: clipping is active
+  c.exp_manager.create_tensorboard_logger = False
+  c.data.global_batch_size, c.data.micro_batch_size = 8, micro  # accumulation at every DP degree
+  c.model.num_layers = layers
+  c.model.share_embeddings_and_output_weights = tied
+  c.model.hidden_dropout = c.model.attention_dropout = c.model.ffn_dropout = dropout
+  d = c.distributed_strategy
+  d.tensor_model_parallel_size, d.sequence_parallel, d.kv_replicator = tp, sp, kv_replicator
+  d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size = pp, vp
+  d.pipeline_cuts = tuple(cuts)
+  d.collective_timeout_s = 120
+  return c
+
+
+def train_on_rank(workdir, layout):
+  """On every rank: train, then return (losses, grad norms) from rank 0 and this rank's boxes."""
+  config = parity_config(**layout)
+  _, params = train.run(config, workdir)
+  d = config.distributed_strategy
+  mesh = meshes.Mesh(tp=d.tensor_model_parallel_size, pp=d.pipeline_model_parallel_size,
+                     rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator)
+  boxes = tensor.boxes(config.model, mesh, list(params))
+  losses, norms = None, None
+  if mesh.rank == 0:
+    records = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
+    losses = [r['loss'] for r in records if 'loss' in r]
+    norms = [r['grad_norm'] for r in records if 'loss' in r]
+  return losses, norms, {n: (boxes[n], p.detach().numpy()) for n, p in params.items()}
+
+
+def assemble(rank_results, model_cfg):
+  """Global parameters (unpadded vocab) from every rank's boxes; replicas must agree exactly."""
+  pieces = {}
+  for _, _, boxes in rank_results:
+    for name, (box, value) in boxes.items():
+      pieces.setdefault(name, []).append((box, value))
+  out = {}
+  for name, parts in pieces.items():
+    shape = [max(box[i].stop for box, _ in parts) for i in range(parts[0][1].ndim)]
+    array = np.zeros(shape, dtype=np.float32)
+    written = {}
+    for box, value in parts:
+      key = tuple((sl.start, sl.stop) for sl in box)
+      if key in written:                    # replicas (TP-replicated, KV copies, tied) must agree
+        np.testing.assert_array_equal(value, written[key], err_msg=f'replicas of {name} diverged')
+      written[key] = value
+      array[box] = value
+    out[name] = array[:model_cfg.vocab_size] if name in tensor.VOCAB_TABLES else array
+  return out
+
+
+_REFERENCES = {}
+
+
+def reference(tmp_path_factory, **model_layout):
+  """The single-device run of the config (cached per model setting)."""
+  key = tuple(sorted(model_layout.items()))
+  if key not in _REFERENCES:
+    results = [train_on_rank(str(tmp_path_factory.mktemp('single')), model_layout)]
+    _REFERENCES[key] = results[0][0], results[0][1], assemble(results, parity_config(**model_layout).model)
+  return _REFERENCES[key]
+
+
+MODEL_KEYS = ('dropout', 'layers', 'tied')
+
+
+def check_layout(name, world_size, layout, tmp_path, tmp_path_factory):
+  """Run `layout` on `world_size` ranks and assert it trains like one device."""
+  ref_losses, ref_norms, ref_params = reference(
+      tmp_path_factory, **{k: v for k, v in layout.items() if k in MODEL_KEYS})
+  results = world.run(train_on_rank, world_size, str(tmp_path), layout)
+  losses, norms, _ = results[0]
+  assert ref_norms[0] > 0.3                                  # clipping was active
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+  params = assemble(results, parity_config(**layout).model)
+  assert params.keys() == ref_params.keys()
+  worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+  worst_param = max(float(np.abs(params[n] - ref_params[n]).max()) for n in ref_params)
+  print(f'{name}: worst relative loss error {worst_loss:.2e}, worst parameter error {worst_param:.2e}')
+  for n in ref_params:
+    np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-5, atol=1e-5, err_msg=n)
