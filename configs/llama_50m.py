@@ -1,4 +1,4 @@
-"""A ~58M-parameter Llama (8 layers, h 512, GQA 8/4, vocab 32000): the CPU benchmark size.
+"""A 56M-parameter Llama (8 layers, h 512, GQA 8/4, vocab 32000): the CPU benchmark size.
 
     python tools/bench.py --config=configs/llama_50m.py
     python train.py --config=configs/llama_50m.py --workdir=runs/l50m

@@ -4,7 +4,11 @@
     python tools/bench.py --config=configs/llama_50m.py --steps=5 --warmup=2
 
 Warm-up steps are excluded; the figure is the median of the timed steps. The peak is the
-datasheet bf16 dense figure on CUDA and a measured 2048^3 matmul elsewhere (printed).
+datasheet bf16 dense figure on CUDA and a measured 2048^3 matmul elsewhere (printed), per
+process; MFU divides by peak x world size. Under torchrun every rank prints its view:
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tools/bench.py \
+        --config=configs/llama_tiny.py --config.distributed_strategy.tensor_model_parallel_size=2
 """
 import os
 import statistics
@@ -52,7 +56,7 @@ def bench(config, steps, warmup):
   return {'name': config.name, 'params': transformer.count_params(config.model), 'mesh': mesh.describe(),
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
-          'mfu': flops / peak, 'threads': torch.get_num_threads()}
+          'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads()}
 
 
 def main(argv):
@@ -62,7 +66,8 @@ def main(argv):
         f"{r['tokens_per_step']:,} tokens/step")
   print(f"  step time (median of {_STEPS.value}) {r['step_time'] * 1e3:.1f} ms | "
         f"{r['tokens_per_sec']:,.0f} tokens/s | {r['flops'] / 1e9:.1f} GFLOP/s achieved")
-  print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s ({r['peak_source']}) | MFU {100 * r['mfu']:.1f}%")
+  print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s per process ({r['peak_source']}) | "
+        f"MFU {100 * r['mfu']:.1f}% | {r['mesh']}")
 
 
 if __name__ == '__main__':
