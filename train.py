@@ -4,7 +4,8 @@
     python train.py --config=configs/llama7b.py:smoke --workdir=runs/s --config.trainer.max_steps=10
 
 Sections: setup / data / init / step / loop (log, validate, stop). State the loop owns is
-plain data: `params` (flat dict of tensors), the optimizer, and `consumed_samples` (the
+plain data: `params` (flat dict of tensors), the updater (optimizer, master weights, ZeRO-1
+shards; parallel/zero.py), and `consumed_samples` (the
 whole data position). Every random draw is keyed, so nothing else needs saving.
 """
 import json
@@ -18,8 +19,9 @@ import torch
 from configs import validate as config_validation
 from data.loader import Loader
 from model import transformer
-from optim import optimizers, schedules
-from parallel import comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, remat, tensor
+from optim import schedules
+from parallel import (comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, precision,
+                      remat, tensor, zero)
 from parallel import device as devices
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -36,7 +38,7 @@ def to_device(batch, device):
   return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_backward(params, micro_batches, config, mesh, ops, training=True):
+def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True):
   """Run this rank's pipeline schedule over the micro batches, accumulating grads of the
   global-token-mean loss; return (this rank's loss sum, global token count).
 
@@ -56,12 +58,15 @@ def forward_backward(params, micro_batches, config, mesh, ops, training=True):
   loss_sum = torch.zeros((), device=mesh.device)
   batches = [to_device(mb, mesh.device) for mb in micro_batches]
 
+  recipe = recipe or precision.recipe(config.precision)
+
   def stage_fn(i, chunk, x):
     nonlocal loss_sum
     vs = chunk * mesh.pp + mesh.pp_rank
-    out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x,
-                            last=vs == last_stage, layer_fn=layer_fn,
-                            dropout_key=(config.seed, 'dropout') if dropout else None)
+    with precision.compute_context(recipe, mesh.device.type):
+      out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x,
+                              last=vs == last_stage, layer_fn=layer_fn,
+                              dropout_key=(config.seed, 'dropout') if dropout else None)
     if vs != last_stage:
       return out
     loss_sum = loss_sum + out.detach()
@@ -71,9 +76,9 @@ def forward_backward(params, micro_batches, config, mesh, ops, training=True):
   shape = (a.micro_batch_size, a.seq_length // ops.sequence_shards, m.hidden_size)
   if training:
     schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
-    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape)
+    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype)
   else:
-    pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape)
+    pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape, recipe.param_dtype)
   return loss_sum, n_tokens
 
 
@@ -83,26 +88,21 @@ def global_loss(loss_sum, n_tokens, mesh):
   return comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(loss over dp)') / n_tokens
 
 
-def train_step(params, optimizer, micro_batches, config, step, mesh, ops):
-  """One optimizer step. Returns metrics as tensors (no host sync here except the finite check)."""
-  loss_sum, n_tokens = forward_backward(params, micro_batches, config, mesh, ops)
-  grads.sync(params, mesh, config.distributed_strategy.sequence_parallel,
-             config.model.share_embeddings_and_output_weights)
-  grad_norm = grads.clip(params, mesh, config.trainer.gradient_clip_val)
+def train_step(params, updater, micro_batches, config, step, mesh, ops):
+  """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
+  loss_sum, n_tokens = forward_backward(params, micro_batches, config, mesh, ops, updater.recipe)
+  gradients = updater.gradients()
+  grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
+             config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
-  for group in optimizer.param_groups:
-    group['lr'] = lr
   loss = global_loss(loss_sum, n_tokens, mesh)
-  finite = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
-  if finite:
-    optimizer.step()
-  elif config.trainer.nonfinite_policy == 'error':
+  grad_norm, updated = updater.step(gradients, lr, step)
+  if not (updated and torch.isfinite(loss)) and config.trainer.nonfinite_policy == 'error':
     raise FloatingPointError(
         f'non-finite loss or gradient at step {step} (loss={loss.item()}, grad_norm={grad_norm.item()}); '
         'lower model.optim.lr, check the data, or set trainer.nonfinite_policy=skip')
-  optimizer.zero_grad(set_to_none=True)
-  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not finite}
+  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not updated}
 
 
 @torch.no_grad()
@@ -123,6 +123,7 @@ def init_params(config, mesh):
   bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
   names = pipeline.owned_names(m, mesh, bounds, vp)
   return transformer.init(m, config.seed, device=mesh.device, tp=mesh.tp,
+                          dtype=precision.recipe(config.precision).param_dtype,
                           boxes=tensor.boxes(m, mesh, names))
 
 
@@ -210,7 +211,7 @@ def run(config, workdir):
 
   # --- init
   params = init_params(config, mesh)
-  optimizer = optimizers.make_optimizer(params, config.model.optim)
+  updater = zero.Updater(params, config, mesh)
   consumed_samples = 0
   logging.info('\n%s', summary(config, mesh, params, peak))
 
@@ -224,7 +225,10 @@ def run(config, workdir):
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   window_start, window_steps, record = time.perf_counter(), 0, {}
   for step in range(t.max_steps):
-    out = train_step(params, optimizer, train_data.global_batch(consumed_samples), config, step, mesh, ops)
+    out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops)
+    if step == 0:
+      logging.info('optimizer state + master weights on rank 0 (measured): %s',
+                   memory.human_bytes(updater.state_bytes()))
     consumed_samples += config.data.global_batch_size
     window_steps += 1
     last = step + 1 == t.max_steps

@@ -4,10 +4,9 @@ Runs before any process group or tensor exists, so a bad launch fails in a secon
 complete list instead of one error per attempt.
 """
 from optim import optimizers, schedules
+from parallel import precision
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
-PRECISIONS = ('fp32', 'bf16SR', 'mixed_precision', 'mixed_precisionSR', 'autocast', 'manual')
-IMPLEMENTED_PRECISIONS = ('fp32',)
 NORMALIZATIONS = ('rmsnorm', 'layernorm')
 ACTIVATIONS = ('swiglu', 'gelu')
 POSITIONS = ('rope', 'learned_absolute')
@@ -130,8 +129,6 @@ def check(config, world_size=1) -> list:
   if vp > 1 and pp == 1:
     p.append(f'distributed_strategy.virtual_pipeline_model_parallel_size={vp} needs '
              'pipeline_model_parallel_size > 1 (interleaving splits a stage across PP ranks)')
-  if d.zero1:
-    p.append('distributed_strategy.zero1=True: not yet supported; set it to False')
 
   # --- data
   _positive(p, 'data.micro_batch_size', a.micro_batch_size)
@@ -147,9 +144,7 @@ def check(config, world_size=1) -> list:
     p.append(f'data.synthetic_vocab_size={a.synthetic_vocab_size} exceeds model.vocab_size={m.vocab_size}')
 
   # --- precision and experiment manager
-  _one_of(p, 'precision.type', config.precision.type, PRECISIONS)
-  if config.precision.type in PRECISIONS and config.precision.type not in IMPLEMENTED_PRECISIONS:
-    p.append(f'precision.type={config.precision.type!r}: not yet supported; valid now: fp32')
+  p += precision.check(config.precision)
   e = config.exp_manager
   if e.create_checkpoint_callback or e.resume_if_exists or e.resume_from_checkpoint:
     p.append('exp_manager checkpointing / resume: not yet supported; set create_checkpoint_callback, '

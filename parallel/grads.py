@@ -38,8 +38,9 @@ def _all_reduce_bucketed(tensors, group, name):
       bucket, size = [], 0
 
 
-def sync(params, mesh, sequence_parallel, tied_embeddings=False):
-  grads = {name: p.grad for name, p in params.items() if p.grad is not None}
+def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True):
+  """Sum `grads` (name -> gradient of this rank's box) in place as described above; the DP
+  sum is skipped when ZeRO-1 reduce-scatters instead (`reduce_dp=False`)."""
   if sequence_parallel:
     _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_sequence_parallel_replicated(n)],
                          mesh.tp_group, 'all_reduce(SP replicated grads over tp)')
@@ -48,7 +49,8 @@ def sync(params, mesh, sequence_parallel, tied_embeddings=False):
                          'all_reduce(KV replica grads)')
   if tied_embeddings and mesh.embed_group is not None and 'embed_tokens.weight' in grads:
     comm.all_reduce_(grads['embed_tokens.weight'], mesh.embed_group, name='all_reduce(tied embedding grads)')
-  _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)')
+  if reduce_dp:
+    _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)')
 
 
 def counts_once(name, mesh):
@@ -62,21 +64,22 @@ def counts_once(name, mesh):
   return True
 
 
-def global_norm(tensors_by_name, mesh):
-  """L2 norm of the global model's tensors, each element counted once."""
+def global_norm(tensors_by_name, mesh, extra_group=None):
+  """L2 norm of the global model's tensors, each element counted once (`extra_group`: a
+  group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP)."""
   device = mesh.device
   squares = [t.detach().float().pow(2).sum() for n, t in tensors_by_name.items()
              if t is not None and counts_once(n, mesh)]
   total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
   total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
   total = comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
+  total = comm.all_reduce_(total, extra_group, name='all_reduce(norm over dp shards)')
   return total.sqrt()
 
 
-def clip(params, mesh, max_norm):
-  """Global gradient norm; grads scaled so it is at most `max_norm` (0 = no clipping)."""
-  norm = global_norm({n: p.grad for n, p in params.items()}, mesh)
-  if max_norm > 0:
-    grads = [p.grad for p in params.values() if p.grad is not None]
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+def clip(grads, mesh, max_norm):
+  """Global norm of `grads` (name -> tensor); scaled so it is at most `max_norm` (0 = off)."""
+  norm = global_norm(grads, mesh)
+  if max_norm > 0 and grads:
+    torch._foreach_mul_(list(grads.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
   return norm

@@ -24,8 +24,7 @@ import train  # pylint: disable=wrong-import-position  (defines --config)
 from configs import validate  # pylint: disable=wrong-import-position
 from data.loader import Loader  # pylint: disable=wrong-import-position
 from model import transformer  # pylint: disable=wrong-import-position
-from optim import optimizers  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, tensor  # pylint: disable=wrong-import-position
+from parallel import device as devices, mesh as meshes, tensor, zero  # pylint: disable=wrong-import-position
 
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
@@ -38,14 +37,14 @@ def bench(config, steps, warmup):
   device = mesh.device
   ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
   params = train.init_params(config, mesh)
-  optimizer = optimizers.make_optimizer(params, config.model.optim)
+  updater = zero.Updater(params, config, mesh)
   loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
   batches = [loader.global_batch(i * config.data.global_batch_size) for i in range(steps + warmup)]
   times = []
   for step, micro_batches in enumerate(batches):
     devices.synchronize(device)
     start = time.perf_counter()
-    train.train_step(params, optimizer, micro_batches, config, step, mesh, ops)
+    train.train_step(params, updater, micro_batches, config, step, mesh, ops)
     devices.synchronize(device)
     times.append(time.perf_counter() - start)
   step_time = statistics.median(times[warmup:])
