@@ -16,6 +16,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 import torch
 
+from checkpoint import session
 from configs import validate as config_validation
 from data.loader import Loader
 from model import transformer
@@ -135,8 +136,8 @@ def init_params(config, mesh):
 class MetricsLog:
   """metrics.jsonl (one JSON object per record) and, optionally, TensorBoard scalars."""
 
-  def __init__(self, workdir, tensorboard):
-    self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'w')
+  def __init__(self, workdir, tensorboard, append=False):
+    self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a' if append else 'w')
     self.writer = None
     if tensorboard:
       from torch.utils.tensorboard import SummaryWriter  # pylint: disable=import-outside-toplevel
@@ -212,11 +213,14 @@ def run(config, workdir):
   # --- init
   params = init_params(config, mesh)
   updater = zero.Updater(params, config, mesh)
-  consumed_samples = 0
   logging.info('\n%s', summary(config, mesh, params, peak))
 
+  # --- restore (or init_from): parameters, optimizer state and data position
+  checkpoints = session.Session(config, workdir, mesh, updater)
+  start_step, consumed_samples = checkpoints.restore_or_init()
+
   # --- loop
-  log = MetricsLog(workdir, config.exp_manager.create_tensorboard_logger) if lead else None
+  log = MetricsLog(workdir, config.exp_manager.create_tensorboard_logger, append=start_step > 0) if lead else None
   t = config.trainer
   if t.num_sanity_val_steps:
     logging.info('sanity validation: val_loss %.4f',
@@ -224,9 +228,9 @@ def run(config, workdir):
   tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   window_start, window_steps, record = time.perf_counter(), 0, {}
-  for step in range(t.max_steps):
+  for step in range(start_step, t.max_steps):
     out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops)
-    if step == 0:
+    if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
     consumed_samples += config.data.global_batch_size
@@ -258,6 +262,14 @@ def run(config, workdir):
         log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples})
       record['val_loss'] = val_loss
       window_start = time.perf_counter()    # validation time is not training throughput
+    stop = (checkpoints.enabled and checkpoints.should_stop()) or (
+        t.exit_interval and (step + 1) % t.exit_interval == 0 and not last)
+    checkpoints.maybe_save(step + 1, consumed_samples, last=last or stop)
+    if stop:
+      logging.warning('stopping after step %d (%s)', step + 1,
+                      'SIGTERM' if checkpoints.preempted else 'trainer.exit_interval')
+      break
+  checkpoints.close()
   if lead:
     log.close()
   logging.info('done: %d steps | metrics %s | TensorBoard %s', t.max_steps,

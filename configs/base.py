@@ -26,13 +26,16 @@ def get_config(arg=None):
   t.limit_val_batches = 2            # global batches per validation
   t.num_sanity_val_steps = 0         # global validation batches run once before training
   t.gradient_clip_val = 1.0          # clip the global grad norm to this; 0 disables
+  t.exit_interval = 0                 # Megatron's: checkpoint and exit after a step divisible by N (0 = off)
   t.nonfinite_policy = 'error'       # error | skip: on a NaN/inf loss or grad norm, stop or skip the update
 
   c.exp_manager = config_dict.ConfigDict()
   e = c.exp_manager
   e.create_tensorboard_logger = True   # TensorBoard events under <workdir>/tensorboard
   e.log_parameter_norm = True          # add param_norm to every logged step
-  e.create_checkpoint_callback = False  # save checkpoints (checkpoint issue: not yet supported)
+  e.create_checkpoint_callback = False  # save checkpoints (every_n_train_steps, at the end, on SIGTERM)
+  e.checkpoint_dir = placeholder(str)   # where steps go; default <workdir>/checkpoints; s3://, gs:// work
+  e.init_from = placeholder(str)        # weights only, when not resuming: a flatron checkpoint step or an HF Llama dir
   e.resume_if_exists = False           # resume from the newest committed checkpoint in workdir
   e.resume_ignore_no_checkpoint = True  # with resume_if_exists: start fresh when none exists
   e.resume_from_checkpoint = placeholder(str)  # explicit checkpoint path to resume from

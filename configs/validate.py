@@ -45,6 +45,7 @@ def check(config, world_size=1) -> list:
   _positive(p, 'trainer.num_sanity_val_steps', t.num_sanity_val_steps, allow_zero=True)
   _positive(p, 'trainer.gradient_clip_val', t.gradient_clip_val, allow_zero=True)
   _one_of(p, 'trainer.nonfinite_policy', t.nonfinite_policy, NONFINITE_POLICIES)
+  _positive(p, 'trainer.exit_interval', t.exit_interval, allow_zero=True)
 
   # --- model
   _one_of(p, 'model.architecture', m.architecture, ARCHITECTURES)
@@ -69,8 +70,6 @@ def check(config, world_size=1) -> list:
       p.append(f'model.{key}={m[key]} must be in [0, 1)')
   _one_of(p, 'model.activations_checkpoint_granularity', m.activations_checkpoint_granularity,
           RECOMPUTE_GRANULARITIES)
-  if m.activations_checkpoint_granularity == 'selective':
-    p.append("model.activations_checkpoint_granularity='selective': not yet supported; use None or 'full'")
   for part in m.activations_checkpoint_recompute:
     _one_of(p, 'model.activations_checkpoint_recompute', part, RECOMPUTE_PARTS)
   if m.position_embedding_type == 'learned_absolute' and a.seq_length > m.max_position_embeddings:
@@ -146,9 +145,9 @@ def check(config, world_size=1) -> list:
   # --- precision and experiment manager
   p += precision.check(config.precision)
   e = config.exp_manager
-  if e.create_checkpoint_callback or e.resume_if_exists or e.resume_from_checkpoint:
-    p.append('exp_manager checkpointing / resume: not yet supported; set create_checkpoint_callback, '
-             'resume_if_exists to False and resume_from_checkpoint to None')
+  _positive(p, 'exp_manager.checkpoint_callback_params.save_top_k', e.checkpoint_callback_params.save_top_k)
+  _positive(p, 'exp_manager.checkpoint_callback_params.every_n_train_steps',
+            e.checkpoint_callback_params.every_n_train_steps, allow_zero=True)
   return p
 
 

@@ -1,0 +1,310 @@
+"""Checkpoint steps: commit protocol, keep-last-K, async save, resume (NxD Training's
+exp_manager semantics).
+
+One step on disk (root: a local/shared directory, s3://... or gs://...):
+
+    <root>/step_00000100/arrays/...      the arrays (store.py)
+    <root>/step_00000100/metadata.json   format_version, step, the caller's metadata
+                                         (consumed_samples, config, layout), every array's
+                                         global shape, dtype and chunk shape
+    <root>/step_00000100/COMMITTED       the commit marker, written last by rank 0
+
+Commit protocol. A step exists iff its COMMITTED marker exists; there is no rename (object
+stores have none), the directory is written in place:
+  1. rank 0 deletes every uncommitted step directory (leftovers of a crashed save, including
+     an earlier attempt at this very step); all ranks agree before anyone writes.
+  2. every rank writes the boxes it owns into its own database; all ranks agree that all
+     succeeded (an all-reduce of failure flags: a barrier that also says who failed).
+  3. rank 0 merges, verifies every expected array and chunk is there, writes metadata.json,
+     then COMMITTED; then prunes: committed steps beyond the newest `keep_last` lose their
+     marker first, then their files. All ranks agree again, so every rank raises on failure.
+A crash anywhere before COMMITTED leaves a directory without marker, ignored by every query
+and deleted by the next save; a crash while pruning leaves a step without marker, likewise.
+The previous committed step is never touched before the new one is committed. Saving a step
+that is already committed is skipped with a warning (resume replays identical state).
+One training job per root.
+
+Collectives: the manager needs a process group over all ranks on which it alone runs
+collectives - writes run in a background thread, concurrently with the training loop's own
+collectives - and with CPU tensors: `dist.new_group(backend='gloo')`. World size 1: none.
+Rank 0 decides (what to resume from, whether a step is already committed) and broadcasts,
+so all ranks agree even while storage listings lag. `root` must be storage every rank sees
+(shared filesystem or object store): rank 0 merges and verifies what all ranks wrote.
+"""
+import json
+import logging
+import re
+import threading
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import storage, store
+
+FORMAT_VERSION = 1
+MARKER = 'COMMITTED'
+_STEP_DIR = re.compile(r'step_(\d{8,})')
+log = logging.getLogger(__name__)
+
+
+def step_dir(step: int) -> str:
+  return f'step_{step:08d}'
+
+
+def read_metadata(step_path: str) -> dict:
+  text = storage.read_text(step_path, 'metadata.json')
+  if text is None:
+    raise store.CheckpointError(f'{step_path} has no metadata.json')
+  return json.loads(text)
+
+
+def is_committed(step_path: str) -> bool:
+  return storage.exists(step_path, MARKER)
+
+
+def _scan(root) -> dict:
+  """step -> whether it is committed, for every step directory under `root`."""
+  steps = {}
+  for name in storage.list_dir(root):
+    if match := _STEP_DIR.fullmatch(name):
+      steps[int(match.group(1))] = is_committed(storage.join(root, name))
+  return steps
+
+
+class CheckpointManager:
+  """Saves and restores the steps of one run under `root` (module docstring).
+
+  hook(phase, step), for tests and tracing, is called at: 'waiting' (a save or wait found
+  `step` in flight), 'cleaned', 'written' (this rank's arrays are durable), and on rank 0
+  'merged', 'metadata', 'committed', 'unmarked' (a pruned step lost its marker), 'pruned'.
+  keep_last: committed steps kept (the newest is never deleted); None or <= 0 keeps all.
+  With async_save, call wait() before the program ends: it raises a failed save's error.
+  """
+
+  def __init__(self, root, *, rank=0, world_size=1, group=None, keep_last=2, async_save=False,
+               hook=None):
+    if world_size > 1 and group is None:
+      raise ValueError('world_size > 1 needs a process group for the checkpoint collectives')
+    if group is not None and dist.get_world_size(group) != world_size:
+      raise ValueError(f'the checkpoint group has {dist.get_world_size(group)} ranks, not {world_size}')
+    self.root, self.rank, self.world_size, self._group = root, rank, world_size, group
+    self.keep_last, self.async_save = keep_last, async_save
+    self._hook = hook or (lambda phase, step: None)
+    self._thread, self._in_flight, self._error = None, None, None
+
+  # ---- queries (local listings; no collectives) ----
+
+  def step_path(self, step: int) -> str:
+    return storage.join(self.root, step_dir(step))
+
+  def committed_steps(self) -> list:
+    return sorted(step for step, committed in _scan(self.root).items() if committed)
+
+  def latest_committed(self):
+    steps = self.committed_steps()
+    return steps[-1] if steps else None
+
+  def load(self, step_or_path, requests: dict, dtypes: dict = None):
+    """This rank's boxes ({name: box}) of a committed step (number, or path of a step
+    directory) -> (arrays, metadata)."""
+    path = self.step_path(step_or_path) if isinstance(step_or_path, int) else step_or_path
+    if not is_committed(path):
+      raise store.CheckpointError(f'{path} is not a committed checkpoint (no {MARKER} marker)')
+    return store.load_arrays(path, requests, dtypes), read_metadata(path)
+
+  # ---- save ----
+
+  def save(self, step: int, arrays: dict, layout: dict, metadata: dict = None):
+    """Save this rank's tensors ({name: local box}; layout: {name: store.ArrayLayout}, the
+    same on every rank). Returns once the tensors are copied to host: the caller may then
+    change them. Async: the write runs in a background thread; a failure is raised by the
+    next save() or wait()."""
+    self.wait()
+    for name, lay in layout.items():
+      store.chunk_shape(lay, name)  # invalid layouts fail here, in the caller's thread
+    meta = json.dumps(self._metadata(step, layout, metadata or {}), indent=1)
+    # Only what this rank writes goes to host (replicas written by another rank are skipped).
+    # Async must own a copy; sync may read CPU tensors in place, saving host memory.
+    mine = [name for name, lay in layout.items() if lay.box_of(self.rank) is not None]
+    if missing := sorted(set(mine) - set(arrays)):
+      raise ValueError(f'rank {self.rank} writes {missing[:5]} (layout) but was not given them')
+    host = {name: arrays[name].detach().to('cpu', copy=self.async_save) for name in mine}
+    if not self.async_save:
+      self._write(step, host, layout, meta)
+      return
+    self._in_flight = step
+    self._thread = threading.Thread(target=self._write_catching, args=(step, host, layout, meta),
+                                    name=f'checkpoint-save-{step}')
+    self._thread.start()
+
+  def wait(self):
+    """Block until the save in flight (if any) is done; raise its error, once."""
+    if self._thread is not None:
+      if self._thread.is_alive():
+        self._hook('waiting', self._in_flight)
+      self._thread.join()
+      self._thread = None
+    error, self._error = self._error, None
+    if error is not None:
+      raise error
+
+  def _metadata(self, step, layout, metadata):
+    if reserved := {'format_version', 'step', 'arrays'} & set(metadata):
+      raise ValueError(f'metadata keys {sorted(reserved)} are reserved')
+    arrays = {name: {'shape': list(lay.shape), 'dtype': lay.dtype,
+                     'chunk_shape': list(store.chunk_shape(lay, name))} for name, lay in sorted(layout.items())}
+    return {'format_version': FORMAT_VERSION, 'step': step, **metadata, 'arrays': arrays}
+
+  def _write_catching(self, *args):
+    try:
+      self._write(*args)
+    except BaseException as error:  # pylint: disable=broad-except  (re-raised by wait())
+      self._error = error
+
+  def _write(self, step, host, layout, meta):
+    path, lead = self.step_path(step), self.rank == 0
+
+    def phase(name):
+      self._hook(name, step)
+
+    error, already = _attempt(lambda: self._prepare(path)) if lead else (None, False)
+    failed, already = self._agree(error is not None, bool(already))
+    _raise_if(failed, error, f'step {step}: rank 0 could not prepare the save')
+    if already:
+      log.warning('checkpoint step %d is already committed in %s: not saved again', step, self.root)
+      return
+
+    def write_mine():
+      phase('cleaned')
+      store.write_local(path, host, layout, self.rank)
+      host.clear()  # free the host copy before waiting on the slowest rank
+      phase('written')
+    error, _ = _attempt(write_mine)
+    [failed] = self._agree(error is not None)
+    _raise_if(failed, error, f'step {step}: another rank failed to write; not committed')
+
+    def commit():
+      store.merge(path, layout)
+      phase('merged')
+      store.verify(path, layout)
+      storage.write_text(path, 'metadata.json', meta)
+      phase('metadata')
+      storage.write_text(path, MARKER, json.dumps({'step': step}))
+      phase('committed')
+      self._prune()
+      phase('pruned')
+    error = _attempt(commit)[0] if lead else None
+    [failed] = self._agree(error is not None)
+    _raise_if(failed, error, f'step {step}: rank 0 failed to commit or prune it')
+
+  def _prepare(self, path):
+    """Rank 0, before a save: delete stale uncommitted steps; whether `path` is committed."""
+    self._clean_uncommitted()
+    return is_committed(path)
+
+  def _clean_uncommitted(self):
+    for step, committed in _scan(self.root).items():
+      if not committed:
+        log.info('deleting uncommitted checkpoint directory %s', self.step_path(step))
+        storage.delete_tree(self.root, step_dir(step) + '/')
+
+  def _prune(self):
+    if not self.keep_last or self.keep_last <= 0:
+      return  # keep all (NxDT save_top_k = -1)
+    for step in self.committed_steps()[:-self.keep_last]:
+      storage.delete(self.step_path(step), MARKER)  # first: a half-deleted step is uncommitted
+      self._hook('unmarked', step)
+      storage.delete_tree(self.root, step_dir(step) + '/')
+
+  # ---- resume ----
+
+  def resolve_resume(self, resume_if_exists: bool, resume_ignore_no_checkpoint: bool,
+                     resume_from_checkpoint: str = None):
+    """Path of the step directory to resume from, or None to start fresh (same on all ranks).
+
+    resume_from_checkpoint (a step directory, or a root holding step directories) wins;
+    else with resume_if_exists the newest committed step under `root`; when there is none,
+    start fresh if resume_ignore_no_checkpoint, else raise FileNotFoundError."""
+    candidates = self._candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
+    return candidates[0] if candidates else None
+
+  def resume(self, requests: dict, *, resume_if_exists: bool, resume_ignore_no_checkpoint: bool,
+             resume_from_checkpoint: str = None, dtypes: dict = None):
+    """resolve_resume, then load this rank's boxes -> (step, arrays, metadata), or None to
+    start fresh. A checkpoint that fails to load (checksum, missing array or chunk) on any
+    rank is skipped with a warning for the previous committed one - on all ranks together."""
+    candidates = self._candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
+    for path in candidates:
+      error, loaded = _attempt(lambda p=path: self.load(p, requests, dtypes))
+      corrupt = isinstance(error, store.CheckpointError)
+      bad, fatal = self._agree(corrupt, error is not None and not corrupt)
+      _raise_if(fatal, None if corrupt else error, f'loading {path} failed on another rank')
+      if not bad:
+        arrays, metadata = loaded
+        return metadata['step'], arrays, metadata
+      log.warning('checkpoint %s cannot be loaded (%s); falling back to the previous committed step',
+                  path, error if error is not None else 'failed on another rank')
+    if candidates:
+      raise store.CheckpointError(f'no checkpoint could be loaded; tried {candidates}')
+    return None
+
+  def _candidates(self, resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint):
+    """Step paths to try, newest first (rank 0 lists, everyone gets its answer or error)."""
+    self.wait()
+
+    def lead():
+      if resume_from_checkpoint:
+        if is_committed(resume_from_checkpoint):
+          return [resume_from_checkpoint]
+        steps = sorted((s for s, c in _scan(resume_from_checkpoint).items() if c), reverse=True)
+        if not steps:
+          raise FileNotFoundError(f'resume_from_checkpoint={resume_from_checkpoint!r} is neither a '
+                                  'committed checkpoint step nor a directory holding one')
+        return [storage.join(resume_from_checkpoint, step_dir(s)) for s in steps]
+      if not resume_if_exists:
+        return []
+      steps = self.committed_steps()[::-1]
+      if not steps and not resume_ignore_no_checkpoint:
+        raise FileNotFoundError(f'resume_if_exists: no committed checkpoint in {self.root} (set '
+                                'exp_manager.resume_ignore_no_checkpoint=True to start fresh)')
+      if not steps:
+        log.warning('resume_if_exists: no committed checkpoint in %s; starting fresh', self.root)
+      return [self.step_path(s) for s in steps]
+    error, candidates = _attempt(lead) if self.rank == 0 else (None, None)
+    error, candidates = self._share((error, candidates))
+    if error is not None:
+      raise error
+    return candidates
+
+  # ---- collectives over the checkpoint group ----
+
+  def _agree(self, *flags):
+    """Every rank's flags, max-reduced (also a barrier)."""
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    if self._group is not None:
+      dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._group)
+    return values.tolist()
+
+  def _share(self, value):
+    if self._group is None:
+      return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+    return box[0]
+
+
+
+def _raise_if(failed, error, message):
+  """After an agreement: this rank's own error, else a generic one if another rank failed."""
+  if error is not None:
+    raise error
+  if failed:
+    raise store.CheckpointError(message)
+
+
+def _attempt(fn):
+  """(error, None) or (None, result): errors wait until all ranks have agreed on them."""
+  try:
+    return None, fn()
+  except Exception as error:  # pylint: disable=broad-except
+    return error, None

@@ -1,0 +1,163 @@
+"""Training state <-> checkpoint arrays: global names, logical shapes and every rank's box.
+
+Arrays (each stored once, in its global logical shape; vocab tables unpadded):
+  <param name>               parameters, e.g. layers.3.mlp.up_proj.weight
+  master.<param name>        fp32 master weights (only where parameters are bf16)
+  optim.<key>.<param name>   optimizer state tensors (exp_avg, exp_avg_sq, ...)
+The box of each array that a rank holds is a pure function of (config, mesh, rank), so every
+rank computes the whole layout and a checkpoint written at one layout loads at any other:
+each rank reads the boxes its current layout needs.
+"""
+import dataclasses
+
+import torch
+
+from checkpoint import store
+from model import transformer
+from parallel import pipeline, tensor, zero
+
+
+def _rank_mesh(mesh, rank):
+  return dataclasses.replace(mesh, rank=rank)
+
+
+def _clip(name, box, model_cfg):
+  """A box clipped to the unpadded vocabulary; None when nothing is left."""
+  if name in tensor.VOCAB_TABLES:
+    rows = box[0]
+    box = (slice(min(rows.start, model_cfg.vocab_size), min(rows.stop, model_cfg.vocab_size)),) + box[1:]
+  return box if all(sl.stop > sl.start for sl in box) else None
+
+
+def logical_shape(name, spec, model_cfg):
+  if name in tensor.VOCAB_TABLES:
+    return (model_cfg.vocab_size,) + tuple(spec.shape[1:])
+  return tuple(spec.shape)
+
+
+def param_boxes(config, mesh, rank):
+  """name -> this rank's (unclipped) box of every parameter its pipeline stage holds."""
+  m, d = config.model, config.distributed_strategy
+  vp = d.virtual_pipeline_model_parallel_size
+  bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
+  mesh_r = _rank_mesh(mesh, rank)
+  return tensor.boxes(m, mesh_r, pipeline.owned_names(m, mesh_r, bounds, vp))
+
+
+def _shard_box(box, local_rows, config, mesh, rank):
+  """The optimizer-state box: the parameter box narrowed to this rank's ZeRO rows."""
+  mesh_r = _rank_mesh(mesh, rank)
+  parts = mesh.dp if config.distributed_strategy.zero1 and mesh.dp > 1 else 1
+  rows, _ = zero.shard_rows(local_rows, parts, mesh_r.dp_rank if parts > 1 else 0)
+  start = box[0].start
+  return (slice(start + rows.start, start + rows.stop),) + tuple(box[1:])
+
+
+class StateLayout:
+  """Every array's logical shape, dtype and per-rank boxes for one (config, mesh)."""
+
+  def __init__(self, config, mesh, updater, state_keys=None):
+    """`state_keys`: optimizer state tensors to include (default: what the optimizer holds;
+    on resume, what the checkpoint holds)."""
+    self.config, self.mesh, self.updater = config, mesh, updater
+    self.specs = transformer.param_specs(config.model, mesh.tp)
+    self.all_boxes = [param_boxes(config, mesh, r) for r in range(mesh.world_size)]
+    self.state_keys = list(state_keys) if state_keys is not None else optimizer_state_keys(updater)
+
+  def _dtype(self, array):
+    """Identical on every rank: parameters in the recipe's dtype, masters fp32, optimizer
+    state in the dtype of the tensors it belongs to."""
+    param_dtype = self.updater.recipe.param_dtype
+    if array.startswith('master.') or (array.startswith('optim.') and self.updater.master_mode):
+      return 'float32'
+    return str(param_dtype).removeprefix('torch.')
+
+  def _arrays(self):
+    """(array name, param name, kind) for every array of the checkpoint."""
+    names = list(self.specs)
+    out = [(n, n, 'param') for n in names]
+    if self.updater.master_mode and self.updater.recipe.param_dtype != torch.float32:
+      out += [(f'master.{n}', n, 'shard') for n in names]
+    out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in names]
+    return out
+
+  def _box(self, param, kind, rank):
+    box = self.all_boxes[rank].get(param)
+    if box is None:
+      return None
+    if kind == 'shard' and self.updater.master_mode:
+      box = _shard_box(box, box[0].stop - box[0].start, self.config, self.mesh, rank)
+    return _clip(param, box, self.config.model)
+
+  def layouts(self):
+    m = self.config.model
+    return {array: store.ArrayLayout.from_boxes(
+        logical_shape(param, self.specs[param], m), self._dtype(array),
+        [self._box(param, kind, r) for r in range(self.mesh.world_size)])
+        for array, param, kind in self._arrays()}
+
+  def requests(self):
+    """array -> the box this rank reads (its current layout)."""
+    out = {}
+    for array, param, kind in self._arrays():
+      box = self._box(param, kind, self.mesh.rank)
+      if box is not None:
+        out[array] = box
+    return out
+
+  def local_tensors(self):
+    """array -> this rank's tensor, clipped to the unpadded vocabulary."""
+    out = {}
+    u = self.updater
+    for array, param, kind in self._arrays():
+      if param not in u.params:
+        continue
+      if kind == 'param':
+        t = u.params[param].detach()
+      else:
+        source = u.master[param] if u.master_mode else u.params[param]
+        t = source.detach() if array.startswith('master.') else u.optimizer.state[source][array.split('.')[1]]
+      box = self._box(param, kind, self.mesh.rank)
+      if box is None:
+        continue
+      out[array] = t[:box[0].stop - box[0].start]
+    return out
+
+  def restore(self, arrays, optimizer_step, weights_only=False):
+    """Copy loaded boxes into parameters, masters and optimizer state."""
+    u = self.updater
+    with torch.no_grad():
+      for array, param, kind in self._arrays():
+        if array not in arrays or param not in u.params:
+          continue
+        value = arrays[array]
+        if kind == 'param':
+          u.params[param][:value.shape[0]].copy_(value)
+          if u.master_mode and u.master[param].data_ptr() != u.params[param].data_ptr():
+            rows = u.rows[param][0]
+            u.master[param].copy_(u.params[param][rows].float())
+          continue
+        if weights_only:
+          continue
+        target = u.master[param] if u.master_mode else u.params[param]
+        if array.startswith('master.'):
+          target[:value.shape[0]].copy_(value)
+          continue
+        state = u.optimizer.state[target]
+        key = array.split('.')[1]
+        if key not in state:
+          state[key] = torch.zeros_like(target, dtype=value.dtype)
+        state[key][:value.shape[0]].copy_(value)
+        state['step'] = torch.tensor(float(optimizer_step))
+
+
+def optimizer_state_keys(updater):
+  state = next(iter(updater.optimizer.state.values()), {})
+  return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def optimizer_step(updater):
+  state = next(iter(updater.optimizer.state.values()), {})
+  step = state.get('step', 0)
+  return float(step.item() if torch.is_tensor(step) else step)
+
