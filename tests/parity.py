@@ -37,6 +37,11 @@ def train_on_rank(workdir, layout):
   """On every rank: train, then return (losses, grad norms) from rank 0 and this rank's boxes."""
   config = parity_config(**layout)
   _, params = train.run(config, workdir)
+  return rank_result(config, workdir, params)
+
+
+def rank_result(config, workdir, params):
+  """(losses, grad norms) from rank 0's metrics.jsonl, and this rank's boxes."""
   d = config.distributed_strategy
   mesh = meshes.Mesh(tp=d.tensor_model_parallel_size, pp=d.pipeline_model_parallel_size,
                      rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator)
