@@ -34,6 +34,10 @@ def _identity(x):
   return x
 
 
+def no_recompute(fn, *args):
+  return fn(*args)
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
   """The parallelism-aware operations the model is built from (single-device defaults)."""
@@ -47,6 +51,9 @@ class Ops:
   sequence_shards: int = 1             # SP degree: the residual stream holds s / sequence_shards
   local_part: Callable = lambda full_b_, kind: full_b_  # this rank's part of a full-size dropout
                                        # mask; kind: 'seq' [b,s,..], 'ffn' [b,s,f], 'heads' [b,n,s,s]
+  # Selective recompute hooks, wrap(fn, *args): parallel/remat.py swaps in checkpointing ones.
+  recompute_attention: Callable = no_recompute  # around core_attention
+  recompute_mlp: Callable = no_recompute        # around the whole MLP
 
 
 LOCAL_OPS = Ops()
@@ -156,8 +163,8 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
   if cos_sin is not None:
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
-  out = core_attention(q, k, v, mask, cfg, layer, drop_key and drop_key + ('attn',), sample_ids_b,
-                       ops.local_part)
+  out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer,
+                                drop_key and drop_key + ('attn',), sample_ids_b, ops.local_part)
   out = rearrange(out, 'b n s d -> b s (n d)')
   return ops.row_linear(out, params[prefix + '.o_proj.weight'], bias('o_proj'))
 
@@ -166,6 +173,10 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
 
 
 def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
+  return ops.recompute_mlp(_mlp, params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b)
+
+
+def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   bias = (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
   x_bsh = ops.enter_tp(x_bsh)
   up_bsf = ops.column_linear(x_bsh, params[prefix + '.up_proj.weight'], bias('up_proj'))

@@ -1,20 +1,60 @@
-"""Activation recompute: a wrapper around each transformer block call.
+"""Activation recompute (NxD Training's model.activations_checkpoint_granularity).
 
-`full` keeps only each layer's input and recomputes the block in backward
-(torch.utils.checkpoint, non-reentrant). Dropout masks are keyed by sample index, so the
-recomputed forward draws exactly the masks of the first one.
+  None       every layer keeps all it needs for backward.
+  selective  recompute core attention, softmax(q k^T) v, and with ('attention', 'mlp') also
+             the MLP (model.activations_checkpoint_recompute) in backward.
+  full       keep only each layer's input; recompute the whole block in backward.
+
+All go through torch.utils.checkpoint (non-reentrant). Dropout masks are keyed by sample
+index, so the recomputed forward draws exactly the masks of the first one and gradients are
+bitwise those of no recompute. What each mode keeps per layer: parallel/memory.py.
 """
+import dataclasses
+from typing import Callable
+
 import torch.utils.checkpoint
 
+from model import layers
 
-def _checkpointed(fn, *args):
-  return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+PARTS = ('attention', 'mlp')
 
 
-def layer_fn(granularity):
-  """The `layer_fn` for model.transformer.forward, or None for no recompute."""
-  if granularity == 'full':
-    return _checkpointed
+def checkpointed(fn, *args):
+  # Dropout draws from keyed generators, never the global RNG: no RNG state to stash.
+  return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+  """What to recompute, as wrappers wrap(fn, *args) around a block, its core attention and
+  its MLP. The value is the model's `layer_fn` (called once per block)."""
+  block: Callable = layers.no_recompute
+  attention: Callable = layers.no_recompute
+  mlp: Callable = layers.no_recompute
+
+  def __call__(self, fn, *args):
+    # The block gets its Ops among its arguments; handing the wrappers over there lets
+    # layers.self_attention and layers.mlp use them while the model knows nothing of remat.
+    if (self.attention, self.mlp) != (layers.no_recompute, layers.no_recompute):
+      args = [dataclasses.replace(a, recompute_attention=self.attention, recompute_mlp=self.mlp)
+              if isinstance(a, layers.Ops) else a for a in args]
+    return self.block(fn, *args)
+
+
+def policy(granularity, recompute=('attention',)):
+  """The `layer_fn` for model.transformer.stage: a Recompute, or None (nothing to wrap, so
+  the default path costs nothing extra). `recompute` is used by 'selective' only."""
   if granularity in (None, ''):
     return None
-  raise ValueError(f'activations_checkpoint_granularity={granularity!r} is not implemented here')
+  if granularity == 'full':
+    return Recompute(block=checkpointed)
+  if granularity == 'selective':
+    unknown = set(recompute) - set(PARTS)
+    if unknown:
+      raise ValueError(f'activations_checkpoint_recompute: unknown parts {sorted(unknown)}; valid: {PARTS}')
+    pick = lambda part: checkpointed if part in recompute else layers.no_recompute
+    return Recompute(attention=pick('attention'), mlp=pick('mlp'))
+  raise ValueError(f'activations_checkpoint_granularity={granularity!r}; valid: None, selective, full')
+
+
+layer_fn = policy  # the earlier name (train.py, tests/test_transformer.py)
