@@ -53,7 +53,8 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   n_tokens = sum(mb['loss_mask'].sum() for mb in micro_batches).to(mesh.device)
   n_tokens = comm.all_reduce_(n_tokens, mesh.dp_group, name='all_reduce(token count over dp)')
   dropout = training and max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout) > 0
-  layer_fn = remat.layer_fn(m.activations_checkpoint_granularity) if training else None
+  layer_fn = remat.policy(m.activations_checkpoint_granularity,
+                          m.activations_checkpoint_recompute) if training else None
   bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
   last_stage = len(bounds) - 1
   loss_sum = torch.zeros((), device=mesh.device)
@@ -161,7 +162,7 @@ def summary(config, mesh, params, peak):
   m, a = config.model, config.data
   n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
   n_local = sum(p.numel() for p in params.values())
-  est = memory.estimate(config, n_local)
+  est = memory.estimate(config, n_local, mesh.dp)
   tokens_per_step = a.global_batch_size * a.seq_length
   accum = a.global_batch_size // (a.micro_batch_size * mesh.dp)
   sp = ' +sp' if config.distributed_strategy.sequence_parallel else ''

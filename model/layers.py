@@ -40,7 +40,8 @@ def no_recompute(fn, *args):
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-  """The parallelism-aware operations the model is built from (single-device defaults)."""
+  """The parallelism-aware operations the model is built from, and its recompute hooks
+  (single-device, no-recompute defaults)."""
   column_linear: Callable = _linear    # output features sharded under TP
   row_linear: Callable = _linear       # input features sharded under TP; output reduced
   embed: Callable = _embed             # vocab-sharded under TP

@@ -6,7 +6,7 @@ import math
 import torch
 
 from model import transformer
-from parallel import mesh as meshes, remat, tensor
+from parallel import mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
                'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1}
@@ -44,14 +44,15 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   (f = 2.6875 h). Korthikanti's GPT block is 34 sbh + 5 a s^2 b; ours with the GPT options
   (layernorm, gelu, explicit attention, dropout) is 34 sbh + 7 a s^2 b + s^2 + 8 sb in
   16-bit: the same 34, plus an fp32 softmax, a per-layer causal mask, layernorm statistics.
-  Under TP both are sbh (10 + 24/t) + ...; under SP Korthikanti's is (34/t) sbh + ..., ours
-  sbh (4 + 30/t) for b = 1: our column linears keep the all-gathered input, Megatron's keep
-  the shard and gather again in backward.
+  Under TP both are sbh (10 + 24/t) + ... Under SP Korthikanti's is (34/t) sbh + ..., ours
+  sbh (4 + 30/t) + ... without the (*) artefacts (today 8 + 30/t for b > 1): our column
+  linears keep the all-gathered input, Megatron's keep the shard and gather it in backward.
   """
   m, a = config.model, config.data
   w, s, b, h = bytes_per_value, a.seq_length, a.micro_batch_size, m.hidden_size
   n, d = s * b, transformer.head_dim(m)
-  heads, kv, ffn = m.num_attention_heads // tp, max(transformer.kv_heads(m), tp) // tp, m.ffn_hidden_size // tp
+  heads, kv = m.num_attention_heads // tp, max(transformer.kv_heads(m), tp) // tp   # per rank
+  ffn = m.ffn_hidden_size // tp
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   local = n // tp if sp else n                 # residual-stream tokens on this rank
   granularity = m.activations_checkpoint_granularity
@@ -62,7 +63,10 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   masked = n if b == 1 else local              # (*) own_chunk's view keeps the whole mask
   mask_heads = m.num_attention_heads if b == 1 else heads
   hidden_mask = masked * h if m.hidden_dropout > 0 else 0
-  norm = (4 + w) * local * h + 4 * local if m.normalization == 'rmsnorm' else w * (local * h + 2 * local)
+  if m.normalization == 'rmsnorm':
+    norm = (4 + w) * local * h + 4 * local     # rms_norm computes in fp32
+  else:
+    norm = w * (local * h + 2 * local)
   swiglu = m.activation == 'swiglu'
 
   attention = norm + w * n * h * (3 if copies else 1) + w * n * heads * d + hidden_mask
@@ -121,21 +125,27 @@ def _saved_bytes(config, num_layers, mesh, dtype):
   return sum(storage.nbytes() for storage in kept.values())
 
 
-def estimate(config, n_params=None, bytes_per_value=4) -> dict:
-  """Bytes per rank holding `n_params` parameters: params, grads, optimizer state, activations
-  of one micro batch (plus the fp32 logits and their softmax)."""
-  m = config.model
-  tp = config.distributed_strategy.tensor_model_parallel_size
+def estimate(config, n_params=None, dp=1) -> dict:
+  """Bytes per rank holding `n_params` parameters under the precision recipe and ZeRO-1:
+  params, grads, master weights, optimizer state, and the activations of the micro batches
+  in flight on this stage (1F1B: up to min(pp, micro batches)) plus fp32 logits."""
+  m, d = config.model, config.distributed_strategy
+  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
+  recipe = precision.recipe(config.precision)
   if n_params is None:
     n_params = sum(math.prod(spec.shape) for spec in transformer.param_specs(m, tp).values())
-  states = ADAM_STATES.get(m.optim.name, 2)
+  shards = dp if d.zero1 else 1
+  param_bytes = recipe.param_dtype.itemsize
+  microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
+  in_flight = min(pp, microbatches)
   logits = config.data.micro_batch_size * config.data.seq_length * transformer.padded_vocab_size(m, tp) // tp
   out = {
-      'params': n_params * bytes_per_value,
-      'grads': n_params * bytes_per_value,
-      'optimizer': n_params * 4 * states,
-      'activations': (m.num_layers * activation_bytes_per_layer(config, bytes_per_value, tp)
-                      + 2 * logits * 4),
+      'params': n_params * param_bytes,
+      'grads': n_params * recipe.grad_acc_dtype.itemsize,
+      'master': n_params * 4 // shards if param_bytes != 4 else 0,
+      'optimizer': n_params * 4 * ADAM_STATES.get(m.optim.name, 2) // shards,
+      'activations': (math.ceil(m.num_layers / pp) * in_flight
+                      * activation_bytes_per_layer(config, param_bytes, tp) + 2 * logits * 4),
   }
   out['total'] = sum(out.values())
   return out

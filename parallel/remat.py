@@ -51,10 +51,9 @@ def policy(granularity, recompute=('attention',)):
   if granularity == 'selective':
     unknown = set(recompute) - set(PARTS)
     if unknown:
-      raise ValueError(f'activations_checkpoint_recompute: unknown parts {sorted(unknown)}; valid: {PARTS}')
+      raise ValueError(f'activations_checkpoint_recompute: unknown parts {sorted(unknown)}; '
+                       f'valid: {PARTS}')
     pick = lambda part: checkpointed if part in recompute else layers.no_recompute
     return Recompute(attention=pick('attention'), mlp=pick('mlp'))
   raise ValueError(f'activations_checkpoint_granularity={granularity!r}; valid: None, selective, full')
 
-
-layer_fn = policy  # the earlier name (train.py, tests/test_transformer.py)

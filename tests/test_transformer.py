@@ -147,7 +147,7 @@ def test_full_recompute_gives_identical_gradients():
   m = tiny(hidden_dropout=0.1)
   p, b = transformer.init(m, 0), batch()
   ref, g_ref = loss_and_grads(m, p, [b], 24, dropout_key=(0, 'd'))
-  got, g_got = loss_and_grads(m, p, [b], 24, dropout_key=(0, 'd'), layer_fn=remat.layer_fn('full'))
+  got, g_got = loss_and_grads(m, p, [b], 24, dropout_key=(0, 'd'), layer_fn=remat.policy('full'))
   assert ref == got
   for k in g_ref:
     assert torch.equal(g_ref[k], g_got[k]), k

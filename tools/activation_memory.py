@@ -1,0 +1,124 @@
+"""Activation bytes kept for backward per layer and rank: measured with saved-tensor hooks
+against parallel/memory.py's formula, for every recompute mode on one rank, TP2 and TP2+SP,
+on both attention paths, at the config's micro batch and sequence length.
+
+    python tools/activation_memory.py --config=configs/llama_tiny.py
+    python tools/activation_memory.py --config=configs/llama7b.py:smoke --dtype=bf16
+    python tools/activation_memory.py --config=configs/llama7b.py --dtype=bf16 --nomeasure
+
+TP2 runs on two spawned CPU processes (gloo). Dropout counts when the config has it.
+--nomeasure prints the formula alone (full-size models take minutes to measure on CPU).
+"""
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+import torch  # pylint: disable=wrong-import-position
+
+import train  # pylint: disable=wrong-import-position  (defines --config)
+from model import transformer  # pylint: disable=wrong-import-position
+from parallel import memory, mesh as meshes  # pylint: disable=wrong-import-position
+from tests import world  # pylint: disable=wrong-import-position
+
+_DTYPE = flags.DEFINE_enum('dtype', 'fp32', ['fp32', 'bf16'], 'Parameter (and activation) dtype.')
+_MEASURE = flags.DEFINE_bool('measure', True, 'Measure; with --nomeasure print the formula only.')
+
+MODES = {'none': (None, ()), 'selective (attention)': ('selective', ('attention',)),
+         'selective (attention, mlp)': ('selective', ('attention', 'mlp')), 'full': ('full', ())}
+PATHS = {'fused (SDPA)': True, 'explicit softmax': False}
+LAYOUTS = {'tp1': (1, False), 'tp2': (2, False), 'tp2+sp': (2, True)}
+DTYPES = {'fp32': (torch.float32, 4), 'bf16': (torch.bfloat16, 2)}
+
+
+def variant(config, flash, mode, tp, sp):
+  c = copy.deepcopy(config)
+  m, d = c.model, c.distributed_strategy
+  m.fusions.flash_attention = flash
+  m.activations_checkpoint_granularity, m.activations_checkpoint_recompute = MODES[mode]
+  d.tensor_model_parallel_size, d.sequence_parallel, d.pipeline_model_parallel_size = tp, sp, 1
+  d.kv_replicator = max(1, tp // transformer.kv_heads(m))
+  return c
+
+
+def fits(config, tp, sp):
+  m = config.model
+  g = transformer.kv_heads(m)
+  heads_split = m.num_attention_heads % tp == 0 and (g % tp == 0 or tp % g == 0)
+  return heads_split and m.ffn_hidden_size % tp == 0 and (not sp or config.data.seq_length % tp == 0)
+
+
+def cells(config, dtype_name, tp=None, mesh=None, measure=True):
+  """{(path, mode, layout): (measured or None, formula)} for the layouts with TP degree `tp`
+  (all layouts when None)."""
+  dtype, width = DTYPES[dtype_name]
+  out = {}
+  for layout, (layout_tp, sp) in LAYOUTS.items():
+    if tp not in (None, layout_tp) or not fits(config, layout_tp, sp):
+      continue
+    for path, flash in PATHS.items():
+      for mode in MODES:
+        c = variant(config, flash, mode, layout_tp, sp)
+        measured = memory.measured_bytes_per_layer(c, mesh, dtype) if measure else None
+        out[path, mode, layout] = (measured, memory.activation_bytes_per_layer(c, width, layout_tp))
+  return out
+
+
+def _on_rank(config, dtype_name):
+  mesh = meshes.init(variant(config, True, 'none', 2, False))
+  return cells(config, dtype_name, 2, mesh)
+
+
+def measure(config, dtype_name='fp32'):
+  table = cells(config, dtype_name, 1)
+  if fits(config, 2, False):
+    table.update(world.run(_on_rank, 2, config, dtype_name)[0])     # ranks are symmetric
+  return table
+
+
+def _measured(table):
+  return any(measured is not None for measured, _ in table.values())
+
+
+def render(config, table, dtype_name):
+  m, a = config.model, config.data
+  dropout = max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout)
+  lines = [f'{config.name}: s={a.seq_length} b={a.micro_batch_size} h={m.hidden_size} '
+           f'f={m.ffn_hidden_size} a={m.num_attention_heads} g={transformer.kv_heads(m)} '
+           f'd={transformer.head_dim(m)} {m.activation} {m.normalization} {dtype_name} dropout={dropout}',
+           'bytes kept for backward per layer and rank: ' + (
+               'measured, = when the formula agrees' if _measured(table) else 'formula only')]
+  if m.attention_dropout > 0:
+    lines.append('attention dropout > 0: both paths take the explicit softmax')
+  for path in PATHS:
+    lines.append(f'\n{path:28s}' + ''.join(f'{layout:>26s}' for layout in LAYOUTS))
+    for mode in MODES:
+      row = f'{mode:28s}'
+      for layout in LAYOUTS:
+        measured, formula = table.get((path, mode, layout), (None, None))
+        if formula is None:
+          cell = 'n/a'
+        elif measured is None:
+          cell = f'{formula:,}'
+        else:
+          cell = f'{measured:,} ' + ('=' if measured == formula else f'!= {formula:,}')
+        row += f'{cell:>26s}'
+      lines.append(row)
+  if _measured(table):
+    exact = all(measured == formula for measured, formula in table.values())
+    lines.append('\nall measured == formula' if exact else '\nMISMATCH: formula and measurement differ')
+  return '\n'.join(lines)
+
+
+def main(argv):
+  del argv
+  config = train._CONFIG.value  # pylint: disable=protected-access
+  table = measure(config, _DTYPE.value) if _MEASURE.value else cells(config, _DTYPE.value, measure=False)
+  print(render(config, table, _DTYPE.value))
+
+
+if __name__ == '__main__':
+  flags.mark_flag_as_required('config')
+  app.run(main)
