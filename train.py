@@ -55,7 +55,7 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   dropout = training and max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout) > 0
   layer_fn = remat.policy(m.activations_checkpoint_granularity,
                           m.activations_checkpoint_recompute) if training else None
-  bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
+  bounds = pipeline.config_bounds(config, mesh.pp)
   last_stage = len(bounds) - 1
   loss_sum = torch.zeros((), device=mesh.device)
   batches = [to_device(mb, mesh.device) for mb in micro_batches]
@@ -120,10 +120,8 @@ def evaluate(params, loader, config, mesh, ops, num_batches):
 
 def init_params(config, mesh):
   """This rank's boxes of its pipeline stage's parameters (slices of the single-device init)."""
-  m, d = config.model, config.distributed_strategy
-  vp = d.virtual_pipeline_model_parallel_size
-  bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
-  names = pipeline.owned_names(m, mesh, bounds, vp)
+  m = config.model
+  names = pipeline.config_owned_names(config, mesh)
   return transformer.init(m, config.seed, device=mesh.device, tp=mesh.tp,
                           dtype=precision.recipe(config.precision).param_dtype,
                           boxes=tensor.boxes(m, mesh, names))

@@ -37,11 +37,8 @@ def logical_shape(name, spec, model_cfg):
 
 def param_boxes(config, mesh, rank):
   """name -> this rank's (unclipped) box of every parameter its pipeline stage holds."""
-  m, d = config.model, config.distributed_strategy
-  vp = d.virtual_pipeline_model_parallel_size
-  bounds = pipeline.stage_bounds(m.num_layers, mesh.pp, vp, tuple(d.pipeline_cuts))
   mesh_r = _rank_mesh(mesh, rank)
-  return tensor.boxes(m, mesh_r, pipeline.owned_names(m, mesh_r, bounds, vp))
+  return tensor.boxes(config.model, mesh_r, pipeline.config_owned_names(config, mesh_r))
 
 
 def _shard_box(box, local_rows, config, mesh, rank):

@@ -25,6 +25,19 @@ def stage_bounds(num_layers, pp, vp=1, cuts=()):
   return [(edges[s], edges[s + 1]) for s in range(stages)]
 
 
+def config_bounds(config, pp):
+  """stage_bounds for a config's model and distributed_strategy at PP degree `pp`."""
+  d = config.distributed_strategy
+  return stage_bounds(config.model.num_layers, pp, d.virtual_pipeline_model_parallel_size,
+                      tuple(d.pipeline_cuts))
+
+
+def config_owned_names(config, mesh):
+  """owned_names for this rank under a config."""
+  vp = config.distributed_strategy.virtual_pipeline_model_parallel_size
+  return owned_names(config.model, mesh, config_bounds(config, mesh.pp), vp)
+
+
 def virtual_stages(mesh, vp):
   """The virtual stages this rank runs, by local chunk."""
   return [c * mesh.pp + mesh.pp_rank for c in range(vp)]
