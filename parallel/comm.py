@@ -46,7 +46,8 @@ def all_gather(x, group, dim, name='all_gather'):
   if group is None:
     return x
   if dim != 0:
-    return all_gather(x.movedim(dim, 0).contiguous(), group, 0, name).movedim(0, dim)
+    # contiguous: a transposed view would make every consumer (each column linear) save its own copy
+    return all_gather(x.movedim(dim, 0).contiguous(), group, 0, name).movedim(0, dim).contiguous()
   n = dist.get_world_size(group)
   out = torch.empty((n * x.shape[0],) + x.shape[1:], dtype=x.dtype, device=x.device)
   _run(name, group, lambda: _all_gather_flat(out, x.contiguous(), group=group))
@@ -67,7 +68,8 @@ def reduce_scatter(x, group, dim, name='reduce_scatter'):
 def own_chunk(x, group, dim):
   if group is None:
     return x
-  return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].contiguous()
+  # clone, not contiguous: a view (the b = 1 case) would keep the whole tensor alive
+  return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].clone()
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -35,9 +35,9 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   Recompute keeps a region's inputs instead of its insides: selective 'attention' keeps
   w N (a' + 2g') d + w N a' d (q, k, v, and the output o_proj keeps anyway); 'mlp' keeps
   w Nh/σ in place of a linear input, the MLP terms and the ffn mask; full keeps w Nh/σ.
-  (*) Layout artefacts, worth fixing in parallel/comm.py: under SP with b > 1 all_gather
-  leaves [s,b,h] memory that each column linear copies (5 w Nh swiglu, 4 w Nh gelu instead
-  of 2 w Nh); own_chunk of a dropout mask with b = 1 is a view that keeps the whole mask.
+  (*) Fixed layout artefacts: all_gather used to return a transposed view that each column
+  linear copied (5 w Nh instead of 2 w Nh under SP), and own_chunk a view that kept the
+  whole dropout mask; both now return their own storage.
 
   Llama (fp32, SDPA, RoPE, no dropout, t = 1): 4 (11 Nh + 4 Nf) + 8 N + 4 b a s bytes,
   less 8 N (a - g) d with GQA; in 16-bit 47.5 sbh + 8 sb + 4 b a s for Llama-2 7B
@@ -45,8 +45,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   (layernorm, gelu, explicit attention, dropout) is 34 sbh + 7 a s^2 b + s^2 + 8 sb in
   16-bit: the same 34, plus an fp32 softmax, a per-layer causal mask, layernorm statistics.
   Under TP both are sbh (10 + 24/t) + ... Under SP Korthikanti's is (34/t) sbh + ..., ours
-  sbh (4 + 30/t) + ... without the (*) artefacts (today 8 + 30/t for b > 1): our column
-  linears keep the all-gathered input, Megatron's keep the shard and gather it in backward.
+  sbh (4 + 30/t) + ...: our column linears keep the all-gathered input, Megatron's keep the
+  shard and gather it again in backward.
   """
   m, a = config.model, config.data
   w, s, b, h = bytes_per_value, a.seq_length, a.micro_batch_size, m.hidden_size
@@ -59,9 +59,9 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
   if granularity == 'full':
     return w * local * h
-  copies = sp and b > 1                        # (*) each column linear copies the gather
-  masked = n if b == 1 else local              # (*) own_chunk's view keeps the whole mask
-  mask_heads = m.num_attention_heads if b == 1 else heads
+  copies = False                               # (*) fixed: all_gather returns a contiguous tensor
+  masked = local                               # (*) fixed: own_chunk clones its shard
+  mask_heads = heads
   hidden_mask = masked * h if m.hidden_dropout > 0 else 0
   if m.normalization == 'rmsnorm':
     norm = (4 + w) * local * h + 4 * local     # rms_norm computes in fp32

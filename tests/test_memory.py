@@ -61,10 +61,10 @@ def test_gpt_block_in_16_bit_is_korthikanti_plus_fp32_softmax_and_mask():
   t = 4
   assert memory.activation_bytes_per_layer(c, 2, tp=t) == (
       10 * s * b * h + 24 * s * b * h // t + 7 * a * s * s * b // t + s * s + 8 * s * b)
-  # SP divides all but the linear inputs, which (b > 1) each column linear copies: 8 sbh.
+  # SP divides all but the two all-gathered linear inputs: 4 sbh (Megatron re-gathers them).
   c.distributed_strategy.sequence_parallel = True
   assert memory.activation_bytes_per_layer(c, 2, tp=t) == (
-      8 * s * b * h + 30 * s * b * h // t + 7 * a * s * s * b // t + s * s + 8 * s * b // t)
+      4 * s * b * h + 30 * s * b * h // t + 7 * a * s * s * b // t + s * s + 8 * s * b // t)
 
 
 def test_selective_recompute_leaves_no_quadratic_term():
