@@ -149,8 +149,11 @@ class StateLayout:
 
 
 def optimizer_state_keys(updater):
-  state = next(iter(updater.optimizer.state.values()), {})
-  return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
+  """State tensors shaped like their parameter (Adam moments, momentum buffers); factored
+  state (Adafactor's row/column moments) is not checkpointed and restarts on resume."""
+  param, state = next(iter(updater.optimizer.state.items()), (None, {}))
+  return sorted(k for k, v in state.items()
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape == param.shape)
 
 
 def optimizer_step(updater):
