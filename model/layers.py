@@ -7,7 +7,7 @@ whose single-device version below is plain PyTorch (parallel/tensor.py supplies 
 """
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -1,7 +1,10 @@
 """ZeRO-1 and master weights: row shards, parity with the unsharded run, memory per rank."""
+import json
+import os
+import tempfile
+
 import numpy as np
 import pytest
-import torch
 
 import train
 from data.loader import Loader
@@ -60,7 +63,6 @@ def _precision_losses(precision_type):
   config = parity.parity_config()
   config.trainer.max_steps = 30
   config.precision.type = precision_type
-  import tempfile, json, os  # pylint: disable=import-outside-toplevel,multiple-imports
   with tempfile.TemporaryDirectory() as d:
     train.run(config, d)
     return [json.loads(line)['loss'] for line in open(os.path.join(d, 'metrics.jsonl'))
