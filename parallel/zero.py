@@ -28,6 +28,14 @@ def shard_rows(rows, parts, index):
   return slice(min(index * per, rows), min((index + 1) * per, rows)), per
 
 
+def _pad_rows(tensor, rows):
+  """[rows, row_size]: the tensor's rows flattened, zero-padded to `rows`."""
+  flat = tensor.reshape(tensor.shape[0], -1)
+  padded = torch.zeros(rows, flat.shape[1], dtype=flat.dtype, device=flat.device)
+  padded[:flat.shape[0]] = flat
+  return padded
+
+
 class Updater:
 
   def __init__(self, params, config, mesh):
@@ -136,11 +144,7 @@ class Updater:
 
   def _padded(self, name, tensor):
     """[parts, rows_per_shard * row_size]: the tensor's rows padded and cut per shard."""
-    per = self.rows[name][1]
-    flat = tensor.reshape(tensor.shape[0], -1)
-    padded = torch.zeros(per * self.parts, flat.shape[1], dtype=tensor.dtype, device=tensor.device)
-    padded[:flat.shape[0]] = flat
-    return padded.view(self.parts, -1)
+    return _pad_rows(tensor, self.rows[name][1] * self.parts).view(self.parts, -1)
 
   def _unpad(self, name, flat_rows):
     """This shard's real rows from its padded segment, shaped like the parameter's rows."""
@@ -173,7 +177,7 @@ class Updater:
 
   def _all_gather(self, step):
     for bucket in self._buckets():
-      segments = [self._padded_own(n, self._rounded(n, step)) for n in bucket]
+      segments = [_pad_rows(self._rounded(n, step), self.rows[n][1]).reshape(-1) for n in bucket]
       mine = torch.cat(segments)
       full = mine[None] if self.group is None else comm.all_gather(
           mine, self.group, 0, name='all_gather(params over dp, ZeRO-1)').view(self.parts, -1)
@@ -184,11 +188,3 @@ class Updater:
           rows = full[:, offset:offset + seg.numel()].reshape(-1, p.numel() // max(p.shape[0], 1))
           p.copy_(rows[:p.shape[0]].view_as(p))
           offset += seg.numel()
-
-  def _padded_own(self, name, shard):
-    """This shard's rows padded to the common rows-per-shard, flattened."""
-    per = self.rows[name][1]
-    flat = shard.reshape(shard.shape[0], -1)
-    padded = torch.zeros(per, flat.shape[1], dtype=flat.dtype, device=flat.device)
-    padded[:flat.shape[0]] = flat
-    return padded.reshape(-1)
