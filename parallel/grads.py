@@ -77,9 +77,9 @@ def global_norm(tensors_by_name, mesh, extra_group=None):
   return total.sqrt()
 
 
-def clip(grads, mesh, max_norm):
+def clip(grads, mesh, max_norm, extra_group=None):
   """Global norm of `grads` (name -> tensor); scaled so it is at most `max_norm` (0 = off)."""
-  norm = global_norm(grads, mesh)
+  norm = global_norm(grads, mesh, extra_group)
   if max_norm > 0 and grads:
     torch._foreach_mul_(list(grads.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
   return norm

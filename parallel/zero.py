@@ -97,17 +97,15 @@ class Updater:
     clip = self.config.trainer.gradient_clip_val
     if not self.master_mode:
       norm = grad_ops.clip(gradients, self.mesh, clip)
-      ok = self._finite(norm)
+      ok = bool(torch.isfinite(norm))
       if ok:
         self.optimizer.step()
       self._clear()
       return norm, ok
     shard_grads = self._reduce_scatter(gradients)
-    norm = grad_ops.global_norm(shard_grads, self.mesh, extra_group=self.group)
-    ok = self._finite(norm)
+    norm = grad_ops.clip(shard_grads, self.mesh, clip, extra_group=self.group)
+    ok = bool(torch.isfinite(norm))
     if ok:
-      if clip > 0:
-        torch._foreach_mul_(list(shard_grads.values()), torch.clamp(clip / (norm + 1e-6), max=1.0))
       if not self.recipe.master_weights and self.recipe.param_dtype != torch.float32:
         # bf16SR: the bf16 parameter is the only copy; the fp32 rows are scratch
         for n, p in self.params.items():
@@ -118,10 +116,6 @@ class Updater:
       self._all_gather(step)
     self._clear()
     return norm, ok
-
-  @staticmethod
-  def _finite(norm):
-    return bool(torch.isfinite(norm))
 
   def _clear(self):
     self.main_grads = {}
