@@ -8,16 +8,18 @@ plain data: `params` (flat dict of tensors), the updater (optimizer, master weig
 shards; parallel/zero.py), and `consumed_samples` (the
 whole data position). Every random draw is keyed, so nothing else needs saving.
 """
-import json
+import math
 import os
+import sys
 import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 import torch
 
-from checkpoint import session
-from configs import validate as config_validation
+from checkpoint import manager as managers, session, store, workdir as workdirs
+from configs import cli, validate as config_validation
+from data import errors as data_errors, tokenizer
 from data.loader import Loader
 from model import transformer
 from optim import schedules
@@ -28,6 +30,7 @@ from parallel import device as devices
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: metrics.jsonl, TensorBoard, config.')
+_DEBUG = flags.DEFINE_bool('debug', False, 'Full tracebacks instead of one-line errors.')
 
 
 # ======================================================================================
@@ -102,7 +105,7 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops):
   grad_norm, updated = updater.step(gradients, lr, step)
   if not (updated and torch.isfinite(loss)) and config.trainer.nonfinite_policy == 'error':
     raise FloatingPointError(
-        f'non-finite loss or gradient at step {step} (loss={loss.item()}, grad_norm={grad_norm.item()}); '
+        f'non-finite loss or gradient at step {step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()}); '
         'lower model.optim.lr, check the data, or set trainer.nonfinite_policy=skip')
   return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not updated}
 
@@ -128,39 +131,19 @@ def init_params(config, mesh):
 
 
 # ======================================================================================
-# setup, summary, logging
+# setup, summary
 # ======================================================================================
 
 
-class MetricsLog:
-  """metrics.jsonl (one JSON object per record) and, optionally, TensorBoard scalars."""
-
-  def __init__(self, workdir, tensorboard, append=False):
-    self.file = open(os.path.join(workdir, 'metrics.jsonl'), 'a' if append else 'w')
-    self.writer = None
-    if tensorboard:
-      from torch.utils.tensorboard import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self.writer = SummaryWriter(os.path.join(workdir, 'tensorboard'))
-
-  def write(self, record):
-    self.file.write(json.dumps(record) + '\n')
-    self.file.flush()
-    if self.writer:
-      for key, value in record.items():
-        if key != 'step' and isinstance(value, (int, float)):
-          self.writer.add_scalar(key, value, record['step'])
-
-  def close(self):
-    self.file.close()
-    if self.writer:
-      self.writer.close()
+def local_param_count(config, mesh):
+  """Parameters this rank will hold, from the layout alone (nothing allocated)."""
+  boxes = tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
+  return sum(math.prod(sl.stop - sl.start for sl in box) for box in boxes.values())
 
 
-def summary(config, mesh, params, peak):
+def summary(config, mesh, n_local, est):
   m, a = config.model, config.data
   n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
-  n_local = sum(p.numel() for p in params.values())
-  est = memory.estimate(config, n_local, mesh.dp)
   tokens_per_step = a.global_batch_size * a.seq_length
   accum = a.global_batch_size // (a.micro_batch_size * mesh.dp)
   sp = ' +sp' if config.distributed_strategy.sequence_parallel else ''
@@ -172,16 +155,38 @@ def summary(config, mesh, params, peak):
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
       f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),
-      f'MFU peak: {peak[0]:.3e} FLOP/s per process ({peak[1]})',
   ]
   if mesh.world_size > 1:
     lines += ['layout:'] + ['  ' + line for line in tensor.describe_layout(config, mesh)]
   return '\n'.join(lines)
 
 
+def check_memory(config, mesh, est):
+  """Refuse before allocating when the estimate per rank exceeds what the rank has."""
+  local_ranks = int(os.environ.get('LOCAL_WORLD_SIZE', '1'))
+  budget, source = memory.available_bytes(mesh.device, local_ranks)
+  if not config.trainer.memory_check or budget is None or est['total'] <= budget:
+    return
+  fits = memory.fitting_layouts(config, mesh.world_size, budget, config_validation.check)
+  preset = f'configs/{config.name}.py' if os.path.isfile(f'configs/{config.name}.py') else 'configs/<model>.py'
+  hint = (f'layouts of {mesh.world_size} process(es) that fit: '
+          + ', '.join(f'{name} ({memory.human_bytes(need)})' for name, need in fits[:4])
+          if fits else f'no layout of {mesh.world_size} process(es) fits; use more devices or a '
+          f'smaller model, e.g. the CPU-sized preset --config={preset}:smoke')
+  raise MemoryError(
+      f'this run needs an estimated {memory.human_bytes(est["total"])} per rank but a rank has '
+      f'{memory.human_bytes(budget)} ({source}); {hint}. Set --config.trainer.memory_check=False '
+      'to try anyway.')
+
+
 def fmt_eta(seconds):
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def check_tokenizer(config):
+  if config.data.tokenizer.type != 'none':
+    tokenizer.check_vocab(tokenizer.load_tokenizer(config.data.tokenizer), config.model)
 
 
 # ======================================================================================
@@ -191,42 +196,60 @@ def fmt_eta(seconds):
 
 def run(config, workdir):
   """Train `config` on this process's share of the mesh. Returns (last logged record, params)."""
-  # --- setup
+  # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
   config_validation.validate(config, world_size)
+  for warning in config_validation.warnings(config):
+    logging.warning('config: %s', warning)
   mesh = meshes.init(config)
   lead = mesh.rank == 0                    # the one rank that prints and writes files
   if not lead:
     logging.set_verbosity(logging.WARNING)
-  if lead:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      f.write(config.to_json_best_effort(indent=2))
-  ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
-  peak = devices.peak_flops(mesh.device)
+  lock = comm.on_every_rank(lambda: workdirs.Lock(workdir) if lead else None, mesh.host_group,
+                            'locking the workdir')
+  log, checkpoints = None, None
+  try:
+    est = memory.estimate(config, local_param_count(config, mesh), mesh.dp)
+    logging.info('\n%s', summary(config, mesh, local_param_count(config, mesh), est))
+    comm.on_every_rank(lambda: check_memory(config, mesh, est), mesh.host_group, 'the memory check')
+    comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')
+    ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
+    peak = devices.peak_flops(mesh.device)
+    logging.info('MFU peak: %.3e FLOP/s per process (%s)', *peak)
 
-  # --- data: each DP rank reads its slice of every global batch
-  train_data = Loader(config, 'train', mesh.dp_rank, mesh.dp)
-  valid_data = Loader(config, 'valid', mesh.dp_rank, mesh.dp)
+    # --- data: each DP rank reads its slice of every global batch
+    train_data = Loader(config, 'train', mesh.dp_rank, mesh.dp)
+    valid_data = Loader(config, 'valid', mesh.dp_rank, mesh.dp)
 
-  # --- init
-  params = init_params(config, mesh)
-  updater = zero.Updater(params, config, mesh)
-  logging.info('\n%s', summary(config, mesh, params, peak))
+    # --- init, then restore (or init_from): parameters, optimizer state and data position
+    params = init_params(config, mesh)
+    updater = zero.Updater(params, config, mesh)
+    checkpoints = session.Session(config, workdir, mesh, updater)
+    start_step, consumed_samples = checkpoints.restore_or_init()
+    if lead:
+      workdirs.write_config(workdir, config)
+    log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
+                              resumed_at=start_step if start_step > 0 else None)
+    return _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log,
+                 train_data, valid_data, start_step, consumed_samples), params
+  finally:
+    if checkpoints is not None:
+      checkpoints.close()
+    if log is not None:
+      log.close()
+    if lock is not None:
+      lock.release()
 
-  # --- restore (or init_from): parameters, optimizer state and data position
-  checkpoints = session.Session(config, workdir, mesh, updater)
-  start_step, consumed_samples = checkpoints.restore_or_init()
 
-  # --- loop
-  log = MetricsLog(workdir, config.exp_manager.create_tensorboard_logger, append=start_step > 0) if lead else None
+def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, train_data, valid_data,
+          start_step, consumed_samples):
   t = config.trainer
   if t.num_sanity_val_steps:
     logging.info('sanity validation: val_loss %.4f',
                  evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps))
   tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
-  window_start, window_steps, record = time.perf_counter(), 0, {}
+  window_start, window_steps, record, skips, stopped = time.perf_counter(), 0, {}, 0, None
   for step in range(start_step, t.max_steps):
     out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops)
     if step == start_step:
@@ -234,8 +257,16 @@ def run(config, workdir):
                    memory.human_bytes(updater.state_bytes()))
     consumed_samples += config.data.global_batch_size
     window_steps += 1
+    skips = skips + 1 if out['skipped'] else 0
+    if out['skipped']:
+      logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
+                      'is trainer.max_consecutive_skips=%d)', step + 1, skips, t.max_consecutive_skips)
+      if skips >= t.max_consecutive_skips:
+        raise FloatingPointError(
+            f'{skips} steps in a row had a non-finite loss or gradient (the last: step {step + 1}); '
+            'lower model.optim.lr, check the data, or raise trainer.max_consecutive_skips')
     last = step + 1 == t.max_steps
-    if (step + 1) % t.log_every_n_steps == 0 or last:
+    if every(step + 1, t.log_every_n_steps) or last:
       devices.synchronize(mesh.device)
       elapsed = (time.perf_counter() - window_start) / window_steps
       tokens_per_sec = tokens_per_step / elapsed
@@ -251,29 +282,35 @@ def run(config, workdir):
                    '%.3f s/step | ETA %s', step + 1, t.max_steps, record['loss'], record['lr'],
                    record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
                    fmt_eta(elapsed * (t.max_steps - step - 1)))
-      if lead:
-        log.write(record)
+      log.write(record)
       window_start, window_steps = time.perf_counter(), 0
-    if t.val_check_interval and ((step + 1) % t.val_check_interval == 0 or last) and t.limit_val_batches:
+    if t.val_check_interval and (every(step + 1, t.val_check_interval) or last) and t.limit_val_batches:
       val_loss = evaluate(params, valid_data, config, mesh, ops, t.limit_val_batches)
       logging.info('step %d | val_loss %.4f', step + 1, val_loss)
-      if lead:
-        log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples})
+      log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples})
       record['val_loss'] = val_loss
       window_start = time.perf_counter()    # validation time is not training throughput
-    stop = (checkpoints.enabled and checkpoints.should_stop()) or (
-        t.exit_interval and (step + 1) % t.exit_interval == 0 and not last)
-    checkpoints.maybe_save(step + 1, consumed_samples, last=last or stop)
-    if stop:
-      logging.warning('stopping after step %d (%s)', step + 1,
-                      'SIGTERM' if checkpoints.preempted else 'trainer.exit_interval')
-      break
-  checkpoints.close()
-  if lead:
-    log.close()
+    stopped = None if last else checkpoints.stop_reason(step + 1)
+    checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None)
+    if stopped:
+      checkpoints.close()                   # the save is committed before we say so
+      logging.warning('stopped at step %d by %s; resume with --config.exp_manager.resume_if_exists=True',
+                      step + 1, stopped)
+      return record
   logging.info('done: %d steps | metrics %s | TensorBoard %s', t.max_steps,
                os.path.join(workdir, 'metrics.jsonl'), os.path.join(workdir, 'tensorboard'))
-  return record, params
+  return record
+
+
+def every(step, n):
+  """Whether a periodic action with period n (0 = never) is due after `step` steps."""
+  return bool(n) and step % n == 0
+
+
+# Errors of the project's own kinds: one line and exit 2 (a full traceback with --debug).
+USER_ERRORS = (config_validation.ConfigError, store.CheckpointError, managers.IncompatibleCheckpoint,
+               workdirs.WorkdirInUse, comm.PeerError, data_errors.DataError, MemoryError,
+               FloatingPointError, FileNotFoundError, PermissionError)
 
 
 def main(argv):
@@ -283,12 +320,31 @@ def main(argv):
     raise app.UsageError('--workdir is required (where metrics.jsonl and TensorBoard logs go)')
   try:
     run(_CONFIG.value, _WORKDIR.value)
-  except config_validation.ConfigError as e:
-    raise SystemExit(f'error: {e}') from None
+  except USER_ERRORS as e:
+    if _DEBUG.value:
+      raise
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
+  except KeyboardInterrupt:
+    print('interrupted: exited at once, nothing saved after the last checkpoint', file=sys.stderr)
+    sys.exit(130)
   finally:
     meshes.shutdown()
 
 
+def parse_flags(argv):
+  """absl's flag parsing, with a bad --config file, preset or key reported in one line."""
+  try:
+    rest = flags.FLAGS(argv)
+    _CONFIG.value.keys()  # loaded lazily: a missing config file fails here
+    return rest
+  except Exception as e:  # pylint: disable=broad-except
+    if '--debug' in argv:
+      raise
+    print(f'error: {cli.explain(argv, e)}', file=sys.stderr)
+    sys.exit(2)
+
+
 if __name__ == '__main__':
   flags.mark_flag_as_required('config')
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -20,7 +20,9 @@ stores have none), the directory is written in place:
      marker first, then their files. All ranks agree again, so every rank raises on failure.
 A crash anywhere before COMMITTED leaves a directory without marker, ignored by every query
 and deleted by the next save; a crash while pruning leaves a step without marker, likewise.
-The previous committed step is never touched before the new one is committed. Saving a step
+The previous committed step is never touched before the new one is committed. A committed
+step that fails to load on resume is moved aside (`step_N.rejected`), so the resumed run writes
+step N afresh. Saving a step
 that is already committed is skipped with a warning (resume replays identical state).
 One training job per root.
 
@@ -33,6 +35,7 @@ so all ranks agree even while storage listings lag. `root` must be storage every
 """
 import json
 import logging
+import os
 import re
 import threading
 
@@ -45,6 +48,11 @@ FORMAT_VERSION = 1
 MARKER = 'COMMITTED'
 _STEP_DIR = re.compile(r'step_(\d{8,})')
 log = logging.getLogger(__name__)
+
+
+class IncompatibleCheckpoint(ValueError):
+  """A readable checkpoint that does not fit this run (another model, an unwritable place):
+  fatal, never a reason to fall back to an older step."""
 
 
 def step_dir(step: int) -> str:
@@ -229,24 +237,48 @@ class CheckpointManager:
     return candidates[0] if candidates else None
 
   def resume(self, requests: dict, *, resume_if_exists: bool, resume_ignore_no_checkpoint: bool,
-             resume_from_checkpoint: str = None, dtypes: dict = None):
+             resume_from_checkpoint: str = None, dtypes: dict = None, check=None):
     """resolve_resume, then load this rank's boxes -> (step, arrays, metadata), or None to
-    start fresh. A checkpoint that fails to load (checksum, missing array or chunk) on any
-    rank is skipped with a warning for the previous committed one - on all ranks together."""
+    start fresh. `check(path, metadata)` runs before anything is read; what it raises is fatal.
+    A checkpoint that fails to load (checksum, missing array or chunk) on any rank is skipped,
+    on all ranks together, for the previous committed one; a rejected step of this root is
+    moved aside (`reject`) so that the run writes that step afresh when it gets there."""
     candidates = self._candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
     for path in candidates:
-      error, loaded = _attempt(lambda p=path: self.load(p, requests, dtypes))
+      def load(p=path):
+        if check is not None:
+          check(p, read_metadata(p))
+        return self.load(p, requests, dtypes)
+      error, loaded = _attempt(load)
       corrupt = isinstance(error, store.CheckpointError)
       bad, fatal = self._agree(corrupt, error is not None and not corrupt)
       _raise_if(fatal, None if corrupt else error, f'loading {path} failed on another rank')
       if not bad:
         arrays, metadata = loaded
         return metadata['step'], arrays, metadata
-      log.warning('checkpoint %s cannot be loaded (%s); falling back to the previous committed step',
-                  path, error if error is not None else 'failed on another rank')
+      reason = error if error is not None else 'failed on another rank'
+      aside = self.reject(path) if self.rank == 0 else None
+      log.warning('checkpoint %s cannot be loaded (%s)%s; falling back to the previous committed step',
+                  path, reason, f'; moved it aside to {aside}' if aside else '')
     if candidates:
       raise store.CheckpointError(f'no checkpoint could be loaded; tried {candidates}')
     return None
+
+  def reject(self, path):
+    """Rank 0: take a corrupt committed step of this root out of the run (its data kept for
+    inspection where the storage can rename). -> where it went, or None."""
+    if not path.startswith(self.root.rstrip('/') + '/'):
+      return None                  # a step the user named elsewhere: leave it alone
+    if storage.is_remote(path):    # object stores cannot rename: un-commit it (cleaned at next save)
+      storage.write_text(path, 'REJECTED', 'failed to load on resume')
+      storage.delete(path, MARKER)
+      return path + ' (uncommitted)'
+    local = storage.kvstore_spec(path)['path'].rstrip('/')
+    target, n = local + '.rejected', 1
+    while os.path.exists(target):
+      target, n = f'{local}.rejected{n}', n + 1
+    os.rename(local, target)
+    return target
 
   def _candidates(self, resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint):
     """Step paths to try, newest first (rank 0 lists, everyone gets its answer or error)."""
@@ -265,8 +297,9 @@ class CheckpointManager:
         return []
       steps = self.committed_steps()[::-1]
       if not steps and not resume_ignore_no_checkpoint:
-        raise FileNotFoundError(f'resume_if_exists: no committed checkpoint in {self.root} (set '
-                                'exp_manager.resume_ignore_no_checkpoint=True to start fresh)')
+        raise FileNotFoundError(f'resume_if_exists: no committed checkpoint in {self.root}; to '
+                                'start fresh, set --config.exp_manager.resume_ignore_no_checkpoint=True '
+                                '(or resume_if_exists=False)')
       if not steps:
         log.warning('resume_if_exists: no committed checkpoint in %s; starting fresh', self.root)
       return [self.step_path(s) for s in steps]

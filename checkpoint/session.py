@@ -1,44 +1,80 @@
-"""The training loop's view of checkpoints: restore or initialize, save on schedule, preemption.
+"""The training loop's view of checkpoints: restore or initialize, save on schedule, stop.
 
 Keys (exp_manager, NxD Training's names): create_checkpoint_callback,
 checkpoint_callback_params.{save_top_k, every_n_train_steps}, async_checkpointing,
 resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint, plus checkpoint_dir
 (default <workdir>/checkpoints; s3://... and gs://... work) and init_from (weights only, from
 a flatron checkpoint step or a Hugging Face Llama directory, to start fine-tuning).
+
+Stopping early (SIGTERM, the first Ctrl-C, trainer.exit_interval) always saves, even with
+periodic checkpoints off, so the run can be resumed.
 """
+import datetime
 import json
 import logging
 import os
-import signal
+import threading
 
-import torch
 import torch.distributed as dist
 
-from checkpoint import manager as managers, state as states, storage
+from checkpoint import manager as managers, preemption, state as states, storage
 from model import hf, transformer
+from parallel import comm
+
+
+def check_writable(root, rank):
+  """Fail at start-up, naming the directory, when checkpoints could not be written there."""
+  probe = f'.write_probe.rank{rank}'
+  try:
+    if not storage.is_remote(root):
+      os.makedirs(storage.kvstore_spec(root)['path'], exist_ok=True)
+    storage.write_text(root, probe, 'ok')
+    storage.delete(root, probe)
+  except Exception as e:  # pylint: disable=broad-except
+    raise managers.IncompatibleCheckpoint(
+        f'checkpoint directory {root} is not writable ({str(e).splitlines()[0]}); fix its '
+        'permissions or set exp_manager.checkpoint_dir to a writable place') from None
+
+
+def check_shapes(path, meta, layout):
+  """Refuse a checkpoint of another model before reading anything: every parameter this
+  model has must be stored with the same global shape, and the checkpoint must hold no other."""
+  stored = {n: tuple(a['shape']) for n, a in meta.get('arrays', {}).items()
+            if not n.startswith(('optim.', 'master.'))}
+  mine = {n: tuple(lay.shape) for n, lay in layout.layouts().items()
+          if not n.startswith(('optim.', 'master.'))}
+  problems = [f'{n}: checkpoint {list(stored[n])}, model {list(mine[n])}'
+              for n in mine if n in stored and stored[n] != mine[n]]
+  problems += [f'{n}: missing from the checkpoint' for n in mine if n not in stored]
+  problems += [f'{n}: in the checkpoint, not in the model' for n in stored if n not in mine]
+  if problems:
+    shown = '\n  - '.join(problems[:5]) + (f'\n  ... and {len(problems) - 5} more' if len(problems) > 5 else '')
+    raise managers.IncompatibleCheckpoint(
+        f'{path} holds a different model ({len(problems)} parameter(s) differ):\n  - {shown}\n'
+        f'Set model.* to the checkpoint\'s (its config is in {path}/metadata.json) or use another '
+        'workdir / checkpoint; nothing was loaded or deleted.')
 
 
 class Session:
 
   def __init__(self, config, workdir, mesh, updater):
     self.config, self.mesh, self.updater = config, mesh, updater
-    e = config.exp_manager
+    e, t = config.exp_manager, config.trainer
     self.enabled = e.create_checkpoint_callback
     self.every = e.checkpoint_callback_params.every_n_train_steps
+    self.exit_interval = t.exit_interval
     self.root = e.checkpoint_dir or os.path.join(workdir, 'checkpoints')
     # The manager's collectives run in its writer thread: they get their own gloo group.
-    self.group = dist.new_group(backend='gloo') if mesh.world_size > 1 else None
+    timeout = datetime.timedelta(seconds=mesh.timeout_s)
+    self.group = dist.new_group(backend='gloo', timeout=timeout) if mesh.world_size > 1 else None
     self.manager = managers.CheckpointManager(
         self.root, rank=mesh.rank, world_size=mesh.world_size, group=self.group,
         keep_last=e.checkpoint_callback_params.save_top_k, async_save=e.async_checkpointing)
-    self.preempted = False
+    self.signals = preemption.StopSignals(install=threading.current_thread() is threading.main_thread())
     self.last_saved = None
-    if self.enabled:
-      signal.signal(signal.SIGTERM, self._on_sigterm)
-
-  def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
-    logging.warning('SIGTERM: saving a checkpoint after this step, then exiting')
-    self.preempted = True
+    if self.enabled or self.exit_interval:
+      comm.on_every_rank(lambda: check_writable(self.root, mesh.rank), mesh.host_group,
+                         'checking the checkpoint directory')
 
   # --- start ------------------------------------------------------------------------
 
@@ -51,10 +87,11 @@ class Session:
       if path is not None:
         meta = managers.read_metadata(path)
         layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()))
-        found = self.manager.resume(layout.requests(), resume_if_exists=e.resume_if_exists,
-                                    resume_ignore_no_checkpoint=e.resume_ignore_no_checkpoint,
-                                    resume_from_checkpoint=e.resume_from_checkpoint)
-        step, arrays, meta = found
+        step, arrays, meta = self.manager.resume(
+            layout.requests(), resume_if_exists=e.resume_if_exists,
+            resume_ignore_no_checkpoint=e.resume_ignore_no_checkpoint,
+            resume_from_checkpoint=e.resume_from_checkpoint,
+            check=lambda p, m: check_shapes(p, m, layout))
         layout.restore(arrays, meta.get('optimizer_step', 0))
         self.last_saved = step
         logging.info('resumed from %s: step %d, consumed_samples %d (saved at %s)', path, step,
@@ -73,6 +110,7 @@ class Session:
       self._check_same_model(hf_config.model)
       arrays = {n: full[n][box] for n, box in requests.items()}
     else:
+      check_shapes(path, managers.read_metadata(path), layout)
       arrays, _ = self.manager.load(path, requests)
     layout.restore(arrays, 0, weights_only=True)
     logging.info('initialized weights from %s', path)
@@ -85,21 +123,22 @@ class Session:
     if transformer.kv_heads(mine) != transformer.kv_heads(other):
       diff.append(f'model.num_kv_heads: config {mine.num_kv_heads} vs checkpoint {other.num_kv_heads}')
     if diff:
-      raise ValueError('exp_manager.init_from: the checkpoint is a different model; set these to '
-                       'match it:\n  - ' + '\n  - '.join(diff))
+      raise managers.IncompatibleCheckpoint(
+          'exp_manager.init_from: the checkpoint is a different model; set these to match it:\n  - '
+          + '\n  - '.join(diff))
 
   # --- during and after the loop -------------------------------------------------------
 
-  def should_stop(self):
-    """Whether any rank got SIGTERM (agreed by all ranks, so all save the same step)."""
-    flag = torch.tensor([int(self.preempted)])
-    if self.mesh.world_size > 1:
-      dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-    self.preempted = bool(flag.item())
-    return self.preempted
+  def stop_reason(self, step):
+    """Why the run stops after `step` (all ranks agree), or None: a signal, or exit_interval."""
+    if self.signals.agree(self.mesh.host_group):
+      return self.signals.agreed
+    if self.exit_interval and step % self.exit_interval == 0:
+      return 'trainer.exit_interval'
+    return None
 
-  def maybe_save(self, step, consumed_samples, last=False):
-    due = self.enabled and (last or self.preempted or (self.every and step % self.every == 0))
+  def maybe_save(self, step, consumed_samples, last=False, stopping=False):
+    due = stopping or (self.enabled and (last or (self.every and step % self.every == 0)))
     if not due or self.last_saved == step:
       return
     layout = states.StateLayout(self.config, self.mesh, self.updater)
@@ -113,4 +152,5 @@ class Session:
     self.last_saved = step
 
   def close(self):
+    self.signals.restore()
     self.manager.wait()

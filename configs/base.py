@@ -28,6 +28,8 @@ def get_config(arg=None):
   t.gradient_clip_val = 1.0          # clip the global grad norm to this; 0 disables
   t.exit_interval = 0                 # Megatron's: checkpoint and exit after a step divisible by N (0 = off)
   t.nonfinite_policy = 'error'       # error | skip: on a NaN/inf loss or grad norm, stop or skip the update
+  t.max_consecutive_skips = 10       # skip: stop with an error after this many skipped steps in a row
+  t.memory_check = True              # refuse at start-up when the memory estimate exceeds the rank's memory
 
   c.exp_manager = config_dict.ConfigDict()
   e = c.exp_manager
@@ -37,7 +39,7 @@ def get_config(arg=None):
   e.checkpoint_dir = placeholder(str)   # where steps go; default <workdir>/checkpoints; s3://, gs:// work
   e.init_from = placeholder(str)        # weights only, when not resuming: a flatron checkpoint step or an HF Llama dir
   e.resume_if_exists = False           # resume from the newest committed checkpoint in workdir
-  e.resume_ignore_no_checkpoint = True  # with resume_if_exists: start fresh when none exists
+  e.resume_ignore_no_checkpoint = False  # with resume_if_exists: start fresh when none exists (else an error)
   e.resume_from_checkpoint = placeholder(str)  # explicit checkpoint path to resume from
   e.async_checkpointing = False        # write checkpoints in a background thread
   e.checkpoint_callback_params = config_dict.ConfigDict()

@@ -45,6 +45,7 @@ def check(config, world_size=1) -> list:
   _positive(p, 'trainer.num_sanity_val_steps', t.num_sanity_val_steps, allow_zero=True)
   _positive(p, 'trainer.gradient_clip_val', t.gradient_clip_val, allow_zero=True)
   _one_of(p, 'trainer.nonfinite_policy', t.nonfinite_policy, NONFINITE_POLICIES)
+  _positive(p, 'trainer.max_consecutive_skips', t.max_consecutive_skips)
   _positive(p, 'trainer.exit_interval', t.exit_interval, allow_zero=True)
 
   # --- model
@@ -145,10 +146,22 @@ def check(config, world_size=1) -> list:
   # --- precision and experiment manager
   p += precision.check(config.precision)
   e = config.exp_manager
-  _positive(p, 'exp_manager.checkpoint_callback_params.save_top_k', e.checkpoint_callback_params.save_top_k)
+  if e.checkpoint_callback_params.save_top_k == 0 or e.checkpoint_callback_params.save_top_k < -1:
+    p.append(f'exp_manager.checkpoint_callback_params.save_top_k={e.checkpoint_callback_params.save_top_k} '
+             'must be > 0 (steps kept) or -1 (keep all)')
   _positive(p, 'exp_manager.checkpoint_callback_params.every_n_train_steps',
             e.checkpoint_callback_params.every_n_train_steps, allow_zero=True)
   return p
+
+
+def warnings(config) -> list:
+  """Settings that work but are probably not what the user meant."""
+  out = []
+  m, a = config.model, config.data
+  if m.position_embedding_type == 'rope' and a.seq_length > m.max_position_embeddings:
+    out.append(f'data.seq_length={a.seq_length} exceeds model.max_position_embeddings='
+               f'{m.max_position_embeddings}: RoPE extrapolates beyond the trained length')
+  return out
 
 
 def validate(config, world_size=1):

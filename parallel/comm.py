@@ -65,6 +65,35 @@ def reduce_scatter(x, group, dim, name='reduce_scatter'):
   return out
 
 
+class PeerError(RuntimeError):
+  """Raised on the ranks that did not fail themselves when another rank's step failed."""
+
+
+def failed_ranks(failed: bool, group) -> list:
+  """The ranks (of `group`, CPU/gloo) on which `failed` is true; a barrier too."""
+  if group is None:
+    return [0] if failed else []
+  flags = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
+  flags[dist.get_rank(group)] = int(failed)
+  all_reduce_(flags, group, name='all_reduce(failure flags)')
+  return [dist.get_global_rank(group, i) for i in flags.nonzero().flatten().tolist()]
+
+
+def on_every_rank(fn, group, what):
+  """fn() on every rank; if it raised anywhere, every rank raises (its own error, or one that
+  names the ranks that failed), so no rank is left waiting in a later collective."""
+  try:
+    result, error = fn(), None
+  except Exception as e:  # pylint: disable=broad-except  (re-raised below, on every rank)
+    result, error = None, e
+  failed = failed_ranks(error is not None, group)
+  if error is not None:
+    raise error
+  if failed:
+    raise PeerError(f'{what} failed on rank(s) {failed}; see the error printed there')
+  return result
+
+
 def own_chunk(x, group, dim):
   if group is None:
     return x

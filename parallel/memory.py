@@ -133,7 +133,7 @@ def estimate(config, n_params=None, dp=1) -> dict:
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
   if n_params is None:
-    n_params = sum(math.prod(spec.shape) for spec in transformer.param_specs(m, tp).values())
+    n_params = sum(math.prod(spec.shape) for spec in transformer.param_specs(m, tp).values()) // (tp * pp)
   shards = dp if d.zero1 else 1
   param_bytes = recipe.param_dtype.itemsize
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
@@ -157,3 +157,48 @@ def human_bytes(n: float) -> str:
       return f'{n:.1f} {unit}' if unit != 'B' else f'{int(n)} B'
     n /= 1024
   return str(n)
+
+
+def available_bytes(device, local_ranks=1):
+  """(bytes one rank may use, where the figure comes from): device memory on CUDA, else the
+  host's available RAM shared by the ranks of this host. None when unknown."""
+  if device.type == 'cuda':
+    return torch.cuda.mem_get_info(device)[1], f'{torch.cuda.get_device_name(device)} memory'
+  available = host_available_bytes()
+  if available is None:
+    return None, 'unknown'
+  return available // local_ranks, f'available host RAM / {local_ranks} local rank(s)'
+
+
+def host_available_bytes():
+  """MemAvailable of /proc/meminfo (Linux), or None."""
+  try:
+    with open('/proc/meminfo') as f:
+      info = dict(line.split(':', 1) for line in f)
+    return int(info['MemAvailable'].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return None
+
+
+def fitting_layouts(config, world_size, budget, check) -> list:
+  """(description, bytes per rank) of every valid tp x pp (x ZeRO-1) layout of `world_size`
+  processes whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
+  config's problems (configs/validate.py)."""
+  out = []
+  for tp in (n for n in range(1, world_size + 1) if world_size % n == 0):
+    for pp in (n for n in range(1, world_size // tp + 1) if (world_size // tp) % n == 0):
+      dp = world_size // (tp * pp)
+      for zero1 in ((False, True) if dp > 1 else (False,)):
+        c = copy.deepcopy(config)
+        d = c.distributed_strategy
+        d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.zero1 = tp, pp, zero1
+        d.virtual_pipeline_model_parallel_size, d.pipeline_cuts = 1, ()
+        d.sequence_parallel = d.sequence_parallel and tp > 1
+        kv = transformer.kv_heads(c.model)
+        d.kv_replicator = tp // kv if tp > kv and tp % kv == 0 else 1
+        if check(c, world_size):
+          continue
+        need = estimate(c, None, dp)['total']
+        if need <= budget:
+          out.append((f'tp={tp} pp={pp}' + (' zero1' if zero1 else ''), need))
+  return sorted(out, key=lambda item: item[1])

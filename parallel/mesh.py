@@ -30,6 +30,8 @@ class Mesh:
   tp_group: Optional[object] = None
   kv_group: Optional[object] = None      # TP ranks holding copies of the same KV head
   embed_group: Optional[object] = None   # first and last PP stage (tied embedding copies)
+  host_group: Optional[object] = None    # gloo over all ranks, CPU tensors, main thread only:
+                                         # agreements (stop signals, start-up checks)
   timeout_s: float = 300.0
 
   @property
@@ -110,16 +112,18 @@ def init(config, device_name=None) -> Mesh:
   kv_replicator = d.kv_replicator
   if world == 1:
     return Mesh(device=device, kv_replicator=kv_replicator, timeout_s=d.collective_timeout_s)
+  timeout = datetime.timedelta(seconds=d.collective_timeout_s)
   if not dist.is_initialized():
-    dist.init_process_group(devices.backend(device), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=d.collective_timeout_s))
-  make_group = lambda ranks: dist.new_group(ranks) if len(ranks) > 1 else None
+    dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
+  # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
+  make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
   groups = _groups((dp, pp, tp), rank, make_group)
   kv_group = _kv_groups(dp, pp, tp, kv_replicator, rank, make_group) if kv_replicator > 1 else None
   embed_group = _embed_groups(dp, pp, tp, rank, make_group) if pp > 1 else None
   return Mesh(dp=dp, pp=pp, tp=tp, rank=rank, device=device, kv_replicator=kv_replicator,
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
-              kv_group=kv_group, embed_group=embed_group, timeout_s=d.collective_timeout_s)
+              kv_group=kv_group, embed_group=embed_group, timeout_s=d.collective_timeout_s,
+              host_group=dist.new_group(backend='gloo', timeout=timeout))
 
 
 def shutdown():

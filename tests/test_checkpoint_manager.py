@@ -226,6 +226,12 @@ def test_a_corrupt_newest_step_falls_back_to_the_previous_with_a_warning(tmp_pat
     step, arrays, _ = resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)
   assert step == 1 and torch.equal(arrays['w'], weights(1))
   assert 'step_00000002' in caplog.text and 'checksum' in caplog.text
+  # the rejected step is moved aside (kept for inspection), so the resumed run writes it afresh
+  assert f'moved it aside to {m.step_path(2)}.rejected' in caplog.text
+  assert m.committed_steps() == [1] and os.path.isdir(m.step_path(2) + '.rejected')
+  save(m, 2)
+  assert m.committed_steps() == [1, 2] and loads_as_saved(m, 2)
+  flip_byte_of(m.step_path(2), weights(2)[5].numpy().tobytes())
   flip_byte_of(m.step_path(1), weights(1)[5].numpy().tobytes())
   with pytest.raises(store.CheckpointError, match='no checkpoint could be loaded'):
     resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)
@@ -252,11 +258,12 @@ def _two_ranks(root):
   step, arrays, meta = m.resume({'w': rows[1 - rank], 'norm': (slice(None),)}, resume_if_exists=True,
                                 resume_ignore_no_checkpoint=False)
   return (step, meta['consumed_samples'], torch.equal(arrays['w'], weights(step)[rows[1 - rank]]),
-          torch.equal(arrays['norm'], torch.full((32,), step, dtype=torch.bfloat16)))
+          torch.equal(arrays['norm'], torch.full((32,), step, dtype=torch.bfloat16)),
+          m.committed_steps())
 
 
 def test_two_ranks_save_async_and_agree_on_the_fallback(tmp_path):
-  assert world.run(_two_ranks, 2, str(tmp_path)) == [(1, 8, True, True)] * 2
+  assert world.run(_two_ranks, 2, str(tmp_path)) == [(1, 8, True, True, [1])] * 2
 
 
 # ---- S3 (moto server on loopback) ----

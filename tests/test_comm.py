@@ -69,3 +69,23 @@ def test_group_of_one_is_the_identity():
   for fn in (comm.copy_to_group, comm.reduce_from_group, comm.gather_seq, comm.split_seq):
     assert fn(x, None) is x
   assert comm.group_size(None) == 1 and comm.group_rank(None) == 0
+
+
+def _one_rank_fails():
+  dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=60))
+  rank = dist.get_rank()
+
+  def check():
+    if rank == 1:
+      raise ValueError('bad input on rank 1')
+    return 'ok'
+  try:
+    return comm.on_every_rank(check, dist.group.WORLD, 'the start-up check')
+  except Exception as e:  # pylint: disable=broad-except
+    return f'{type(e).__name__}: {e}'
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank():
+  assert world.run(_one_rank_fails, WORLD) == [
+      'PeerError: the start-up check failed on rank(s) [1]; see the error printed there',
+      'ValueError: bad input on rank 1']

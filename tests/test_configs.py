@@ -100,3 +100,17 @@ def test_learned_positions_need_room_for_the_sequence():
   c = load('gpt_345m', 'smoke')
   c.data.seq_length = 256
   assert any('max_position_embeddings' in p for p in validate.check(c))
+
+
+def test_rope_beyond_max_positions_is_a_warning_not_an_error():
+  c = load('llama_tiny', None)
+  c.data.seq_length = 512
+  assert not validate.check(c) and 'RoPE extrapolates' in validate.warnings(c)[0]
+
+
+def test_save_top_k_keeps_all_with_minus_one_and_rejects_zero():
+  c = load('llama_tiny', None)
+  c.exp_manager.checkpoint_callback_params.save_top_k = -1
+  assert not validate.check(c)
+  c.exp_manager.checkpoint_callback_params.save_top_k = 0
+  assert any('save_top_k=0' in p for p in validate.check(c))

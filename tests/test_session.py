@@ -2,6 +2,7 @@
 weights-only init from Hugging Face."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from checkpoint import manager as managers, store
-from tests import parity, world
+from checkpoint import manager as managers, preemption, store
+from tests import parity, procs, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,6 +21,7 @@ def checkpointed(layout, max_steps=20, exit_interval=0, dropout=0.0):
   c.trainer.max_steps, c.trainer.exit_interval = max_steps, exit_interval
   c.exp_manager.create_checkpoint_callback = True
   c.exp_manager.resume_if_exists = True
+  c.exp_manager.resume_ignore_no_checkpoint = True    # the first run starts fresh
   return c
 
 
@@ -101,20 +103,143 @@ def test_saved_moments_read_back_whole(saved_at_tp2_pp2_dp2):
   np.testing.assert_array_equal(whole.numpy(), np.concatenate([h.numpy() for h in halves]))
 
 
-def test_sigterm_saves_commits_and_exits_zero(tmp_path):
-  args = [sys.executable, 'train.py', '--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}',
-          '--config.trainer.max_steps=100000', '--config.exp_manager.create_checkpoint_callback=True',
-          '--config.exp_manager.create_tensorboard_logger=False', '--config.trainer.val_check_interval=0']
-  proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-  for line in proc.stdout:                     # wait until training runs, then preempt
-    if 'step 3/' in line:
-      proc.send_signal(signal.SIGTERM)
-      break
-  out = proc.communicate(timeout=120)[0]
+def _train_cli(workdir, *extra):
+  return [sys.executable, 'train.py', '--config=configs/llama_tiny.py:test', f'--workdir={workdir}',
+          '--config.trainer.max_steps=100000', '--config.exp_manager.create_tensorboard_logger=False',
+          '--config.trainer.val_check_interval=0', *extra]
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_commits_and_exits_zero(tmp_path, signum):
+  """Also with periodic checkpoints off: the stop always saves (to the default directory)."""
+  with procs.started(_train_cli(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True) as proc:
+    for line in proc.stdout:                   # wait until training runs, then stop it
+      if 'step 3/' in line:
+        proc.send_signal(signum)
+        break
+    out = proc.communicate(timeout=120)[0]
   assert proc.returncode == 0, out
   steps = managers.CheckpointManager(str(tmp_path / 'checkpoints')).committed_steps()
   assert len(steps) == 1 and steps[0] >= 3
-  assert 'SIGTERM' in out
+  name = signal.Signals(signum).name
+  assert f'stopped at step {steps[0]} by {name}; resume with --config.exp_manager.resume_if_exists=True' in out
+  assert 'done:' not in out and 'Traceback' not in out
+
+
+def _signal_in_every_window(check, module_file):
+  """For each line that `check()` executes in `module_file`, a run in which the signal handler
+  fires just before that line (Python runs handlers between bytecodes, so a real signal can
+  land there). -> [(line, stopped by the first check, stopped by the second)]."""
+  results, line_no = [], 0
+  while True:
+    signals = preemption.StopSignals(install=False)
+    seen = []
+
+    def tracer(frame, event, arg):  # pylint: disable=unused-argument
+      if frame.f_code.co_filename != module_file:
+        return None
+      if event == 'line':
+        seen.append(frame.f_lineno)
+        if len(seen) == line_no + 1:
+          signals.handle(signal.SIGTERM, frame)
+      return tracer
+
+    sys.settrace(tracer)
+    try:
+      first = check(signals)
+    finally:
+      sys.settrace(None)
+    if line_no >= len(seen):
+      return results
+    results.append((seen[line_no], first, check(signals)))
+    line_no += 1
+
+
+def test_a_signal_between_reading_and_agreeing_is_never_lost():
+  results = _signal_in_every_window(lambda signals: signals.agree(None), preemption.__file__)
+  assert len(results) >= 3
+  lost = [line for line, first, second in results if not (first or second)]
+  assert not lost, f'a SIGTERM arriving before line(s) {lost} of preemption.py was lost'
+
+
+def test_a_second_ctrl_c_exits_at_once():
+  signals = preemption.StopSignals(install=False)
+  signals.handle(signal.SIGINT, None)
+  assert signals.agree(None) and signals.agreed == 'SIGINT'
+  with pytest.raises(KeyboardInterrupt):
+    signals.handle(signal.SIGINT, None)
+
+
+def test_exit_interval_saves_without_the_checkpoint_callback(tmp_path, caplog):
+  import train  # pylint: disable=import-outside-toplevel
+  c = parity.parity_config()
+  c.trainer.max_steps, c.trainer.exit_interval = 10, 4
+  with caplog.at_level('INFO'):
+    train.run(c, str(tmp_path))
+  assert managers.CheckpointManager(str(tmp_path / 'checkpoints')).committed_steps() == [4]
+  assert 'stopped at step 4 by trainer.exit_interval' in caplog.text and 'done:' not in caplog.text
+
+
+def _saved_run(workdir, steps=(5, 8), **model):
+  """A run that saved checkpoints at `steps`, and its config."""
+  import train  # pylint: disable=import-outside-toplevel
+  c = checkpointed({})
+  c.trainer.max_steps = steps[-1]
+  c.exp_manager.checkpoint_callback_params.every_n_train_steps = steps[0]
+  c.exp_manager.checkpoint_callback_params.save_top_k = -1
+  c.model.update(model)
+  train.run(c, str(workdir))
+  return c
+
+
+def test_resume_with_another_model_shape_refuses_and_keeps_every_step(tmp_path):
+  import train  # pylint: disable=import-outside-toplevel
+  c = _saved_run(tmp_path)
+  config_json = (tmp_path / 'config.json').read_text()
+  c.model.hidden_size, c.trainer.max_steps = 64, 20
+  with pytest.raises(managers.IncompatibleCheckpoint,
+                     match=r'embed_tokens.weight: checkpoint \[256, 32\], model \[256, 64\]'):
+    train.run(c, str(tmp_path))
+  assert managers.CheckpointManager(str(tmp_path / 'checkpoints')).committed_steps() == [5, 8]
+  assert (tmp_path / 'config.json').read_text() == config_json      # not overwritten
+  c.exp_manager.resume_if_exists = False                             # init_from checks the same
+  c.exp_manager.init_from = str(tmp_path / 'checkpoints' / 'step_00000008')
+  with pytest.raises(managers.IncompatibleCheckpoint, match='holds a different model'):
+    train.run(c, str(tmp_path / 'other'))
+
+
+def test_resume_without_a_checkpoint_is_an_error_saying_how_to_start_fresh(tmp_path):
+  import train  # pylint: disable=import-outside-toplevel
+  c = checkpointed({})
+  c.exp_manager.resume_ignore_no_checkpoint = False                  # NxD Training's default
+  with pytest.raises(FileNotFoundError, match='resume_ignore_no_checkpoint=True'):
+    train.run(c, str(tmp_path))
+
+
+def test_metrics_after_a_crash_and_resume_hold_each_step_once(tmp_path):
+  import train  # pylint: disable=import-outside-toplevel
+  c = _saved_run(tmp_path)
+  shutil.rmtree(tmp_path / 'checkpoints' / 'step_00000008')        # crashed before saving 8
+  c.trainer.max_steps = 10
+  train.run(c, str(tmp_path))
+  steps = [json.loads(line)['step'] for line in open(tmp_path / 'metrics.jsonl') if '"loss"' in line]
+  assert steps == list(range(1, 11))
+
+
+def test_an_unwritable_checkpoint_dir_fails_at_start_naming_it(tmp_path):
+  import train  # pylint: disable=import-outside-toplevel
+  if os.geteuid() == 0:
+    target = '/proc/flatron-checkpoints'                             # root ignores permissions
+  else:
+    target = str(tmp_path / 'ro')
+    os.makedirs(target)
+    os.chmod(target, 0o500)
+  c = checkpointed({})
+  c.exp_manager.checkpoint_dir = target
+  with pytest.raises(managers.IncompatibleCheckpoint, match=f'checkpoint directory {target} is not writable'):
+    train.run(c, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run' / 'metrics.jsonl')
 
 
 def test_init_from_hugging_face_loads_the_weights(tmp_path):
@@ -132,5 +257,5 @@ def test_init_from_hugging_face_loads_the_weights(tmp_path):
   for name, value in weights.items():
     torch.testing.assert_close(params[name].detach(), value.detach(), atol=1e-6, rtol=0)
   c.model.num_layers = 3
-  with pytest.raises(ValueError, match='model.num_layers: config 3 vs checkpoint 2'):
+  with pytest.raises(managers.IncompatibleCheckpoint, match='model.num_layers: config 3 vs checkpoint 2'):
     train.run(c, str(tmp_path / 'run2'))

@@ -1,7 +1,6 @@
 """The training loop end to end: metrics, invariance to the micro batch split, errors, CLI."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,8 @@ from configs import llama_tiny
 from data.loader import Loader
 from model import transformer
 from model.layers import LOCAL_OPS
-from parallel import grads, mesh as meshes, zero
+from parallel import grads, memory, mesh as meshes, zero
+from tests import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,7 +103,7 @@ def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
   updater = zero.Updater(params, c, mesh)
   batches = Loader(c).global_batch(0)
   if policy == 'error':
-    with pytest.raises(FloatingPointError, match='step 7'):
+    with pytest.raises(FloatingPointError, match='step 8 '):   # the 8th step: logged as step 8
       train.train_step(params, updater, batches, c, 7, mesh, LOCAL_OPS)
   else:
     out = train.train_step(params, updater, batches, c, 7, mesh, LOCAL_OPS)
@@ -112,9 +112,28 @@ def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
       torch.testing.assert_close(params[k].detach(), before[k], equal_nan=True)
 
 
+def test_skipped_steps_warn_log_null_and_stop_after_max_consecutive_skips(tmp_path, monkeypatch, caplog):
+  def poisoned(config, mesh):
+    params = init(config, mesh)
+    with torch.no_grad():
+      params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
+    return params
+  init = train.init_params
+  monkeypatch.setattr(train, 'init_params', poisoned)
+  c = tiny_config(nonfinite_policy='skip', max_consecutive_skips=3, val_check_interval=0)
+  with caplog.at_level('WARNING'), pytest.raises(FloatingPointError, match='3 steps in a row .* step 3'):
+    train.run(c, str(tmp_path))
+  assert 'step 2: non-finite loss or gradient; update skipped (2 in a row' in caplog.text
+
+  def no_nan(text):
+    raise AssertionError(f'metrics.jsonl holds {text}, which is not JSON')
+  lines = open(tmp_path / 'metrics.jsonl').read().splitlines()
+  records = [json.loads(line, parse_constant=no_nan) for line in lines]
+  assert [r['step'] for r in records] == [1, 2] and all(r['loss'] is None and r['skipped'] for r in records)
+
+
 def cli(*args):
-  return subprocess.run([sys.executable, 'train.py', *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=240)
+  return procs.run([sys.executable, 'train.py', *args], timeout=240)
 
 
 def test_cli_overrides_and_parse_time_errors(tmp_path):
@@ -129,7 +148,36 @@ def test_cli_overrides_and_parse_time_errors(tmp_path):
             '--config.data.global_batch_size=7')
   assert bad.returncode != 0
   assert 'model.activation' in bad.stderr and 'data.global_batch_size=7' in bad.stderr
-  assert 'Traceback' not in bad.stderr
+  assert 'Traceback' not in bad.stderr and bad.returncode == 2
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--config=configs/llama_tiny.py:test', '--config.model.hiden_size=3'],
+     'error: --config.model.hiden_size: no such key; did you mean model.hidden_size?'),
+    (['--config=configs/llama_tiny.py:test', '--config.hidden_size=3'],
+     'error: --config.hidden_size: no such key; did you mean model.hidden_size?'),
+    (['--config=configs/nope.py'], "error: --config=configs/nope.py: no such config file 'configs/nope.py'"),
+    (['--config=configs/llama_tiny.py:bogus'], "unknown preset 'bogus'"),
+    # a model no machine of ours holds (1.1 TB of training state): refused before allocating
+    (['--config=configs/llama3_70b.py'], 'error: this run needs an estimated'),
+])
+def test_command_line_mistakes_are_one_line(tmp_path, args, message):
+  out = cli(*args, f'--workdir={tmp_path}')
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert message in out.stderr and 'Traceback' not in out.stderr
+  assert out.stderr.strip().splitlines()[-1].startswith('error: ')
+
+
+def test_an_oversized_model_is_refused_naming_both_figures_and_a_way_out(tmp_path):
+  """The design card's own command, on a machine that cannot hold Llama-2 7B's training state."""
+  if memory.available_bytes(torch.device('cpu'))[0] > 200 * 2**30:
+    pytest.skip('this machine could hold llama7b')
+  out = cli('--config=configs/llama7b.py', f'--workdir={tmp_path}')
+  line = out.stderr.strip().splitlines()[-1]
+  assert 'per rank but a rank has' in line and 'GiB' in line
+  assert '--config=configs/llama7b.py:smoke' in line and 'memory_check=False' in line
+  assert 'flatron | llama7b' in out.stderr       # the summary came first
+  assert not os.path.exists(tmp_path / 'config.json')
 
 
 def test_torchrun_tp2_sp_dp2_logs_the_single_process_losses(tmp_path):
@@ -138,12 +186,11 @@ def test_torchrun_tp2_sp_dp2_logs_the_single_process_losses(tmp_path):
   single = cli(*common, f'--workdir={tmp_path / "single"}')
   assert single.returncode == 0, single.stderr
   env = dict(os.environ, OMP_NUM_THREADS='1')
-  multi = subprocess.run(
+  multi = procs.run(
       [os.path.join(os.path.dirname(sys.executable), 'torchrun'), '--nproc_per_node=4',
        '--standalone', 'train.py', *common, f'--workdir={tmp_path / "multi"}',
        '--config.distributed_strategy.tensor_model_parallel_size=2',
-       '--config.distributed_strategy.sequence_parallel=True'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+       '--config.distributed_strategy.sequence_parallel=True'], timeout=300, env=env)
   assert multi.returncode == 0, multi.stderr[-3000:]
   assert 'dp=2 x pp=1 x tp=2 +sp' in multi.stderr
   losses = lambda d: [r['loss'] for r in read_metrics(d) if 'loss' in r]
@@ -156,11 +203,11 @@ def test_torchrun_pp2_logs_the_single_process_losses(tmp_path):
             '--config.trainer.limit_val_batches=1']
   single = cli(*common, f'--workdir={tmp_path / "single"}')
   assert single.returncode == 0, single.stderr
-  multi = subprocess.run(
+  multi = procs.run(
       [os.path.join(os.path.dirname(sys.executable), 'torchrun'), '--nproc_per_node=2', '--standalone',
        'train.py', *common, f'--workdir={tmp_path / "multi"}',
        '--config.distributed_strategy.pipeline_model_parallel_size=2'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
+      timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
   assert multi.returncode == 0, multi.stderr[-3000:]
   assert 'dp=1 x pp=2 x tp=1' in multi.stderr
   for key in ('loss', 'val_loss'):

@@ -1,0 +1,62 @@
+"""One-line explanations of command-line mistakes: a missing config file, an unknown preset,
+a misspelled `--config.a.b` key (with the nearest real key)."""
+import difflib
+import importlib.util
+import os
+
+from ml_collections import config_dict
+
+NOT_MODELS = ('__init__.py', 'base.py', 'cli.py', 'presets.py', 'validate.py')
+
+
+def flat_keys(config, prefix=''):
+  """Every leaf key of a ConfigDict as a dotted path."""
+  out = []
+  for key, value in config.items():
+    path = f'{prefix}{key}'
+    out += flat_keys(value, path + '.') if isinstance(value, config_dict.ConfigDict) else [path]
+  return out
+
+
+def load(spec):
+  """`path.py[:preset]` -> the config, the way config_flags loads it."""
+  path, _, preset = spec.partition(':')
+  if not os.path.isfile(path):
+    here = sorted(f'configs/{n}' for n in os.listdir('configs') if n.endswith('.py')
+                  and n not in NOT_MODELS) if os.path.isdir('configs') else []
+    raise FileNotFoundError(f'--config={spec}: no such config file {path!r}'
+                            + (f' (configs here: {", ".join(here)})' if here else ''))
+  module_spec = importlib.util.spec_from_file_location('_flatron_config', path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(preset or None)
+
+
+def unknown_key(config, key):
+  """None if `key` (dotted) exists in `config`, else a message with a did-you-mean."""
+  node = config
+  for part in key.split('.'):
+    if not isinstance(node, config_dict.ConfigDict) or part not in node:
+      keys = flat_keys(config)
+      close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+      if not close:   # a wrong section: match the last part against every key's last part
+        tails = {k.rsplit('.', 1)[-1]: k for k in keys}
+        close = [tails[t] for t in difflib.get_close_matches(key.rsplit('.', 1)[-1], tails, n=1)]
+      return f'--config.{key}: no such key' + (f'; did you mean {close[0]}?' if close else '')
+    node = node[part]
+  return None
+
+
+def explain(argv, error) -> str:
+  """One line for a flag-parsing failure of train.py."""
+  spec = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), None)
+  if spec is not None:
+    try:
+      config = load(spec)
+    except Exception as e:  # pylint: disable=broad-except
+      return f'--config={spec}: {e}' if not str(e).startswith('--config=') else str(e)
+    for arg in argv:
+      if arg.startswith('--config.'):
+        if message := unknown_key(config, arg[len('--config.'):].split('=', 1)[0]):
+          return message
+  return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
