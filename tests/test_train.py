@@ -213,3 +213,14 @@ def test_torchrun_pp2_logs_the_single_process_losses(tmp_path):
   for key in ('loss', 'val_loss'):
     values = lambda d: [r[key] for r in read_metrics(d) if key in r]
     assert values(tmp_path / 'multi') == pytest.approx(values(tmp_path / 'single'), rel=1e-5)
+
+
+def test_a_configured_tokenizer_is_checked_against_the_vocabulary_at_start_up(tmp_path):
+  from data import errors, tokenizer  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'text.txt').write_text('\n'.join(f'line {i} of some text, with words' for i in range(300)))
+  model = tokenizer.train_sentencepiece([str(tmp_path / 'text.txt')], str(tmp_path / 'tok'), 300)
+  c = tiny_config()
+  c.data.tokenizer.type, c.data.tokenizer.model = 'sentencepiece', model   # 300 tokens, vocab 256
+  with pytest.raises(errors.DataError, match='--config.model.vocab_size=300'):
+    train.run(c, str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run' / 'metrics.jsonl')
