@@ -5,8 +5,7 @@
 
 Sections: setup / data / init / step / loop (log, validate, stop). State the loop owns is
 plain data: `params` (flat dict of tensors), the updater (optimizer, master weights, ZeRO-1
-shards; parallel/zero.py), and `consumed_samples` (the
-whole data position). Every random draw is keyed, so nothing else needs saving.
+shards; optim/update.py), and `consumed_samples` (the whole data position). Every random draw is keyed, so nothing else needs saving.
 """
 import math
 import os
@@ -21,10 +20,10 @@ from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
-from model import transformer
-from optim import schedules
+from model import layers, objectives, transformer
+from optim import schedules, update
 from parallel import (comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, precision,
-                      remat, tensor, zero)
+                      remat, tensor)
 from parallel import device as devices
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -44,66 +43,68 @@ def to_device(batch, device):
 
 def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True):
   """Run this rank's pipeline schedule over the micro batches, accumulating grads of the
-  global-token-mean loss; return (this rank's loss sum, global token count).
+  objective's loss over the global batch; return (this rank's loss sum, the global count,
+  this rank's metric sums).
 
-  Each micro batch's summed loss is divided by the token count of the whole global batch
-  (summed over DP), so the accumulated gradient is the same for any micro batch split and
-  any DP degree: `grads.sync` then only has to add the ranks' gradients. With pp = 1 the
-  schedule is forward, backward per micro batch; the loss sum lives on the last stage.
+  Each micro batch's summed loss is divided by the objective's count (tokens, pairs) over the
+  whole global batch (summed over DP), so the accumulated gradient is the same for any micro
+  batch split and any DP degree: `grads.sync` then only has to add the ranks' gradients. With
+  pp = 1 the schedule is forward, backward per micro batch; the sums live on the last stage.
   """
   m, d = config.model, config.distributed_strategy
   vp = d.virtual_pipeline_model_parallel_size
-  n_tokens = sum(mb['loss_mask'].sum() for mb in micro_batches).to(mesh.device)
-  n_tokens = comm.all_reduce_(n_tokens, mesh.dp_group, name='all_reduce(token count over dp)')
-  dropout = training and max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout) > 0
-  layer_fn = remat.policy(m.activations_checkpoint_granularity,
-                          m.activations_checkpoint_recompute) if training else None
+  objective = objectives.get(m.objective)
+  count = sum(objective.count(mb) for mb in micro_batches).to(mesh.device)
+  count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
+  dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
+  ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
+                              m.activations_checkpoint_recompute) if training else (ops, None)
   bounds = pipeline.config_bounds(config, mesh.pp)
   last_stage = len(bounds) - 1
-  loss_sum = torch.zeros((), device=mesh.device)
+  sums = {'loss': torch.zeros((), device=mesh.device)}
   batches = [to_device(mb, mesh.device) for mb in micro_batches]
-
   recipe = recipe or precision.recipe(config.precision)
 
   def stage_fn(i, chunk, x):
-    nonlocal loss_sum
     vs = chunk * mesh.pp + mesh.pp_rank
     with precision.compute_context(recipe, mesh.device.type):
       out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x,
-                              last=vs == last_stage, layer_fn=layer_fn,
-                              dropout_key=(config.seed, 'dropout') if dropout else None)
+                              last=vs == last_stage, layer_fn=layer_fn, dropout_key=dropout_key,
+                              objective=objective)
     if vs != last_stage:
       return out
-    loss_sum = loss_sum + out.detach()
-    return out / n_tokens
+    loss, metrics = out
+    for name, value in [('loss', loss)] + list(metrics.items()):
+      sums[name] = sums.get(name, 0) + value.detach()
+    return loss / count
 
-  a = config.data
-  shape = (a.micro_batch_size, a.seq_length // ops.sequence_shards, m.hidden_size)
+  shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
   if training:
     schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
     pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype)
   else:
     pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape, recipe.param_dtype)
-  return loss_sum, n_tokens
+  loss_sum = sums.pop('loss')
+  return loss_sum, count, sums
 
 
-def global_loss(loss_sum, n_tokens, mesh):
+def global_loss(loss_sum, count, mesh):
   """The global batch's mean loss on every rank (only last-stage ranks hold loss sums)."""
   loss_sum = comm.all_reduce_(loss_sum, mesh.pp_group, name='all_reduce(loss over pp)')
-  return comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(loss over dp)') / n_tokens
+  return comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(loss over dp)') / count
 
 
 def train_step(params, updater, micro_batches, config, step, mesh, ops):
   """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
-  loss_sum, n_tokens = forward_backward(params, micro_batches, config, mesh, ops, updater.recipe)
+  loss_sum, count, _ = forward_backward(params, micro_batches, config, mesh, ops, updater.recipe)
   gradients = updater.gradients()
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
-  loss = global_loss(loss_sum, n_tokens, mesh)
-  grad_norm, updated = updater.step(gradients, lr, step)
-  if not (updated and torch.isfinite(loss)) and config.trainer.nonfinite_policy == 'error':
+  loss = global_loss(loss_sum, count, mesh)
+  grad_norm, updated = updater.step(gradients, lr, step, loss)
+  if not updated and config.trainer.nonfinite_policy == 'error':
     raise FloatingPointError(
         f'non-finite loss or gradient at step {step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()}); '
         'lower model.optim.lr, check the data, or set trainer.nonfinite_policy=skip')
@@ -114,20 +115,29 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops):
 def evaluate(params, loader, config, mesh, ops, num_batches):
   total, tokens = 0.0, 0.0
   for i in range(num_batches):
-    loss_sum, n = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
-                                   config, mesh, ops, training=False)
+    loss_sum, n, _ = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
+                                      config, mesh, ops, training=False)
     total += (global_loss(loss_sum, n, mesh) * n).item()
     tokens += n.item()
   return total / max(tokens, 1.0)
 
 
+def param_boxes(config, mesh):
+  """name -> this rank's box of each parameter of its pipeline stage."""
+  return tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
+
+
+def placement(config, mesh):
+  """name -> (this rank's box, the global shape) of each parameter of its stage."""
+  specs = transformer.param_specs(config.model, mesh.tp)
+  return {n: (box, specs[n].shape) for n, box in param_boxes(config, mesh).items()}
+
+
 def init_params(config, mesh):
   """This rank's boxes of its pipeline stage's parameters (slices of the single-device init)."""
-  m = config.model
-  names = pipeline.config_owned_names(config, mesh)
-  return transformer.init(m, config.seed, device=mesh.device, tp=mesh.tp,
+  return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
                           dtype=precision.recipe(config.precision).param_dtype,
-                          boxes=tensor.boxes(m, mesh, names))
+                          boxes=param_boxes(config, mesh))
 
 
 # ======================================================================================
@@ -137,8 +147,7 @@ def init_params(config, mesh):
 
 def local_param_count(config, mesh):
   """Parameters this rank will hold, from the layout alone (nothing allocated)."""
-  boxes = tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
-  return sum(math.prod(sl.stop - sl.start for sl in box) for box in boxes.values())
+  return sum(math.prod(sl.stop - sl.start for sl in box) for box in param_boxes(config, mesh).values())
 
 
 def summary(config, mesh, n_local, est):
@@ -223,7 +232,7 @@ def run(config, workdir):
 
     # --- init, then restore (or init_from): parameters, optimizer state and data position
     params = init_params(config, mesh)
-    updater = zero.Updater(params, config, mesh)
+    updater = update.Updater(params, config, mesh, placement(config, mesh))
     checkpoints = session.Session(config, workdir, mesh, updater)
     start_step, consumed_samples = checkpoints.restore_or_init()
     if lead:

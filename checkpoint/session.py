@@ -147,7 +147,7 @@ class Session:
             'layout': {'dp': self.mesh.dp, 'pp': self.mesh.pp, 'tp': self.mesh.tp,
                        'vp': d.virtual_pipeline_model_parallel_size, 'zero1': d.zero1},
             'optimizer_state_keys': layout.state_keys,
-            'optimizer_step': states.optimizer_step(self.updater)}
+            'optimizer_step': self.updater.optimizer_step()}
     self.manager.save(step, layout.local_tensors(), layout.layouts(), meta)
     self.last_saved = step
 

@@ -59,21 +59,20 @@ class StateLayout:
     self.config, self.mesh, self.updater = config, mesh, updater
     self.specs = transformer.param_specs(config.model, mesh.tp)
     self.all_boxes = [param_boxes(config, mesh, r) for r in range(mesh.world_size)]
-    self.state_keys = list(state_keys) if state_keys is not None else optimizer_state_keys(updater)
+    self.state_keys = list(state_keys) if state_keys is not None else updater.state_keys()
 
   def _dtype(self, array):
-    """Identical on every rank: parameters in the recipe's dtype, masters fp32, optimizer
-    state in the dtype of the tensors it belongs to."""
-    param_dtype = self.updater.recipe.param_dtype
-    if array.startswith('master.') or (array.startswith('optim.') and self.updater.master_mode):
+    """Identical on every rank: parameters in the recipe's dtype, masters and optimizer
+    state fp32 (the optimizer runs on fp32 rows)."""
+    if array.startswith(('master.', 'optim.')):
       return 'float32'
-    return str(param_dtype).removeprefix('torch.')
+    return str(self.updater.recipe.param_dtype).removeprefix('torch.')
 
   def _arrays(self):
     """(array name, param name, kind) for every array of the checkpoint."""
     names = list(self.specs)
     out = [(n, n, 'param') for n in names]
-    if self.updater.master_mode and self.updater.recipe.param_dtype != torch.float32:
+    if self.updater.has_master_copy():
       out += [(f'master.{n}', n, 'shard') for n in names]
     out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in names]
     return out
@@ -82,7 +81,7 @@ class StateLayout:
     box = self.all_boxes[rank].get(param)
     if box is None:
       return None
-    if kind == 'shard' and self.updater.master_mode:
+    if kind == 'shard':
       box = _shard_box(box, box[0].stop - box[0].start, self.config, self.mesh, rank)
     return _clip(param, box, self.config.model)
 
@@ -104,60 +103,23 @@ class StateLayout:
 
   def local_tensors(self):
     """array -> this rank's tensor, clipped to the unpadded vocabulary."""
+    tensors = {n: p.detach() for n, p in self.updater.params.items()}
+    tensors.update(self.updater.named_state(self.state_keys))
     out = {}
-    u = self.updater
     for array, param, kind in self._arrays():
-      if param not in u.params:
-        continue
-      if kind == 'param':
-        t = u.params[param].detach()
-      else:
-        source = u.master[param] if u.master_mode else u.params[param]
-        t = source.detach() if array.startswith('master.') else u.optimizer.state[source][array.split('.')[1]]
       box = self._box(param, kind, self.mesh.rank)
-      if box is None:
-        continue
-      out[array] = t[:box[0].stop - box[0].start]
+      if array in tensors and box is not None:
+        out[array] = tensors[array][:box[0].stop - box[0].start]
     return out
 
   def restore(self, arrays, optimizer_step, weights_only=False):
-    """Copy loaded boxes into parameters, masters and optimizer state."""
+    """Copy loaded boxes into parameters, then masters and optimizer state."""
     u = self.updater
     with torch.no_grad():
-      for array, param, kind in self._arrays():
-        if array not in arrays or param not in u.params:
-          continue
-        value = arrays[array]
-        if kind == 'param':
-          u.params[param][:value.shape[0]].copy_(value)
-          if u.master_mode and u.master[param].data_ptr() != u.params[param].data_ptr():
-            rows = u.rows[param][0]
-            u.master[param].copy_(u.params[param][rows].float())
-          continue
-        if weights_only:
-          continue
-        target = u.master[param] if u.master_mode else u.params[param]
-        if array.startswith('master.'):
-          target[:value.shape[0]].copy_(value)
-          continue
-        state = u.optimizer.state[target]
-        key = array.split('.')[1]
-        if key not in state:
-          state[key] = torch.zeros_like(target, dtype=value.dtype)
-        state[key][:value.shape[0]].copy_(value)
-        state['step'] = torch.tensor(float(optimizer_step))
-
-
-def optimizer_state_keys(updater):
-  """State tensors shaped like their parameter (Adam moments, momentum buffers); factored
-  state (Adafactor's row/column moments) is not checkpointed and restarts on resume."""
-  param, state = next(iter(updater.optimizer.state.items()), (None, {}))
-  return sorted(k for k, v in state.items()
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape == param.shape)
-
-
-def optimizer_step(updater):
-  state = next(iter(updater.optimizer.state.values()), {})
-  step = state.get('step', 0)
-  return float(step.item() if torch.is_tensor(step) else step)
-
+      for name, p in u.params.items():
+        if name in arrays:
+          p[:arrays[name].shape[0]].copy_(arrays[name])
+    u.refresh_masters()
+    if not weights_only:
+      u.load_named_state({a: v for a, v in arrays.items() if a.startswith(('master.', 'optim.'))},
+                         optimizer_step)

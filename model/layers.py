@@ -47,12 +47,14 @@ class Ops:
   embed: Callable = _embed             # vocab-sharded under TP
   lm_head: Callable = _linear          # vocab-sharded logits
   cross_entropy: Callable = _cross_entropy  # over (possibly vocab-sharded) logits
-  enter_tp: Callable = _identity       # before column linears: TP's f (bwd all-reduce) or SP's all-gather
-  scatter_sequence: Callable = _identity  # SP: full sequence -> this rank's shard (at the embedding)
-  sequence_shards: int = 1             # SP degree: the residual stream holds s / sequence_shards
-  local_part: Callable = lambda full_b_, kind: full_b_  # this rank's part of a full-size dropout
-                                       # mask; kind: 'seq' [b,s,..], 'ffn' [b,s,f], 'heads' [b,n,s,s]
-  # Selective recompute hooks, wrap(fn, *args): parallel/remat.py swaps in checkpointing ones.
+  full_input: Callable = _identity     # the whole activations the linear layers read, from the
+                                       # residual stream (which may be held in slices)
+  slice_residual: Callable = _identity  # the slice of the residual stream this process holds
+  residual_slices: int = 1             # the residual stream holds s / residual_slices positions
+  mask_for_slice: Callable = lambda full_b_, kind: full_b_  # the part of a full-size dropout mask
+                                       # this process applies; kind: 'seq' [b,s,..], 'ffn' [b,s,f],
+                                       # 'heads' [b,n,s,s]
+  # Selective recompute hooks, wrap(fn, *args): remat sets checkpointing ones.
   recompute_attention: Callable = no_recompute  # around core_attention
   recompute_mlp: Callable = no_recompute        # around the whole MLP
 
@@ -82,19 +84,33 @@ def norm(params, prefix, x_bsh, cfg):
 # --- dropout -------------------------------------------------------------------------
 
 
-def dropout(x_b_, p, key, sample_ids_b, full_shape=None, local_part=None):
+def has_dropout(cfg) -> bool:
+  return max(cfg.hidden_dropout, cfg.attention_dropout, cfg.ffn_dropout) > 0
+
+
+def head_dim(cfg) -> int:
+  return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+
+
+def bias_of(params, prefix, cfg):
+  """name -> the bias of linear `prefix.name`, or None without biases."""
+  return (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
+
+
+def dropout(x_b_, p, key, sample_ids_b, full_shape=None, mask_for_slice=None):
   """Dropout whose mask for sample i is a pure function of (key, global sample index i).
 
   Keying by sample index (not by rank or micro batch) makes every DP degree, micro
-  batch size and recompute pass draw the same mask as one device. Under TP/SP each rank
-  draws the single-device mask (`full_shape` per sample) and keeps its `local_part`.
+  batch size and recompute pass draw the same mask as one device. Where the activations
+  are a slice of the whole, the whole mask is drawn (`full_shape` per sample) and
+  `mask_for_slice` picks the part that applies.
   """
   if p == 0.0 or key is None:
     return x_b_
   shape = full_shape or x_b_.shape[1:]
   keep = torch.stack([rng.uniform(shape, *key, int(i)) for i in sample_ids_b]) >= p
-  if local_part is not None:
-    keep = local_part(keep)
+  if mask_for_slice is not None:
+    keep = mask_for_slice(keep)
   return x_b_ * keep.to(x_b_.device) / (1.0 - p)
 
 
@@ -129,7 +145,7 @@ def attention_mask(segment_ids_bs, s):
   return (same_doc & causal.to(same_doc.device))[:, None]
 
 
-def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, local_part):
+def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, mask_for_slice):
   """softmax(q k^T / sqrt(d)) v over grouped KV heads, causal (and per-document if masked)."""
   groups = q_bnsd.shape[1] // k_bnsd.shape[1]
   use_sdpa = cfg.fusions.flash_attention and (cfg.attention_dropout == 0.0 or drop_key is None)
@@ -149,14 +165,14 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
   scores = scores.float().masked_fill(~mask_b1ss, float('-inf')) * coeff
   probs = torch.softmax(scores, dim=-1).to(q_bnsd.dtype)
   full = (cfg.num_attention_heads, s, s)
-  probs = dropout(probs, cfg.attention_dropout, drop_key, sample_ids_b, full, lambda m: local_part(m, 'heads'))
+  probs = dropout(probs, cfg.attention_dropout, drop_key, sample_ids_b, full, lambda m: mask_for_slice(m, 'heads'))
   return probs @ v_bnsd
 
 
 def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b):
-  d = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-  bias = (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
-  x_bsh = ops.enter_tp(x_bsh)
+  d = head_dim(cfg)
+  bias = bias_of(params, prefix, cfg)
+  x_bsh = ops.full_input(x_bsh)
   q = ops.column_linear(x_bsh, params[prefix + '.q_proj.weight'], bias('q_proj'))
   k = ops.column_linear(x_bsh, params[prefix + '.k_proj.weight'], bias('k_proj'))
   v = ops.column_linear(x_bsh, params[prefix + '.v_proj.weight'], bias('v_proj'))
@@ -165,7 +181,7 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
   if cos_sin is not None:
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
   out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer,
-                                drop_key and drop_key + ('attn',), sample_ids_b, ops.local_part)
+                                drop_key and drop_key + ('attn',), sample_ids_b, ops.mask_for_slice)
   out = rearrange(out, 'b n s d -> b s (n d)')
   return ops.row_linear(out, params[prefix + '.o_proj.weight'], bias('o_proj'))
 
@@ -178,8 +194,8 @@ def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
 
 
 def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
-  bias = (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
-  x_bsh = ops.enter_tp(x_bsh)
+  bias = bias_of(params, prefix, cfg)
+  x_bsh = ops.full_input(x_bsh)
   up_bsf = ops.column_linear(x_bsh, params[prefix + '.up_proj.weight'], bias('up_proj'))
   if cfg.activation == 'swiglu':
     gate_bsf = ops.column_linear(x_bsh, params[prefix + '.gate_proj.weight'], bias('gate_proj'))
@@ -187,5 +203,5 @@ def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   else:
     inner_bsf = F.gelu(up_bsf)
   inner_bsf = dropout(inner_bsf, cfg.ffn_dropout, drop_key and drop_key + ('ffn',), sample_ids_b,
-                      (x_bsh.shape[1], cfg.ffn_hidden_size), lambda m: ops.local_part(m, 'ffn'))
+                      (x_bsh.shape[1], cfg.ffn_hidden_size), lambda m: ops.mask_for_slice(m, 'ffn'))
   return ops.row_linear(inner_bsf, params[prefix + '.down_proj.weight'], bias('down_proj'))

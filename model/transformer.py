@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from model import layers, rng
+from model import layers, objectives, rng
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -31,8 +31,7 @@ def padded_vocab_size(cfg, tp=1) -> int:
   return int(math.ceil(cfg.vocab_size / multiple) * multiple)
 
 
-def head_dim(cfg) -> int:
-  return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+head_dim = layers.head_dim
 
 
 def kv_heads(cfg) -> int:
@@ -143,16 +142,16 @@ def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=Non
   """Logits [b, s, V_padded/t] of the whole model (see `stage` for the arguments)."""
   batch = {'tokens': tokens_bs, 'position_ids': position_ids_bs, 'segment_ids': segment_ids_bs,
            'sample_ids': sample_ids_b}
-  return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn, output='logits')
+  return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn, objective=None)
 
 
 def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=None, last=True,
-          dropout_key: Optional[tuple] = None, layer_fn=None, output='loss_sum'):
+          dropout_key: Optional[tuple] = None, layer_fn=None, objective=objectives.NEXT_TOKEN):
   """A contiguous piece of the model: [embedding] -> layers [lo, hi) -> [norm, head, loss].
 
   The embedding runs when `x_bsh` is None (the first pipeline stage); otherwise `x_bsh` is the
-  previous stage's output. With `last`, returns the masked loss sum (or logits), else the
-  hidden states. `batch` supplies tokens, labels, loss_mask and optional position_ids,
+  previous stage's output. With `last`, returns the objective's (loss sum, metric sums), or
+  the logits when `objective` is None; else the hidden states. `batch` supplies tokens, labels, loss_mask and optional position_ids,
   segment_ids (per-document masking) and sample_ids (keys dropout). `dropout_key`, e.g.
   (seed, 'dropout'), enables dropout; `layer_fn(fn, *args)` wraps each block (recompute).
   """
@@ -167,7 +166,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     if cfg.position_embedding_type == 'learned_absolute':
       x_bsh = x_bsh + params['embed_positions.weight'][position_ids_bs]
     x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
-    x_bsh = ops.scatter_sequence(x_bsh)
+    x_bsh = ops.slice_residual(x_bsh)
   cos_sin = None
   if cfg.position_embedding_type == 'rope':
     rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
@@ -180,29 +179,26 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, mask, cfg, ops, key, sample_ids_b)
   if not last:
     return x_bsh
-  x_bsh = ops.enter_tp(layers.norm(params, 'norm', x_bsh, cfg))
+  x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
   logits = ops.lm_head(x_bsh, head)
-  if output == 'logits':
-    return logits
-  per_token = ops.cross_entropy(logits, batch['labels'], cfg.vocab_size)
-  return (per_token * batch['loss_mask']).sum()
+  return logits if objective is None else objective.loss(logits, batch, cfg, ops)
 
 
 def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
   """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)).
 
-  Under SP `x_bsh` is this rank's sequence shard; residual dropout draws the full-sequence
-  mask and keeps its part.
+  `x_bsh` may be a slice of the residual stream (`ops.residual_slices`); residual dropout
+  draws the whole sequence's mask and applies its part.
   """
   p = f'layers.{i}'
 
   def residual_dropout(h, site):
     if not drop_key or cfg.hidden_dropout == 0.0:
       return h
-    full = (h.shape[1] * ops.sequence_shards, h.shape[2])
+    full = (h.shape[1] * ops.residual_slices, h.shape[2])
     return layers.dropout(h, cfg.hidden_dropout, drop_key + (site,), sample_ids_b, full,
-                          lambda m: ops.local_part(m, 'seq'))
+                          lambda m: ops.mask_for_slice(m, 'seq'))
 
   h = layers.norm(params, p + '.input_layernorm', x_bsh, cfg)
   h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b)
@@ -215,4 +211,4 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
 def loss_sum(params, batch, cfg, ops=layers.LOCAL_OPS, *, dropout_key=None, layer_fn=None):
   """Sum of masked next-token losses over the micro batch (the caller divides by the
   global token count, so every layout and accumulation split gives the same update)."""
-  return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn)
+  return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn)[0]

@@ -65,6 +65,19 @@ def reduce_scatter(x, group, dim, name='reduce_scatter'):
   return out
 
 
+def buckets(names, sizes, limit):
+  """`names` in order, cut into consecutive lists whose `sizes` (bytes) reach `limit`."""
+  bucket, total = [], 0
+  for name in names:
+    bucket.append(name)
+    total += sizes[name]
+    if total >= limit:
+      yield bucket
+      bucket, total = [], 0
+  if bucket:
+    yield bucket
+
+
 class PeerError(RuntimeError):
   """Raised on the ranks that did not fail themselves when another rank's step failed."""
 
@@ -101,80 +114,56 @@ def own_chunk(x, group, dim):
   return x.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)].clone()
 
 
-class _CopyToGroup(torch.autograd.Function):
+def _conjugate_pair(forward, backward):
+  """An autograd function f(x, group, dim) running `forward` and, on the gradient, `backward`
+  (each a function of (tensor, group, dim))."""
 
-  @staticmethod
-  def forward(ctx, x, group):
-    ctx.group = group
-    return x.view_as(x)
+  class Pair(torch.autograd.Function):
 
-  @staticmethod
-  def backward(ctx, grad):
-    return all_reduce_(grad.contiguous(), ctx.group, name='all_reduce(grad of TP input)'), None
+    @staticmethod
+    def forward(ctx, x, group, dim):  # pylint: disable=arguments-differ
+      ctx.group, ctx.dim = group, dim
+      return forward(x, group, dim)
 
+    @staticmethod
+    def backward(ctx, grad):  # pylint: disable=arguments-differ
+      return backward(grad, ctx.group, ctx.dim), None, None
 
-class _ReduceFromGroup(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, x, group):
-    return all_reduce_(x.clone(), group, name='all_reduce(TP output)')
-
-  @staticmethod
-  def backward(ctx, grad):
-    return grad, None
+  return Pair.apply
 
 
-class _GatherSeq(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, x, group, dim):
-    ctx.group, ctx.dim = group, dim
-    return all_gather(x, group, dim, name='all_gather(SP sequence)')
-
-  @staticmethod
-  def backward(ctx, grad):
-    return reduce_scatter(grad, ctx.group, ctx.dim, name='reduce_scatter(grad of SP gather)'), None, None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, x, group, dim):
-    ctx.group, ctx.dim = group, dim
-    return reduce_scatter(x, group, dim, name='reduce_scatter(SP output)')
-
-  @staticmethod
-  def backward(ctx, grad):
-    return all_gather(grad, ctx.group, ctx.dim, name='all_gather(grad of SP reduce-scatter)'), None, None
-
-
-class _SplitSeq(torch.autograd.Function):
-
-  @staticmethod
-  def forward(ctx, x, group, dim):
-    ctx.group, ctx.dim = group, dim
-    return own_chunk(x, group, dim)
-
-  @staticmethod
-  def backward(ctx, grad):
-    return all_gather(grad, ctx.group, ctx.dim, name='all_gather(grad of SP split)'), None, None
+_copy_to_group = _conjugate_pair(
+    lambda x, group, dim: x.view_as(x),
+    lambda g, group, dim: all_reduce_(g.contiguous(), group, name='all_reduce(grad of TP input)'))
+_reduce_from_group = _conjugate_pair(
+    lambda x, group, dim: all_reduce_(x.clone(), group, name='all_reduce(TP output)'),
+    lambda g, group, dim: g)
+_gather_seq = _conjugate_pair(
+    lambda x, group, dim: all_gather(x, group, dim, name='all_gather(SP sequence)'),
+    lambda g, group, dim: reduce_scatter(g, group, dim, name='reduce_scatter(grad of SP gather)'))
+_reduce_scatter_seq = _conjugate_pair(
+    lambda x, group, dim: reduce_scatter(x, group, dim, name='reduce_scatter(SP output)'),
+    lambda g, group, dim: all_gather(g, group, dim, name='all_gather(grad of SP reduce-scatter)'))
+_split_seq = _conjugate_pair(
+    own_chunk,
+    lambda g, group, dim: all_gather(g, group, dim, name='all_gather(grad of SP split)'))
 
 
 def copy_to_group(x, group):
-  return x if group is None else _CopyToGroup.apply(x, group)
+  return x if group is None else _copy_to_group(x, group, 0)
 
 
 def reduce_from_group(x, group):
-  return x if group is None else _ReduceFromGroup.apply(x, group)
+  return x if group is None else _reduce_from_group(x, group, 0)
 
 
 def gather_seq(x, group, dim=1):
-  return x if group is None else _GatherSeq.apply(x, group, dim)
+  return x if group is None else _gather_seq(x, group, dim)
 
 
 def reduce_scatter_seq(x, group, dim=1):
-  return x if group is None else _ReduceScatterSeq.apply(x, group, dim)
+  return x if group is None else _reduce_scatter_seq(x, group, dim)
 
 
 def split_seq(x, group, dim=1):
-  return x if group is None else _SplitSeq.apply(x, group, dim)
+  return x if group is None else _split_seq(x, group, dim)

@@ -26,16 +26,12 @@ def _all_reduce_bucketed(tensors, group, name):
   """Sum `tensors` over `group` through flat buffers of at most BUCKET_BYTES."""
   if group is None or not tensors:
     return
-  bucket, size = [], 0
-  for t in tensors + [None]:
-    if t is not None:
-      bucket.append(t)
-      size += t.numel() * t.element_size()
-    if bucket and (t is None or size >= BUCKET_BYTES):
-      flat = comm.all_reduce_(_flatten_dense_tensors(bucket), group, name=name)
-      for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-        dst.copy_(src)
-      bucket, size = [], 0
+  sizes = [t.numel() * t.element_size() for t in tensors]
+  for indices in comm.buckets(range(len(tensors)), sizes, BUCKET_BYTES):
+    bucket = [tensors[i] for i in indices]
+    flat = comm.all_reduce_(_flatten_dense_tensors(bucket), group, name=name)
+    for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+      dst.copy_(src)
 
 
 def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True):

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from model import transformer
+from model import layers, transformer
 from parallel import mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -101,13 +101,14 @@ def _saved_bytes(config, num_layers, mesh, dtype):
   mesh = mesh or meshes.Mesh()
   m = copy.deepcopy(config.model)
   m.num_layers = num_layers
-  ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
+  ops, layer_fn = remat.setup(tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel),
+                              m.activations_checkpoint_granularity, m.activations_checkpoint_recompute)
   params = transformer.init(m, config.seed, dtype=dtype, tp=mesh.tp, boxes=tensor.boxes(m, mesh))
   b, s = config.data.micro_batch_size, config.data.seq_length
   tokens = torch.randint(0, m.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
   batch = {'tokens': tokens[:, :-1], 'labels': tokens[:, 1:], 'loss_mask': torch.ones(b, s),
            'sample_ids': torch.arange(b)}
-  dropout = max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout) > 0
+  dropout_key = (config.seed, 'dropout') if layers.has_dropout(m) else None
   params_at = {p.untyped_storage().data_ptr() for p in params.values()}
   kept = {}  # storage address -> storage: views and re-saves count once; holding the storage
              # stops a freed one's address (a graph branch nobody uses) from being reused
@@ -119,9 +120,7 @@ def _saved_bytes(config, num_layers, mesh, dtype):
     return t
 
   with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-    transformer.stage(params, batch, m, ops, dropout_key=(config.seed, 'dropout') if dropout else None,
-                      layer_fn=remat.policy(m.activations_checkpoint_granularity,
-                                            m.activations_checkpoint_recompute))
+    transformer.stage(params, batch, m, ops, dropout_key=dropout_key, layer_fn=layer_fn)
   return sum(storage.nbytes() for storage in kept.values())
 
 

@@ -27,18 +27,23 @@ def checkpointed(fn, *args):
 @dataclasses.dataclass(frozen=True)
 class Recompute:
   """What to recompute, as wrappers wrap(fn, *args) around a block, its core attention and
-  its MLP. The value is the model's `layer_fn` (called once per block)."""
+  its MLP. The value is the model's `layer_fn` (called once per block); `hooks(ops)` puts
+  the attention and MLP wrappers into the Ops the model is built from."""
   block: Callable = layers.no_recompute
   attention: Callable = layers.no_recompute
   mlp: Callable = layers.no_recompute
 
   def __call__(self, fn, *args):
-    # The block gets its Ops among its arguments; handing the wrappers over there lets
-    # layers.self_attention and layers.mlp use them while the model knows nothing of remat.
-    if (self.attention, self.mlp) != (layers.no_recompute, layers.no_recompute):
-      args = [dataclasses.replace(a, recompute_attention=self.attention, recompute_mlp=self.mlp)
-              if isinstance(a, layers.Ops) else a for a in args]
     return self.block(fn, *args)
+
+  def hooks(self, ops):
+    return dataclasses.replace(ops, recompute_attention=self.attention, recompute_mlp=self.mlp)
+
+
+def setup(ops, granularity, recompute=('attention',)):
+  """(ops with the recompute hooks, the model's layer_fn) for a granularity (see policy)."""
+  chosen = policy(granularity, recompute)
+  return (ops, None) if chosen is None else (chosen.hooks(ops), chosen)
 
 
 def policy(granularity, recompute=('attention',)):

@@ -106,7 +106,7 @@ def make_ops(mesh, sequence_parallel=False):
     out = comm.reduce_scatter_seq(out, group) if sp else comm.reduce_from_group(out, group)
     return out if b is None else out + b
 
-  def local_part(mask_b_, kind):
+  def mask_for_slice(mask_b_, kind):
     if kind == 'seq':
       return comm.own_chunk(mask_b_, group, 1) if sp else mask_b_
     return comm.own_chunk(mask_b_, group, -1 if kind == 'ffn' else 1)
@@ -117,10 +117,11 @@ def make_ops(mesh, sequence_parallel=False):
       embed=lambda ids, table: vocab_parallel_embedding(ids, table, group),
       lm_head=F.linear,
       cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, group),
-      enter_tp=(lambda x: comm.gather_seq(x, group)) if sp else (lambda x: comm.copy_to_group(x, group)),
-      scatter_sequence=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
-      sequence_shards=mesh.tp if sp else 1,
-      local_part=local_part,
+      # entering a TP region: SP's all-gather, else Megatron's f (all-reduce in backward)
+      full_input=(lambda x: comm.gather_seq(x, group)) if sp else (lambda x: comm.copy_to_group(x, group)),
+      slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
+      residual_slices=mesh.tp if sp else 1,
+      mask_for_slice=mask_for_slice,
   )
 
 

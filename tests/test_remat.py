@@ -49,9 +49,9 @@ def loss_and_grads(c, mesh=None):
   tokens = torch.randint(0, m.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(1))
   batch = {'tokens': tokens[:, :-1], 'labels': tokens[:, 1:], 'loss_mask': torch.ones(b, s),
            'sample_ids': torch.arange(b) + 5}
-  ops = tensor.make_ops(mesh, c.distributed_strategy.sequence_parallel)
-  recompute = remat.policy(m.activations_checkpoint_granularity, m.activations_checkpoint_recompute)
-  loss = transformer.stage(params, batch, m, ops, dropout_key=(0, 'dropout'), layer_fn=recompute)
+  ops, recompute = remat.setup(tensor.make_ops(mesh, c.distributed_strategy.sequence_parallel),
+                               m.activations_checkpoint_granularity, m.activations_checkpoint_recompute)
+  loss = transformer.stage(params, batch, m, ops, dropout_key=(0, 'dropout'), layer_fn=recompute)[0]
   loss.backward()
   return loss.detach(), {name: p.grad for name, p in params.items()}
 

@@ -9,9 +9,10 @@ import torch
 import train
 from configs import llama_tiny
 from data.loader import Loader
+from optim import update
 from model import transformer
 from model.layers import LOCAL_OPS
-from parallel import grads, memory, mesh as meshes, zero
+from parallel import grads, memory, mesh as meshes
 from tests import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,7 +101,7 @@ def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
   with torch.no_grad():
     params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
   before = {k: v.detach().clone() for k, v in params.items()}
-  updater = zero.Updater(params, c, mesh)
+  updater = update.Updater(params, c, mesh)
   batches = Loader(c).global_batch(0)
   if policy == 'error':
     with pytest.raises(FloatingPointError, match='step 8 '):   # the 8th step: logged as step 8

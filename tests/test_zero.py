@@ -8,6 +8,7 @@ import pytest
 
 import train
 from data.loader import Loader
+from optim import update
 from parallel import mesh as meshes, tensor, zero
 from tests import parity, world
 
@@ -41,7 +42,7 @@ def _state_bytes(zero1, precision_type):
   config.precision.type = precision_type
   mesh = meshes.init(config)
   params = train.init_params(config, mesh)
-  updater = zero.Updater(params, config, mesh)
+  updater = update.Updater(params, config, mesh)
   ops = tensor.make_ops(mesh)
   batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(0)
   train.train_step(params, updater, batches, config, 0, mesh, ops)

@@ -1,0 +1,183 @@
+"""The parameter update: clip, step the optimizer over the rows this rank owns, round, share.
+
+One path for every recipe and layout. Each trainable parameter box is split by rows (dim 0,
+padded) into `parts` shards; this rank owns shard `index` (a `Rows` value). Without ZeRO-1
+there is one part and a rank owns every row; with ZeRO-1 (`distributed_strategy.zero1`) the
+parts are the DP ranks. For the rows it owns, a rank keeps the optimizer state and an fp32
+copy (the "master"; for fp32 parameters it is a view of the parameter itself, so no copy).
+A step:
+  1. gradients of the owned rows: reduce-scattered over DP (ZeRO-1) or taken as they are;
+  2. the global norm over them, clipping;
+  3. optimizer.step() on the masters;
+  4. masters rounded to the parameter dtype (nearest, or stochastically keyed by each
+     element's global index, so every layout rounds alike) and all-gathered back.
+bf16SR keeps no master precision: the fp32 rows are refreshed from the bf16 parameters before
+each update. Frozen parameters (not in `trainable`) get no gradient, state or rows.
+"""
+import typing
+
+import torch
+
+from optim import optimizers
+from parallel import comm, grads as grad_ops, precision, zero
+
+
+class Rows(typing.NamedTuple):
+  """The rows of one parameter box this rank owns: `rows` of `per` (rows per part, padded)."""
+  rows: slice
+  per: int
+
+
+def owned_rows(num_rows, parts, index) -> Rows:
+  return Rows(*zero.shard_rows(num_rows, parts, index))
+
+
+class Updater:
+
+  def __init__(self, params, config, mesh, placement=None, trainable=None):
+    """`placement`: name -> (box, global shape), where this rank's tensor sits in the global
+    parameter (keys the stochastic rounding; default: the tensor is the whole parameter);
+    `trainable`: names to update (default all), the rest are frozen."""
+    self.params, self.mesh, self.config = params, mesh, config
+    self.recipe = precision.recipe(config.precision)
+    zero1 = config.distributed_strategy.zero1 and mesh.dp_group is not None
+    self.group = mesh.dp_group if zero1 else None
+    self.parts, self.index = (mesh.dp, mesh.dp_rank) if zero1 else (1, 0)
+    self.trainable = [n for n in params if trainable is None or n in trainable]
+    for name, p in params.items():
+      p.requires_grad_(name in self.trainable)
+    self.placement = placement or {n: (tuple(slice(0, s) for s in p.shape), tuple(p.shape))
+                                   for n, p in params.items()}
+    self.accumulate_fp32 = (self.recipe.grad_acc_dtype == torch.float32
+                            and self.recipe.param_dtype != torch.float32)
+    self.main_grads = {}
+    if self.accumulate_fp32:
+      for name in self.trainable:
+        params[name].register_post_accumulate_grad_hook(self._accumulate_hook(name))
+    self.rows = {n: owned_rows(params[n].shape[0], self.parts, self.index) for n in self.trainable}
+    # fp32 parameters are their own master: the shard is a view of the parameter's rows.
+    self.master = {n: self._owned(n) if params[n].dtype == torch.float32 else self._owned(n).float()
+                   for n in self.trainable}
+    self.optimizer = optimizers.make_optimizer(self.master, config.model.optim)
+
+  def _owned(self, name):
+    return self.params[name].detach()[self.rows[name].rows]
+
+  def _accumulate_hook(self, name):
+    def hook(p):
+      if name in self.main_grads:
+        self.main_grads[name] += p.grad.float()
+      else:
+        self.main_grads[name] = p.grad.float()
+      p.grad = None
+    return hook
+
+  @property
+  def reduces_over_dp(self):
+    """Whether `step` does the DP gradient reduction itself (reduce-scatter)."""
+    return self.group is not None
+
+  def gradients(self):
+    """name -> accumulated gradient of this rank's trainable boxes (fp32 where the recipe says)."""
+    if self.accumulate_fp32:
+      return self.main_grads
+    return {n: self.params[n].grad for n in self.trainable if self.params[n].grad is not None}
+
+  def step(self, gradients, lr, step, loss=None):
+    """Clip by the global norm and update, unless the norm (or `loss`) is not finite.
+    Returns (grad norm, whether the update happened): the one host sync of a step."""
+    for group in self.optimizer.param_groups:
+      group['lr'] = lr
+    owned = zero.reduce_scatter_rows(gradients, self.rows, self.parts, self.group)
+    norm = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
+    finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
+    ok = bool(finite)
+    if ok:
+      if not self.recipe.master_weights and self.recipe.param_dtype != torch.float32:
+        for n, m in self.master.items():     # bf16SR: the bf16 parameter is the only copy
+          m.copy_(self._owned(n))
+      for n, m in self.master.items():
+        m.grad = owned[n]
+      self.optimizer.step()
+      zero.all_gather_rows({n: self._rounded(n, step) for n in self.master}, self.params, self.rows,
+                           self.parts, self.group)
+    self._clear()
+    return norm, ok
+
+  def _rounded(self, name, step):
+    m = self.master[name]
+    if m.dtype == self.recipe.param_dtype:
+      return m
+    if self.recipe.stochastic_rounding:
+      box, shape = self.placement[name]
+      rows = self.rows[name].rows
+      box = (slice(box[0].start + rows.start, box[0].start + rows.stop),) + tuple(box[1:])
+      return precision.stochastic_round_at(m, box, shape, self.config.seed, 'sr', step, name)
+    return m.to(self.recipe.param_dtype)
+
+  def _clear(self):
+    self.main_grads = {}
+    for n in self.trainable:
+      self.params[n].grad = None
+      self.master[n].grad = None
+
+  # --- state, for checkpoints --------------------------------------------------------
+
+  def state_keys(self):
+    """Optimizer state tensors shaped like their parameter (Adam moments, momentum buffers);
+    factored state (Adafactor's row/column moments) is not checkpointed and restarts on resume."""
+    master, state = next(iter(self.optimizer.state.items()), (None, {}))
+    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == master.shape)
+
+  def optimizer_step(self):
+    state = next(iter(self.optimizer.state.values()), {})
+    step = state.get('step', 0)
+    return float(step.item() if torch.is_tensor(step) else step)
+
+  def has_master_copy(self):
+    """Whether masters are separate fp32 copies (checkpointed as `master.<name>`)."""
+    return self.recipe.param_dtype != torch.float32
+
+  def named_state(self, state_keys=None):
+    """This rank's owned rows of masters and optimizer state under checkpoint names:
+    `master.<name>` (separate copies only) and `optim.<key>.<name>`."""
+    out = {}
+    for n, m in self.master.items():
+      if self.has_master_copy():
+        out[f'master.{n}'] = m.detach()
+      for key in self.state_keys() if state_keys is None else state_keys:
+        if key in self.optimizer.state.get(m, {}):
+          out[f'optim.{key}.{n}'] = self.optimizer.state[m][key]
+    return out
+
+  def load_named_state(self, arrays, optimizer_step):
+    """Copy loaded rows (named as in `named_state`) into masters and optimizer state."""
+    with torch.no_grad():
+      for array, value in arrays.items():
+        kind, rest = array.split('.', 1)
+        if kind == 'master':
+          if rest in self.master:
+            self.master[rest][:value.shape[0]].copy_(value)
+          continue
+        key, name = rest.split('.', 1)
+        if name not in self.master:
+          continue                         # frozen here: its state is not this run's
+        m = self.master[name]
+        state = self.optimizer.state[m]
+        if key not in state:
+          state[key] = torch.zeros_like(m, dtype=value.dtype)
+        state[key][:value.shape[0]].copy_(value)
+        state['step'] = torch.tensor(float(optimizer_step))
+
+  def refresh_masters(self):
+    """After parameters were loaded: masters that are copies take the parameters' rows."""
+    with torch.no_grad():
+      for n, m in self.master.items():
+        if m.untyped_storage().data_ptr() != self.params[n].untyped_storage().data_ptr():
+          m.copy_(self._owned(n).float())
+
+  def state_bytes(self):
+    """Bytes of optimizer state plus master copies held by this rank."""
+    total = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    return total + sum(m.numel() * m.element_size() for m in self.master.values() if self.has_master_copy())
