@@ -1,0 +1,51 @@
+"""optim/update.py: the one update path, owned rows, frozen parameters, named state."""
+import torch
+
+import train
+from data.loader import Loader
+from optim import update
+from parallel import mesh as meshes, tensor
+from tests import parity
+
+
+def _stepped(trainable=None, precision_type='fp32'):
+  config = parity.parity_config()
+  config.precision.type = precision_type
+  mesh = meshes.Mesh()
+  params = train.init_params(config, mesh)
+  before = {n: p.detach().clone() for n, p in params.items()}
+  updater = update.Updater(params, config, mesh, trainable=trainable)
+  batches = Loader(config).global_batch(0)
+  train.train_step(params, updater, batches, config, 0, mesh, tensor.make_ops(mesh))
+  return params, before, updater, config
+
+
+def test_frozen_parameters_get_no_gradient_state_or_rows_and_stay_put():
+  trainable = {'layers.0.self_attn.q_proj.weight', 'layers.1.mlp.down_proj.weight'}
+  params, before, updater, _ = _stepped(trainable)
+  for name, p in params.items():
+    if name in trainable:
+      assert not torch.equal(p.detach(), before[name]), name
+    else:
+      assert torch.equal(p.detach(), before[name]) and not p.requires_grad, name
+  assert set(updater.master) == set(updater.rows) == trainable
+  assert {a.split('.', 2)[2] for a in updater.named_state() if a.startswith('optim.')} == trainable
+  assert updater.state_bytes() == sum(2 * 4 * params[n].numel() for n in trainable)   # Adam moments
+
+
+def test_named_state_round_trips_into_a_fresh_updater():
+  for precision_type in ('fp32', 'mixed_precision'):
+    params, _, updater, config = _stepped(precision_type=precision_type)
+    state = {k: v.clone() for k, v in updater.named_state().items()}
+    assert any(k.startswith('master.') for k in state) == (precision_type != 'fp32')
+    fresh = update.Updater({n: p.detach().clone() for n, p in params.items()}, config, meshes.Mesh())
+    fresh.load_named_state(state, updater.optimizer_step())
+    assert fresh.optimizer_step() == updater.optimizer_step() == 1.0
+    for key, value in state.items():
+      if key.startswith('optim.'):
+        assert torch.equal(fresh.named_state()[key], value), key
+
+
+def test_owned_rows_are_the_zero1_shards():
+  assert update.owned_rows(10, 4, 3) == update.Rows(slice(9, 10), 3)
+  assert update.owned_rows(10, 1, 0) == update.Rows(slice(0, 10), 10)
