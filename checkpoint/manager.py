@@ -233,17 +233,19 @@ class CheckpointManager:
     resume_from_checkpoint (a step directory, or a root holding step directories) wins;
     else with resume_if_exists the newest committed step under `root`; when there is none,
     start fresh if resume_ignore_no_checkpoint, else raise FileNotFoundError."""
-    candidates = self._candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
+    candidates = self.candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
     return candidates[0] if candidates else None
 
-  def resume(self, requests: dict, *, resume_if_exists: bool, resume_ignore_no_checkpoint: bool,
-             resume_from_checkpoint: str = None, dtypes: dict = None, check=None):
-    """resolve_resume, then load this rank's boxes -> (step, arrays, metadata), or None to
+  def resume(self, requests: dict, *, resume_if_exists: bool = False, resume_ignore_no_checkpoint: bool = False,
+             resume_from_checkpoint: str = None, dtypes: dict = None, check=None, candidates=None):
+    """Load this rank's boxes of the first loadable step of `candidates` (default: resolved
+    from the three resume settings, see `candidates`) -> (step, arrays, metadata), or None to
     start fresh. `check(path, metadata)` runs before anything is read; what it raises is fatal.
     A checkpoint that fails to load (checksum, missing array or chunk) on any rank is skipped,
     on all ranks together, for the previous committed one; a rejected step of this root is
     moved aside (`reject`) so that the run writes that step afresh when it gets there."""
-    candidates = self._candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
+    if candidates is None:
+      candidates = self.candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
     for path in candidates:
       def load(p=path):
         if check is not None:
@@ -255,7 +257,7 @@ class CheckpointManager:
       _raise_if(fatal, None if corrupt else error, f'loading {path} failed on another rank')
       if not bad:
         arrays, metadata = loaded
-        return metadata['step'], arrays, metadata
+        return metadata['step'], arrays, dict(metadata, path=path)
       reason = error if error is not None else 'failed on another rank'
       aside = self.reject(path) if self.rank == 0 else None
       log.warning('checkpoint %s cannot be loaded (%s)%s; falling back to the previous committed step',
@@ -280,8 +282,11 @@ class CheckpointManager:
     os.rename(local, target)
     return target
 
-  def _candidates(self, resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint):
-    """Step paths to try, newest first (rank 0 lists, everyone gets its answer or error)."""
+  def candidates(self, resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint):
+    """Step paths to resume from, newest first; [] to start fresh (rank 0 lists, everyone gets
+    its answer or error). resume_from_checkpoint (a step directory, or a root holding step
+    directories) wins; else with resume_if_exists the committed steps under `root`; when there
+    are none, start fresh if resume_ignore_no_checkpoint, else raise FileNotFoundError."""
     self.wait()
 
     def lead():

@@ -81,22 +81,18 @@ class Session:
   def restore_or_init(self):
     """Resume (params, optimizer, data position) or load init_from weights. -> (step, consumed)."""
     e = self.config.exp_manager
-    if e.resume_if_exists or e.resume_from_checkpoint:
-      path = self.manager.resolve_resume(e.resume_if_exists, e.resume_ignore_no_checkpoint,
+    candidates = self.manager.candidates(e.resume_if_exists, e.resume_ignore_no_checkpoint,
                                          e.resume_from_checkpoint)
-      if path is not None:
-        meta = managers.read_metadata(path)
-        layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()))
-        step, arrays, meta = self.manager.resume(
-            layout.requests(), resume_if_exists=e.resume_if_exists,
-            resume_ignore_no_checkpoint=e.resume_ignore_no_checkpoint,
-            resume_from_checkpoint=e.resume_from_checkpoint,
-            check=lambda p, m: check_shapes(p, m, layout))
-        layout.restore(arrays, meta.get('optimizer_step', 0))
-        self.last_saved = step
-        logging.info('resumed from %s: step %d, consumed_samples %d (saved at %s)', path, step,
-                     meta['consumed_samples'], meta.get('layout'))
-        return step, meta['consumed_samples']
+    if candidates:
+      meta = managers.read_metadata(candidates[0])
+      layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()))
+      step, arrays, meta = self.manager.resume(layout.requests(), candidates=candidates,
+                                               check=lambda p, m: check_shapes(p, m, layout))
+      layout.restore(arrays, meta.get('optimizer_step', 0))
+      self.last_saved = step
+      logging.info('resumed from %s: step %d, consumed_samples %d (saved at %s)',
+                   meta['path'], step, meta['consumed_samples'], meta.get('layout'))
+      return step, meta['consumed_samples']
     if e.init_from:
       self._init_from(e.init_from)
     return 0, 0

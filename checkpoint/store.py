@@ -30,7 +30,7 @@ Integrity: every chunk ends in a crc32c (the zarr3 `crc32c` codec) and OCDBT che
 nodes; tensorstore reports a mismatch as DATA_LOSS, raised here as ChecksumError naming the
 array. A missing chunk is an error too (`fill_missing_data_reads: False`), never silent zeros.
 
-A fresh ts.Context per call: a reused one keeps growing (see REFERENCES.md).
+A fresh ts.Context per call: a reused one keeps growing (its cache pools are never released).
 """
 import dataclasses
 import functools

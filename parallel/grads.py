@@ -3,7 +3,7 @@
 After backward each rank holds gradients of its parameter boxes for its share of the
 global batch. `sync` makes them the gradients of the global loss:
   1. SP: replicated parameters applied to sequence shards (norms, row biases) saw only their
-     shard's tokens, so their gradients are summed over TP (Megatron-LM #1446 forgot this);
+     shard's tokens, so their gradients are summed over TP (a Megatron-LM bug once forgot this);
   2. KV replicas: each copy of a KV head saw only its ranks' query heads: summed over the
      replicas;
   3. PP with tied embeddings: the first stage's embedding and the last stage's LM head are

@@ -58,44 +58,27 @@ class Mesh:
             f'tp {self.tp_rank}/{self.tp}')
 
 
-def _groups(sizes, rank, make_group):
+def _groups(grid, rank, make_group):
   """Every rank creates every group in the same order (torch.distributed requires it)."""
-  dp, pp, tp = sizes
   mine = {}
-  coords = [(d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)]
-  rank_of = lambda d, p, t: (d * pp + p) * tp + t
+  coords = [(d, p, t) for d in range(grid.dp) for p in range(grid.pp) for t in range(grid.tp)]
   families = {
-      'tp': {(d, p): [rank_of(d, p, t) for t in range(tp)] for d, p, _ in coords},
-      'pp': {(d, t): [rank_of(d, p, t) for p in range(pp)] for d, _, t in coords},
-      'dp': {(p, t): [rank_of(d, p, t) for d in range(dp)] for _, p, t in coords},
+      'tp': {(d, p): [grid.rank_of(d, p, t) for t in range(grid.tp)] for d, p, _ in coords},
+      'pp': {(d, t): [grid.rank_of(d, p, t) for p in range(grid.pp)] for d, _, t in coords},
+      'dp': {(p, t): [grid.rank_of(d, p, t) for d in range(grid.dp)] for _, p, t in coords},
+      # TP ranks holding copies of one KV head: consecutive runs of kv_replicator TP ranks
+      'kv': {(d, p, t // grid.kv_replicator): [grid.rank_of(d, p, t - t % grid.kv_replicator + k)
+                                               for k in range(grid.kv_replicator)]
+             for d, p, t in coords} if grid.kv_replicator > 1 else {},
+      # first and last PP stage: the copies of a tied embedding
+      'embed': {(d, t): [grid.rank_of(d, 0, t), grid.rank_of(d, grid.pp - 1, t)]
+                for d, _, t in coords} if grid.pp > 1 else {},
   }
   for name, members_by_key in families.items():
     for members in members_by_key.values():
       group = make_group(members)
       if rank in members:
         mine[name] = group
-  return mine
-
-
-def _kv_groups(dp, pp, tp, replicator, rank, make_group):
-  mine = None
-  for base in range(0, dp * pp * tp, tp):
-    for first in range(base, base + tp, replicator):
-      members = list(range(first, first + replicator))
-      group = make_group(members)
-      if rank in members:
-        mine = group
-  return mine
-
-
-def _embed_groups(dp, pp, tp, rank, make_group):
-  mine = None
-  for d in range(dp):
-    for t in range(tp):
-      members = [(d * pp) * tp + t, (d * pp + pp - 1) * tp + t]
-      group = make_group(members)
-      if rank in members:
-        mine = group
   return mine
 
 
@@ -117,12 +100,10 @@ def init(config, device_name=None) -> Mesh:
     dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
   # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
   make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-  groups = _groups((dp, pp, tp), rank, make_group)
-  kv_group = _kv_groups(dp, pp, tp, kv_replicator, rank, make_group) if kv_replicator > 1 else None
-  embed_group = _embed_groups(dp, pp, tp, rank, make_group) if pp > 1 else None
+  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, kv_replicator=kv_replicator), rank, make_group)
   return Mesh(dp=dp, pp=pp, tp=tp, rank=rank, device=device, kv_replicator=kv_replicator,
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
-              kv_group=kv_group, embed_group=embed_group, timeout_s=d.collective_timeout_s,
+              kv_group=groups.get('kv'), embed_group=groups.get('embed'), timeout_s=d.collective_timeout_s,
               host_group=dist.new_group(backend='gloo', timeout=timeout))
 
 

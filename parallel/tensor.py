@@ -6,6 +6,8 @@ Row-parallel (input columns split, output all-reduced or, under SP, reduce-scatt
 o_proj, down_proj. Everything else is replicated. With tp > num_kv_heads each KV head is held
 by `kv_replicator` consecutive TP ranks (rank r holds KV head r // kv_replicator).
 """
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -135,9 +137,10 @@ def describe_layout(config, mesh):
     rows = tp_box(name, specs[name], mesh.tp, t, mesh.kv_replicator)[0]
     return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
 
-  return [f'rank {r}: dp {r // (mesh.tp * mesh.pp)} pp {r // mesh.tp % mesh.pp} tp {r % mesh.tp} | '
-          f'q heads {span("layers.0.self_attn.q_proj.weight", r % mesh.tp, d)}, '
-          f'kv heads {span("layers.0.self_attn.k_proj.weight", r % mesh.tp, d)}, '
-          f'ffn {span("layers.0.mlp.up_proj.weight", r % mesh.tp)}, '
-          f'vocab rows {span("embed_tokens.weight", r % mesh.tp)}'
-          for r in range(mesh.world_size)]
+  ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
+  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank} | '
+          f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
+          f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}, '
+          f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}, '
+          f'vocab rows {span("embed_tokens.weight", r.tp_rank)}'
+          for r in ranks]
