@@ -10,6 +10,8 @@ that grows with the run, and each dataset cycles through its own epochs independ
 """
 import numpy as np
 
+from data.errors import DataError
+
 BLOCK = 1 << 16
 
 
@@ -19,18 +21,19 @@ def parse_data_prefix(data_prefix) -> list:
   if len(items) == 1:
     return [(1.0, str(items[0]))]
   if len(items) % 2:
-    raise ValueError(f'data_prefix {tuple(items)}: give one prefix, or weight/prefix pairs '
-                     '(w1, prefix1, w2, prefix2, ...)')
+    raise DataError(f'data.data_prefix {tuple(items)}: give one prefix, or weight/prefix '
+                    'pairs (w1, prefix1, w2, prefix2, ...)')
   pairs = []
   for w, p in zip(items[0::2], items[1::2]):
     try:
       pairs.append((float(w), str(p)))
     except (TypeError, ValueError):
-      raise ValueError(f'data_prefix: weight {w!r} (before {p!r}) is not a number') from None
+      raise DataError(f'data.data_prefix: weight {w!r} (before {p!r}) is not a number; give '
+                      'weight/prefix pairs (w1, prefix1, w2, prefix2, ...)') from None
   total = sum(w for w, _ in pairs)
   if any(w < 0 for w, _ in pairs) or total <= 0:
-    raise ValueError(f'data_prefix weights {[w for w, _ in pairs]} must be >= 0 with a '
-                     'positive sum')
+    raise DataError(f'data.data_prefix weights {[w for w, _ in pairs]} must be >= 0 with a '
+                    'positive sum')
   return [(w / total, p) for w, p in pairs]
 
 

@@ -18,6 +18,7 @@ from collections import OrderedDict
 import numpy as np
 
 from data import index_cache, indexed
+from data.errors import DataError
 from model import rng
 
 SPLITS = ('train', 'valid', 'test')
@@ -27,12 +28,15 @@ EPOCHS_KEPT = 2   # a batch spans at most two epochs
 
 def parse_splits(splits_string: str) -> list:
   """'980,10,10' (or '98/1/1', or '99') -> three fractions summing to 1, as in Megatron."""
+  fix = 'need non-negative weights with a positive sum, e.g. "980,10,10"'
   sep = ',' if ',' in splits_string else '/'
-  weights = [float(w) for w in splits_string.split(sep) if w.strip()]
+  try:
+    weights = [float(w) for w in splits_string.split(sep) if w.strip()]
+  except ValueError:
+    raise DataError(f'data.splits_string {splits_string!r}: {fix}') from None
   weights = (weights + [0.0] * 3)[:3]
   if any(w < 0 for w in weights) or sum(weights) <= 0:
-    raise ValueError(f'splits_string {splits_string!r}: need non-negative weights with a '
-                     'positive sum, e.g. "980,10,10"')
+    raise DataError(f'data.splits_string {splits_string!r}: {fix}')
   return [w / sum(weights) for w in weights]
 
 
@@ -69,7 +73,7 @@ class GPTDataset:
   def __init__(self, prefix: str, split: str, seq_length: int, seed: int, splits_string: str,
                cache_dir: str = None, vocab_size: int = None):
     if split not in SPLITS:
-      raise ValueError(f'split must be one of {SPLITS}, got {split!r}')
+      raise DataError(f'{prefix}: split must be one of {SPLITS}, got {split!r}')
     self.data = indexed.IndexedDataset(prefix)
     self.prefix, self.split, self.seq_length, self.seed = prefix, split, seq_length, seed
     self.vocab_size = vocab_size
@@ -80,7 +84,7 @@ class GPTDataset:
     self.num_tokens = int(self.sizes.sum(dtype=np.int64))
     self.samples_per_epoch = max(self.num_tokens - 1, 0) // seq_length
     if self.samples_per_epoch == 0:
-      raise ValueError(
+      raise DataError(
           f'{prefix}: the {split} split (splits_string {splits_string!r}) holds {hi - lo} of '
           f'{len(self.data)} documents, {self.num_tokens} tokens; one sample needs '
           f'seq_length + 1 = {seq_length + 1}. Use more data or a larger {split} share.')
@@ -129,8 +133,10 @@ class GPTDataset:
       out[rows] = self._windows(arrays, np.asarray(arrays['shuffle_idx'][within[rows]]))
     if self.vocab_size is not None and out.size and (out.max() >= self.vocab_size or out.min() < 0):
       bad = int(out.max()) if out.max() >= self.vocab_size else int(out.min())
-      raise ValueError(f'{self.prefix}.bin: token id {bad} outside [0, model.vocab_size '
-                       f'{self.vocab_size}); was the data tokenized with another tokenizer?')
+      raise DataError(f'{self.prefix}.bin: token id {bad} outside [0, model.vocab_size '
+                      f'{self.vocab_size}); was the data tokenized with another tokenizer? '
+                      "Re-run tools/preprocess.py with the model's tokenizer, or raise "
+                      'model.vocab_size')
     return out
 
   def _windows(self, arrays, rows) -> np.ndarray:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from data import blend, gpt_dataset, masks, synthetic, tokenizer
+from data.errors import DataError
 
 
 class Loader:
@@ -39,8 +40,9 @@ class Loader:
     if not (c.eod_mask_loss or c.reset_position_ids or c.reset_attention_mask):
       return None
     if self.cfg.tokenizer.type == 'none':
-      raise ValueError('data.eod_mask_loss / reset_position_ids / reset_attention_mask find '
-                       'documents by their end-of-document token: set data.tokenizer')
+      raise DataError('data.eod_mask_loss / reset_position_ids / reset_attention_mask find '
+                      'documents by their end-of-document token: set data.tokenizer (type and '
+                      'model), or turn those options off')
     return tokenizer.load_tokenizer(self.cfg.tokenizer).eod_id
 
   def global_batch(self, consumed_samples: int) -> list:

@@ -10,6 +10,8 @@ The end-of-document id is the EOS id, as in Megatron's tokenizers.
 import json
 import os
 
+from data.errors import DataError
+
 GPT2_EOT = '<|endoftext|>'
 # Special-token spellings of the common families, tried when tokenizer_config.json is absent.
 BOS_NAMES = ('<s>', '<|begin_of_text|>', '<bos>', '[BOS]', GPT2_EOT)
@@ -23,7 +25,7 @@ def _field(cfg, name):
 
 def _require_file(path, what):
   if not path:
-    raise ValueError(f'tokenizer: {what} is not set')
+    raise DataError(f'tokenizer: {what} is not set; set it to the tokenizer file')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'tokenizer: {what} {path!r} does not exist')
   return path
@@ -83,7 +85,11 @@ def _special_tokens_from_config(directory) -> dict:
   if not os.path.isfile(path):
     return {}
   with open(path) as f:
-    cfg = json.load(f)
+    try:
+      cfg = json.load(f)
+    except json.JSONDecodeError as e:
+      raise DataError(f'{path}: not valid JSON ({e}); fix or delete it (the special tokens '
+                      'then come from their usual names)') from None
   out = {}
   for key in ('bos_token', 'eos_token', 'pad_token'):
     value = cfg.get(key)
@@ -115,7 +121,7 @@ def load_tokenizer(cfg):
     return HuggingFaceTokenizer(_field(cfg, 'model'))
   if kind == 'gpt2':
     return gpt2_bpe(_field(cfg, 'vocab_file'), _field(cfg, 'merge_file'))
-  raise ValueError(f'data.tokenizer.type {kind!r}: choose sentencepiece (with .model), '
+  raise DataError(f'data.tokenizer.type {kind!r}: choose sentencepiece (with .model), '
                    'huggingface (with .model = tokenizer.json) or gpt2 (with .vocab_file and '
                    '.merge_file)')
 
@@ -123,7 +129,7 @@ def load_tokenizer(cfg):
 def check_vocab(tokenizer, model_cfg):
   """The model's embedding must have a row for every token id the tokenizer can emit."""
   if model_cfg.vocab_size < tokenizer.vocab_size:
-    raise ValueError(
+    raise DataError(
         f'model.vocab_size = {model_cfg.vocab_size} is smaller than the tokenizer\'s '
         f'{tokenizer.vocab_size} tokens ({getattr(tokenizer, "path", "")}); set '
         f'--config.model.vocab_size={tokenizer.vocab_size}')

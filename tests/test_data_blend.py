@@ -3,17 +3,18 @@ import numpy as np
 import pytest
 
 from data import blend, gpt_dataset, indexed
+from data.errors import DataError
 
 
 def test_parse_data_prefix():
   assert blend.parse_data_prefix(('/d/a',)) == [(1.0, '/d/a')]
   assert blend.parse_data_prefix('/d/a') == [(1.0, '/d/a')]
   assert blend.parse_data_prefix((3, '/d/a', '1', '/d/b')) == [(0.75, '/d/a'), (0.25, '/d/b')]
-  with pytest.raises(ValueError, match='weight/prefix pairs'):
+  with pytest.raises(DataError, match='weight/prefix pairs'):
     blend.parse_data_prefix((0.5, '/d/a', 0.5))
-  with pytest.raises(ValueError, match="weight '/d/a'"):
+  with pytest.raises(DataError, match="weight '/d/a'"):
     blend.parse_data_prefix(('/d/a', '/d/b'))
-  with pytest.raises(ValueError, match='positive sum'):
+  with pytest.raises(DataError, match='positive sum'):
     blend.parse_data_prefix((0, '/d/a', 0, '/d/b'))
 
 

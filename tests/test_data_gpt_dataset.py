@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from data import gpt_dataset, indexed
+from data.errors import DataError
 
 SEQ = 8
 
@@ -47,8 +48,9 @@ def test_split_strings_and_ranges_match_megatron():
   assert gpt_dataset.split_ranges([0.98, 0.01, 0.01], 1000) == [(0, 980), (980, 990), (990, 1000)]
   # Rounding leftovers go to train: 42 documents leave nothing for valid/test.
   assert gpt_dataset.split_ranges([0.98, 0.01, 0.01], 42) == [(0, 42), (42, 42), (42, 42)]
-  with pytest.raises(ValueError, match='splits_string'):
-    gpt_dataset.parse_splits('0,0,0')
+  for bad in ('0,0,0', '98,x,1'):
+    with pytest.raises(DataError, match=f"data.splits_string '{bad}'"):
+      gpt_dataset.parse_splits(bad)
 
 
 def test_sample_index_equals_megatron_build_sample_idx():
@@ -168,7 +170,7 @@ def test_empty_documents_are_skipped(tmp_path):
 def test_split_too_small_names_file_and_split(tmp_path):
   prefix = str(tmp_path / 'tiny')
   indexed.write(prefix, [[1, 2, 3]] * 10, np.uint16)
-  with pytest.raises(ValueError, match=r'tiny: the valid split .* 1 of 10 documents, 3 tokens'):
+  with pytest.raises(DataError, match=r'tiny: the valid split .* 1 of 10 documents, 3 tokens'):
     dataset(prefix, 'valid', seq=8, splits='8,1,1')
 
 
@@ -176,5 +178,5 @@ def test_token_ids_beyond_the_model_vocab(tmp_path):
   prefix = str(tmp_path / 'wide')
   indexed.write(prefix, [list(range(100))] * 4, np.uint16)
   ds = dataset(prefix, splits='1,0,0', vocab_size=64)
-  with pytest.raises(ValueError, match=r'wide.bin: token id 9\d outside \[0, model.vocab_size 64'):
+  with pytest.raises(DataError, match=r'wide.bin: token id 9\d outside \[0, model.vocab_size 64'):
     ds.samples(np.arange(ds.samples_per_epoch))

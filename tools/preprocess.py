@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import indexed, tokenizer  # noqa: E402
+from data.errors import DataError  # noqa: E402
 
 BATCH_DOCS = 64   # documents per task sent to a worker: amortizes the pickling round trip
 
@@ -61,11 +62,10 @@ def read_documents(files, json_key, text_docs):
       continue
     with open(path, encoding='utf-8') as f:
       text = f.read()
-    if text_docs == 'file':
-      yield text
-    else:
-      separator = '\n\n' if text_docs == 'paragraph' else '\n'
-      yield from (d for d in text.split(separator) if d.strip())
+    separator = {'file': None, 'paragraph': '\n\n', 'line': '\n'}[text_docs]
+    docs = text.split(separator) if separator else [text]
+    # Blank documents are skipped in every mode: a blank file is no document either.
+    yield from (d for d in docs if d.strip())
 
 
 def _jsonl_documents(path, key):
@@ -76,12 +76,15 @@ def _jsonl_documents(path, key):
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{line_no}: not valid JSON ({e.msg})') from None
+        raise DataError(f'{path}:{line_no}: not valid JSON ({e.msg}); fix or remove the '
+                        'line') from None
       if not isinstance(record, dict) or key not in record:
-        raise ValueError(f'{path}:{line_no}: no {key!r} field (set --json-key)')
+        raise DataError(f'{path}:{line_no}: no {key!r} field; set --json-key to the field '
+                        'holding the text')
       if not isinstance(record[key], str):
         kind = type(record[key]).__name__
-        raise ValueError(f'{path}:{line_no}: field {key!r} holds {kind}, not text')
+        raise DataError(f'{path}:{line_no}: field {key!r} holds {kind}, not text; set '
+                        '--json-key to the field holding the text')
       yield record[key]
 
 
@@ -136,8 +139,8 @@ def preprocess(files, output_prefix, tok_cfg, json_key=None, text_docs='file', w
   files = expand_inputs(files)
   tok = tokenizer.load_tokenizer(tok_cfg)
   if append_eod and tok.eod_id is None:
-    raise ValueError('preprocess: the tokenizer has no end-of-document (EOS) token; '
-                     'pass --no-append-eod to write documents without one')
+    raise DataError('preprocess: the tokenizer has no end-of-document (EOS) token; '
+                    'pass --no-append-eod to write documents without one')
   dtype = indexed.dtype_for_vocab(tok.vocab_size)
   batches = _batches(read_documents(files, json_key, text_docs), BATCH_DOCS)
   init_args = (tok_cfg, dtype, append_eod)
@@ -151,12 +154,22 @@ def preprocess(files, output_prefix, tok_cfg, json_key=None, text_docs='file', w
       ctx = mp.get_context('spawn')   # fork is unsafe with threaded libraries already loaded
       with ctx.Pool(workers, _init_worker, init_args) as pool:
         _write_all(pool.imap(_encode_batch, batches), writer, progress)
+    if progress.docs == 0:
+      # Raised inside the writer so that it deletes the empty .bin/.idx: a dataset with no
+      # documents would only fail later, at training start, far from its cause.
+      raise DataError(f'preprocess: no documents in {_names(files)} (empty, or blank lines '
+                      'only); check --input, --json-key and --text-docs')
   progress.update(0, 0, final=True)
   seconds = time.perf_counter() - progress.start
   return {'files': len(files), 'documents': progress.docs, 'tokens': progress.tokens,
           'seconds': seconds, 'docs_per_s': progress.docs / seconds,
           'tokens_per_s': progress.tokens / seconds, 'dtype': np.dtype(dtype).name,
           'vocab_size': tok.vocab_size, 'bin_bytes': os.path.getsize(output_prefix + '.bin')}
+
+
+def _names(files, shown=5) -> str:
+  more = f' and {len(files) - shown} more' if len(files) > shown else ''
+  return ', '.join(files[:shown]) + more
 
 
 def _write_all(results, writer, progress):
@@ -170,8 +183,13 @@ def main(argv=None):
   args = parse_args(argv)
   tok_cfg = {'type': args.tokenizer_type, 'model': args.tokenizer_model,
              'vocab_file': args.vocab_file, 'merge_file': args.merge_file}
-  s = preprocess(args.input, args.output_prefix, tok_cfg, args.json_key, args.text_docs,
-                 args.workers, not args.no_append_eod, args.quiet)
+  try:
+    s = preprocess(args.input, args.output_prefix, tok_cfg, args.json_key, args.text_docs,
+                   args.workers, not args.no_append_eod, args.quiet)
+  except (DataError, FileNotFoundError) as e:
+    # Bad input, named with its fix: one line, argparse's exit status for a usage error.
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2)
   print(f'wrote {args.output_prefix}.bin/.idx: {s["documents"]:,} documents, {s["tokens"]:,} '
         f'{s["dtype"]} tokens ({s["bin_bytes"] / 2**20:.1f} MiB) from {s["files"]} file(s) in '
         f'{s["seconds"]:.1f} s: {s["docs_per_s"]:,.0f} docs/s, {s["tokens_per_s"]:,.0f} tokens/s')
