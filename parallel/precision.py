@@ -24,7 +24,9 @@ long runs stall; stochastic rounding (SR) keeps each update in expectation.
 SR adds uniform 16-bit noise to the low half of the fp32 bit pattern and truncates it:
 the result is one of the two bf16 values bracketing x, the upper with probability
 (x - down) / (up - down). The noise comes from model.rng, keyed like every other draw,
-so a step is reproduced bit for bit on any device and after a resume.
+so a step is reproduced bit for bit on any device and after a resume. stochastic_round_at
+hashes (key, global element index) instead of drawing per shape, so every parallel layout
+rounds every element the same way.
 """
 import contextlib
 import dataclasses
@@ -79,11 +81,75 @@ def stochastic_round(x: torch.Tensor, generator_or_noise: Union[torch.Generator,
 def stochastic_round_keyed(x: torch.Tensor, *key) -> torch.Tensor:
   """stochastic_round with noise from rng.generator(*key), e.g. key (seed, 'sr', step, name).
 
-  The same key rounds the same way bit for bit. A sharded tensor (ZeRO-1, TP) rounding
-  only its shard should put the shard's identity in the key (or draw the full shape and
-  slice), or different layouts round differently.
+  The same key rounds the same way bit for bit, but the noise is drawn for x's own shape:
+  a shard (ZeRO-1, TP) rounds differently from the same elements of the whole tensor.
+  stochastic_round_at rounds every element the same way under any layout.
   """
   return stochastic_round(x, rng.generator(*key))
+
+
+def _int64(c):
+  """An unsigned 64-bit constant as the int64 with the same bits (torch has no uint64 math)."""
+  return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN_GAMMA = _int64(0x9E3779B97F4A7C15)  # splitmix64's counter increment
+_MIX_1 = _int64(0xBF58476D1CE4E5B9)
+_MIX_2 = _int64(0x94D049BB133111EB)
+
+
+def _shift_right(z, bits):
+  """Logical z >> bits on int64: torch shifts arithmetically, so clear the copied sign bits."""
+  return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+
+
+def _splitmix64_(seed, index):
+  """splitmix64's output number index + 1 from state `seed`, elementwise, in place on `index`.
+
+  A stateless counter hash: element i's noise needs neither a generator nor its
+  neighbours. int64 multiplies and adds wrap mod 2^64, exactly like the uint64 original.
+  In-place ops keep it to one temporary per shift: it is memory-bound.
+  """
+  z = index.add_(1).mul_(_GOLDEN_GAMMA).add_(_int64(seed))
+  z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX_1)
+  z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX_2)
+  return z.bitwise_xor_(_shift_right(z, 31))
+
+
+def _flat_index(box, global_shape, device):
+  """int64 row-major index into global_shape of each element of `box`, in the box's shape."""
+  if len(box) != len(global_shape) or not all(isinstance(s, slice) for s in box):
+    raise ValueError(f'box must be one slice per dim of {tuple(global_shape)}, got {box!r}')
+  index = torch.zeros((), dtype=torch.int64, device=device)
+  stride = 1
+  for dim in reversed(range(len(global_shape))):
+    coords = torch.arange(*box[dim].indices(global_shape[dim]), dtype=torch.int64, device=device)
+    # Broadcasting builds the box dim by dim from the last, without materialising a grid.
+    index = index + (coords * stride).view((-1,) + (1,) * (len(global_shape) - 1 - dim))
+    stride *= global_shape[dim]
+  return index
+
+
+def keyed_noise(box, global_shape, *key, device='cpu') -> torch.Tensor:
+  """int32 noise in [0, 2^16) for the `box` (one slice per dim) of a tensor of global_shape.
+
+  Element i (global row-major index) gets the top 16 bits of splitmix64(key seed, i): a pure
+  function of (key, i), so any box -- a ZeRO-1 row shard, a TP column block, the whole
+  tensor -- sees the same noise for the same element, on any device.
+  """
+  index = _flat_index(box, global_shape, torch.device(device))
+  hashed = _splitmix64_(rng.key_to_seed(*key), index)
+  # The top bits are the best mixed.
+  return _shift_right(hashed, 48).to(torch.int32)
+
+
+def stochastic_round_at(x: torch.Tensor, box, global_shape, *key) -> torch.Tensor:
+  """stochastic_round of x, the `box` of a tensor of global_shape, with keyed_noise.
+
+  Every parallel layout rounds every element identically, so bf16SR runs agree bit for bit
+  across ZeRO-1 and TP splits, e.g. key (seed, 'sr', step, name).
+  """
+  return stochastic_round(x, keyed_noise(box, global_shape, *key, device=x.device))
 
 
 def add_stochastic(param: torch.Tensor, update: torch.Tensor, *key) -> torch.Tensor:
@@ -108,11 +174,21 @@ class Recipe:
 
 _F32, _BF16 = torch.float32, torch.bfloat16
 _RECIPES = {
-    'fp32': Recipe('fp32', _F32, _F32, False, _F32, _F32, False, False),
-    'bf16SR': Recipe('bf16SR', _BF16, _BF16, False, _BF16, _BF16, True, False),
-    'mixed_precision': Recipe('mixed_precision', _BF16, _BF16, True, _F32, _F32, False, False),
-    'mixed_precisionSR': Recipe('mixed_precisionSR', _BF16, _BF16, True, _F32, _F32, True, False),
-    'autocast': Recipe('autocast', _F32, _BF16, False, _F32, _F32, False, True),
+    'fp32': Recipe(
+        name='fp32', param_dtype=_F32, compute_dtype=_F32, master_weights=False,
+        grad_acc_dtype=_F32, reduce_dtype=_F32, stochastic_rounding=False, autocast=False),
+    'bf16SR': Recipe(
+        name='bf16SR', param_dtype=_BF16, compute_dtype=_BF16, master_weights=False,
+        grad_acc_dtype=_BF16, reduce_dtype=_BF16, stochastic_rounding=True, autocast=False),
+    'mixed_precision': Recipe(
+        name='mixed_precision', param_dtype=_BF16, compute_dtype=_BF16, master_weights=True,
+        grad_acc_dtype=_F32, reduce_dtype=_F32, stochastic_rounding=False, autocast=False),
+    'mixed_precisionSR': Recipe(
+        name='mixed_precisionSR', param_dtype=_BF16, compute_dtype=_BF16, master_weights=True,
+        grad_acc_dtype=_F32, reduce_dtype=_F32, stochastic_rounding=True, autocast=False),
+    'autocast': Recipe(
+        name='autocast', param_dtype=_F32, compute_dtype=_BF16, master_weights=False,
+        grad_acc_dtype=_F32, reduce_dtype=_F32, stochastic_rounding=False, autocast=True),
 }
 
 
@@ -157,8 +233,10 @@ def recipe(cfg) -> Recipe:
     return _RECIPES[cfg.type]
   params = PARAMETER_DTYPES[_knob(cfg, 'parameter_dtype')]
   grads = _F32 if _knob(cfg, 'fp32_grad_acc') else params
-  return Recipe('manual', params, params, bool(_knob(cfg, 'master_weights')), grads, grads,
-                bool(_knob(cfg, 'stochastic_rounding')), False)
+  return Recipe(name='manual', param_dtype=params, compute_dtype=params,
+                master_weights=bool(_knob(cfg, 'master_weights')), grad_acc_dtype=grads,
+                reduce_dtype=grads, stochastic_rounding=bool(_knob(cfg, 'stochastic_rounding')),
+                autocast=False)
 
 
 def compute_context(r: Recipe, device_type: str):

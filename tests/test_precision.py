@@ -7,7 +7,9 @@ import torch
 
 from configs import base
 from parallel import precision
-from parallel.precision import stochastic_round, stochastic_round_keyed, add_stochastic
+from model import rng
+from parallel.precision import (add_stochastic, keyed_noise, stochastic_round,
+                                stochastic_round_at, stochastic_round_keyed)
 
 BF16_ULP_AT_ONE = 2.0**-7            # 7 stored mantissa bits: the spacing of bf16 in [1, 2)
 
@@ -142,6 +144,154 @@ def test_small_updates_stall_under_round_to_nearest_but_not_under_sr():
   assert w.dtype == torch.bfloat16
   assert abs(w.item() - expected) < 5 * sd
   assert abs(many.double().mean().item() - expected) < 5 * sd / math.sqrt(4096)
+
+
+# --- layout-independent noise (keyed_noise, stochastic_round_at)
+
+def full_box(shape):
+  return tuple(slice(0, n) for n in shape)
+
+
+def row_shards(rows, parts):
+  """ZeRO-1's split: `parts` shards of ceil(rows / parts) rows, the last ones short or empty."""
+  per = math.ceil(rows / parts)
+  return [slice(min(i * per, rows), min((i + 1) * per, rows)) for i in range(parts)]
+
+
+def column_shards(columns, parts):
+  per = columns // parts
+  return [slice(i * per, (i + 1) * per) for i in range(parts)]
+
+
+def layouts():
+  """(global shape, boxes): ZeRO-1 rows, TP columns, both, a 1-D and a 3-D tensor."""
+  yield (10, 6), [(rows, slice(0, 6)) for rows in row_shards(10, 4)]        # 3, 3, 3, 1 rows
+  yield (5, 6), [(rows, slice(None)) for rows in row_shards(5, 8)]          # empty shards too
+  yield (8, 12), [(slice(0, 8), cols) for cols in column_shards(12, 4)]     # TP row-parallel
+  yield (7, 12), [(rows, cols) for cols in column_shards(12, 2)            # TP x ZeRO-1
+                  for rows in row_shards(7, 3)]
+  yield (37,), [(rows,) for rows in row_shards(37, 4)]
+  yield (4, 5, 6), [(slice(1, 3), slice(0, 5), slice(2, 6)),
+                    (slice(0, 4), slice(4, 5), slice(0, 1)),
+                    (slice(3, 4), slice(None), slice(None))]
+  yield (), [()]
+
+
+@pytest.mark.parametrize('shape, boxes', list(layouts()))
+def test_noise_of_a_box_is_that_slice_of_the_full_noise(shape, boxes):
+  full = keyed_noise(full_box(shape), shape, 3, 'sr', 11, 'w')
+  assert full.shape == shape and full.dtype == torch.int32
+  for box in boxes:
+    assert torch.equal(keyed_noise(box, shape, 3, 'sr', 11, 'w'), full[box])
+
+
+@pytest.mark.parametrize('shape, boxes', list(layouts()))
+def test_every_layout_rounds_every_element_the_same_way(shape, boxes):
+  x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 10
+  whole = stochastic_round_at(x, full_box(shape), shape, 3, 'sr', 11, 'w')
+  assert whole.dtype == torch.bfloat16
+  for box in boxes:
+    assert torch.equal(bf16_bits(stochastic_round_at(x[box], box, shape, 3, 'sr', 11, 'w')),
+                       bf16_bits(whole[box]))
+
+
+def splitmix64_reference(seed, i):
+  """The uint64 original in Python integers: output number i + 1 from state seed."""
+  mask = (1 << 64) - 1
+  z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & mask
+  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+  return z ^ (z >> 31)
+
+
+def test_noise_is_the_top_of_splitmix64_of_the_global_index():
+  # Pinned to the reference, so a checkpoint resumed by another version rounds the same way;
+  # the wrapping int64 multiplies and masked shifts must match uint64 arithmetic exactly.
+  shape, box = (300, 7), (slice(250, 300), slice(2, 7))
+  seed = rng.key_to_seed(5, 'sr', 2, 'emb')
+  expected = [[splitmix64_reference(seed, r * 7 + c) >> 48 for c in range(2, 7)]
+              for r in range(250, 300)]
+  assert keyed_noise(box, shape, 5, 'sr', 2, 'emb').tolist() == expected
+
+
+def test_same_key_same_noise_and_different_keys_differ():
+  shape = (64, 64)
+  a = keyed_noise(full_box(shape), shape, 7, 'sr', 3, 'w')
+  assert torch.equal(a, keyed_noise(full_box(shape), shape, 7, 'sr', 3, 'w'))
+  torch.manual_seed(0)                                               # the global RNG plays no part
+  assert torch.equal(a, keyed_noise(full_box(shape), shape, 7, 'sr', 3, 'w'))
+  for other in [(8, 'sr', 3, 'w'), (7, 'sr', 4, 'w'), (7, 'sr', 3, 'b'), (7, 'sr', 3)]:
+    b = keyed_noise(full_box(shape), shape, *other)
+    assert (a != b).float().mean() > 0.99                           # equal by chance: 1 in 2^16
+
+
+def test_noise_is_close_to_uniform_and_uncorrelated():
+  n = 1 << 20
+  noise = keyed_noise(full_box((1024, 1024)), (1024, 1024), 0, 'uniform').flatten().double()
+  assert noise.min() >= 0 and noise.max() < 1 << 16
+  # Uniform on [0, 2^16): mean 32767.5, sd 2^16 / sqrt(12); the bounds are > 10 standard errors.
+  assert abs(noise.mean().item() - 32767.5) < 10 * 2**16 / math.sqrt(12 * n)
+  for bucket in [noise // 4096, noise % 16]:                        # high and low bits alike
+    counts = torch.bincount(bucket.long(), minlength=16).double()
+    chi_square = ((counts - n / 16)**2 / (n / 16)).sum().item()
+    assert chi_square < 80                                          # 15 dof: mean 15, sd 5.5
+  # Neighbouring elements, and the same element one step later, are independent draws.
+  later = keyed_noise(full_box((1024, 1024)), (1024, 1024), 0, 'uniform', 1).flatten().double()
+  for a, b in [(noise[:-1], noise[1:]), (noise, later)]:
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 10 / math.sqrt(n)
+
+
+def test_bad_boxes_are_refused():
+  with pytest.raises(ValueError, match='box'):
+    keyed_noise((slice(0, 2),), (2, 3), 0)
+  with pytest.raises(ValueError, match='box'):
+    keyed_noise((0, slice(0, 3)), (2, 3), 0)
+  with pytest.raises(ValueError, match='noise'):                   # box and x disagree
+    stochastic_round_at(torch.zeros(2, 3), (slice(0, 1), slice(0, 3)), (2, 3), 0)
+
+
+def test_keyed_rounding_is_always_a_bf16_neighbour():
+  x = random_fp32(20000, 3)
+  x = x[torch.isfinite(x)][:19600].view(140, 140)
+  down, up = bf16_neighbours(x)
+  box = (slice(60, 200), slice(0, 140))                             # a shard of a larger tensor
+  went_up = torch.zeros(x.shape, dtype=torch.bool)
+  for step in range(8):
+    r = stochastic_round_at(x, box, (300, 140), 0, 'neighbours', step)
+    is_down, is_up = bf16_bits(r) == bf16_bits(down), bf16_bits(r) == bf16_bits(up)
+    assert (is_down | is_up).all()
+    went_up |= is_up
+  exact = (x.view(torch.int32) & 0xFFFF) == 0
+  assert not went_up[exact].any()
+  assert went_up[~exact].float().mean() > 0.5                        # not a plain truncation
+
+
+@pytest.mark.parametrize('x', [1.0 + 0.3 * BF16_ULP_AT_ONE, -(1.0 + 0.9 * BF16_ULP_AT_ONE),
+                               3.14159, -2.7e-3, 1e-3 * 2**-126, 12345.678])
+def test_keyed_rounding_is_unbiased_in_expectation(x):
+  shape = (400, 500)
+  n = shape[0] * shape[1]
+  xs = torch.full(shape, x)
+  x = xs[0, 0].double().item()                                       # the fp32 value rounded
+  down, up = (v.double().item() for v in bf16_neighbours(xs[0, :1]))
+  p_up = (x - down) / (up - down)
+  standard_error = abs(up - down) * math.sqrt(p_up * (1 - p_up) / n)
+  box = (slice(100, 500), slice(0, 500))                             # rows of a larger tensor
+  mean = stochastic_round_at(xs, box, (800, 500), 0, 'unbiased', x).double().mean().item()
+  assert abs(mean - x) < 5 * standard_error
+  nearest_error = abs(xs[0, :1].bfloat16().double().item() - x)
+  assert nearest_error > 20 * standard_error                         # RTN is biased; SR is not
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+def test_noise_is_the_same_on_cuda_and_cpu():
+  shape, box = (1000, 300), (slice(10, 900), slice(100, 300))
+  cpu = keyed_noise(box, shape, 1, 'sr', 2, 'w')
+  cuda = keyed_noise(box, shape, 1, 'sr', 2, 'w', device='cuda')
+  assert cuda.device.type == 'cuda' and torch.equal(cuda.cpu(), cpu)
+  x = torch.randn(890, 200) * 10
+  assert torch.equal(stochastic_round_at(x.cuda(), box, shape, 1, 'w').cpu(),
+                     stochastic_round_at(x, box, shape, 1, 'w'))
 
 
 def _cfg(**kw):
