@@ -145,6 +145,11 @@ def attention_mask(segment_ids_bs, s):
   return (same_doc & causal.to(same_doc.device))[:, None]
 
 
+def causal_mask_after(past, s, device=None):
+  """[1, 1, s, past + s]: new query i (position past + i) attends keys 0 .. past + i."""
+  return (torch.arange(past + s, device=device)[None] <= past + torch.arange(s, device=device)[:, None])[None, None]
+
+
 def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, mask_for_slice):
   """softmax(q k^T / sqrt(d)) v over grouped KV heads, causal (and per-document if masked)."""
   groups = q_bnsd.shape[1] // k_bnsd.shape[1]
@@ -169,7 +174,7 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
   return probs @ v_bnsd
 
 
-def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b):
+def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b, kv=None):
   d = head_dim(cfg)
   bias = bias_of(params, prefix, cfg)
   x_bsh = ops.full_input(x_bsh)
@@ -180,6 +185,11 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
   if cos_sin is not None:
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+  if kv is not None:                   # generation: attend the cached positions too
+    past, new = kv
+    if past is not None:
+      k, v = torch.cat([past.keys[layer], k], dim=2), torch.cat([past.values[layer], v], dim=2)
+    new.keys[layer], new.values[layer] = k, v
   out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer,
                                 drop_key and drop_key + ('attn',), sample_ids_b, ops.mask_for_slice)
   out = rearrange(out, 'b n s d -> b s (n d)')

@@ -8,6 +8,7 @@ of (seed, name).
 """
 import dataclasses
 import math
+import typing
 from typing import Optional
 
 import torch
@@ -145,6 +146,24 @@ def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=Non
   return stage(params, batch, cfg, ops, dropout_key=dropout_key, layer_fn=layer_fn, objective=None)
 
 
+class KVCache(typing.NamedTuple):
+  """Keys and values [b, g, length, d] of every layer for the positions seen so far."""
+  keys: dict
+  values: dict
+  length: int
+
+
+def decode(params, tokens_bs, cfg, cache=None):
+  """Logits of `tokens_bs`, which continue the positions in `cache` (None: from position 0),
+  and the cache extended by them: generation as a pure function, on one device."""
+  b, s = tokens_bs.shape
+  past = cache.length if cache is not None else 0
+  new = KVCache({}, {}, past + s)
+  batch = {'tokens': tokens_bs, 'kv_cache': (cache, new),
+           'position_ids': (past + torch.arange(s, device=tokens_bs.device)).expand(b, s)}
+  return stage(params, batch, cfg, objective=None), new
+
+
 def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=None, last=True,
           dropout_key: Optional[tuple] = None, layer_fn=None, objective=objectives.NEXT_TOKEN):
   """A contiguous piece of the model: [embedding] -> layers [lo, hi) -> [norm, head, loss].
@@ -152,7 +171,8 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   The embedding runs when `x_bsh` is None (the first pipeline stage); otherwise `x_bsh` is the
   previous stage's output. With `last`, returns the objective's (loss sum, metric sums), or
   the logits when `objective` is None; else the hidden states. `batch` supplies tokens, labels, loss_mask and optional position_ids,
-  segment_ids (per-document masking) and sample_ids (keys dropout). `dropout_key`, e.g.
+  segment_ids (per-document masking), sample_ids (keys dropout) and kv_cache (generation: a
+  pair (cache of the earlier positions or None, an empty KVCache each layer fills)). `dropout_key`, e.g.
   (seed, 'dropout'), enables dropout; `layer_fn(fn, *args)` wraps each block (recompute).
   """
   tokens_bs = batch['tokens']
@@ -171,12 +191,16 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   if cfg.position_embedding_type == 'rope':
     rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
     cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x_bsh.dtype)
-  mask = layers.attention_mask(batch.get('segment_ids'), s)
+  kv = batch.get('kv_cache')
+  if kv is not None and kv[0] is not None:
+    mask = layers.causal_mask_after(kv[0].length, s, tokens_bs.device)
+  else:
+    mask = layers.attention_mask(batch.get('segment_ids'), s)
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
   lo, hi = layer_range or (0, cfg.num_layers)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
-    x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, mask, cfg, ops, key, sample_ids_b)
+    x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, mask, cfg, ops, key, sample_ids_b, kv)
   if not last:
     return x_bsh
   x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))
@@ -185,7 +209,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   return logits if objective is None else objective.loss(logits, batch, cfg, ops)
 
 
-def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
+def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None):
   """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)).
 
   `x_bsh` may be a slice of the residual stream (`ops.residual_slices`); residual dropout
@@ -201,7 +225,7 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
                           lambda m: ops.mask_for_slice(m, 'seq'))
 
   h = layers.norm(params, p + '.input_layernorm', x_bsh, cfg)
-  h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b)
+  h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
   h = layers.norm(params, p + '.post_attention_layernorm', x_bsh, cfg)
   h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)

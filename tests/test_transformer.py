@@ -168,3 +168,21 @@ def test_flops_per_token_formula():
   m = tiny()
   n_nonembed = transformer.count_params(m) - 100 * 32
   assert transformer.flops_per_token(m, 16) == 6 * n_nonembed + 12 * 2 * 32 * 16
+
+
+@pytest.mark.parametrize('overrides', [{}, {'position_embedding_type': 'learned_absolute'},
+                                       {'fusions': {'flash_attention': False}}])
+def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(overrides):
+  m = tiny(**overrides)
+  params = transformer.init(m, 3)
+  tokens = batch(b=2, s=10)['tokens']
+  full = logits(m, params, {'tokens': tokens})
+  prefill, cache = transformer.decode(params, tokens[:, :6], m)
+  steps = [prefill]
+  for t in range(6, 10):
+    out, cache = transformer.decode(params, tokens[:, t:t + 1], m, cache)
+    steps.append(out)
+  two, _ = transformer.decode(params, tokens[:, 8:], m, transformer.decode(params, tokens[:, :8], m)[1])
+  torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+  torch.testing.assert_close(two, full[:, 8:], atol=1e-5, rtol=1e-5)
+  assert cache.length == 10 and cache.keys[0].shape == (2, 2, 10, 8)
