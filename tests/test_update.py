@@ -49,3 +49,25 @@ def test_named_state_round_trips_into_a_fresh_updater():
 def test_owned_rows_are_the_zero1_shards():
   assert update.owned_rows(10, 4, 3) == update.Rows(slice(9, 10), 3)
   assert update.owned_rows(10, 1, 0) == update.Rows(slice(0, 10), 10)
+
+
+def _sr_step(recipe, world_size):
+  """One stochastically rounded update from the same global gradient, on this rank's shards."""
+  config = parity.parity_config(zero1=world_size > 1, precision=recipe)
+  mesh = meshes.init(config)
+  params = train.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh, train.placement(config, mesh))
+  # exactly representable halves: the reduce-scatter sum is exact, so only the rounding could differ
+  grads = {n: torch.randint(-64, 64, p.shape, generator=torch.Generator().manual_seed(i)).float() / 1024
+           / world_size for i, (n, p) in enumerate(params.items())}
+  updater.step(grads, 1e-2, 0)
+  return {n: p.detach().float().numpy() for n, p in params.items()}
+
+
+def test_stochastic_rounding_is_the_same_at_every_zero1_layout():
+  from tests import world  # pylint: disable=import-outside-toplevel
+  for recipe in ('bf16SR', 'mixed_precisionSR'):
+    single = world.run(_sr_step, 1, recipe, 1)[0]
+    for got in world.run(_sr_step, 2, recipe, 2):
+      for name, value in single.items():
+        assert (got[name] == value).all(), (recipe, name)
