@@ -170,24 +170,6 @@ def summary(config, mesh, n_local, est):
   return '\n'.join(lines)
 
 
-def check_memory(config, mesh, est):
-  """Refuse before allocating when the estimate per rank exceeds what the rank has."""
-  local_ranks = int(os.environ.get('LOCAL_WORLD_SIZE', '1'))
-  budget, source = memory.available_bytes(mesh.device, local_ranks)
-  if not config.trainer.memory_check or budget is None or est['total'] <= budget:
-    return
-  fits = memory.fitting_layouts(config, mesh.world_size, budget, config_validation.check)
-  preset = f'configs/{config.name}.py' if os.path.isfile(f'configs/{config.name}.py') else 'configs/<model>.py'
-  hint = (f'layouts of {mesh.world_size} process(es) that fit: '
-          + ', '.join(f'{name} ({memory.human_bytes(need)})' for name, need in fits[:4])
-          if fits else f'no layout of {mesh.world_size} process(es) fits; use more devices or a '
-          f'smaller model, e.g. the CPU-sized preset --config={preset}:smoke')
-  raise MemoryError(
-      f'this run needs an estimated {memory.human_bytes(est["total"])} per rank but a rank has '
-      f'{memory.human_bytes(budget)} ({source}); {hint}. Set --config.trainer.memory_check=False '
-      'to try anyway.')
-
-
 def fmt_eta(seconds):
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
@@ -220,7 +202,8 @@ def run(config, workdir):
   try:
     est = memory.estimate(config, local_param_count(config, mesh), mesh.dp)
     logging.info('\n%s', summary(config, mesh, local_param_count(config, mesh), est))
-    comm.on_every_rank(lambda: check_memory(config, mesh, est), mesh.host_group, 'the memory check')
+    comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
+                       'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')
     ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
     peak = devices.peak_flops(mesh.device)

@@ -19,7 +19,7 @@ import numpy as np
 
 from data import index_cache, indexed
 from data.errors import DataError
-from model import rng
+import rng
 
 SPLITS = ('train', 'valid', 'test')
 ARRAYS = ('doc_idx', 'sample_idx', 'shuffle_idx')

@@ -6,7 +6,7 @@ function of (seed, split, i): any layout and any resume point see the same token
 """
 import numpy as np
 
-from model import rng
+import rng
 
 BRANCHING = 4
 

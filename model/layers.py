@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from model import rng
+import rng
 
 
 def _linear(x, w, b=None):

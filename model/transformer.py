@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from model import layers, objectives, rng
+import rng
+from model import layers, objectives
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows

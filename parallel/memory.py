@@ -2,6 +2,7 @@
 and the measurement that keeps its activation formula honest."""
 import copy
 import math
+import os
 
 import torch
 
@@ -201,3 +202,22 @@ def fitting_layouts(config, world_size, budget, check) -> list:
         if need <= budget:
           out.append((f'tp={tp} pp={pp}' + (' zero1' if zero1 else ''), need))
   return sorted(out, key=lambda item: item[1])
+
+
+def check_fits(config, mesh, est, check):
+  """Refuse before allocating when the estimate `est` per rank exceeds what the rank has
+  (trainer.memory_check), naming both figures and the layouts that would fit."""
+  local_ranks = int(os.environ.get('LOCAL_WORLD_SIZE', '1'))
+  budget, source = available_bytes(mesh.device, local_ranks)
+  if not config.trainer.memory_check or budget is None or est['total'] <= budget:
+    return
+  fits = fitting_layouts(config, mesh.world_size, budget, check)
+  preset = f'configs/{config.name}.py' if os.path.isfile(f'configs/{config.name}.py') else 'configs/<model>.py'
+  hint = (f'layouts of {mesh.world_size} process(es) that fit: '
+          + ', '.join(f'{name} ({human_bytes(need)})' for name, need in fits[:4])
+          if fits else f'no layout of {mesh.world_size} process(es) fits; use more devices or a '
+          f'smaller model, e.g. the CPU-sized preset --config={preset}:smoke')
+  raise MemoryError(
+      f'this run needs an estimated {human_bytes(est["total"])} per rank but a rank has '
+      f'{human_bytes(budget)} ({source}); {hint}. Set --config.trainer.memory_check=False '
+      'to try anyway.')

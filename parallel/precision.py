@@ -23,7 +23,7 @@ long runs stall; stochastic rounding (SR) keeps each update in expectation.
 
 SR adds uniform 16-bit noise to the low half of the fp32 bit pattern and truncates it:
 the result is one of the two bf16 values bracketing x, the upper with probability
-(x - down) / (up - down). The noise comes from model.rng, keyed like every other draw,
+(x - down) / (up - down). The noise comes from rng.py, keyed like every other draw,
 so a step is reproduced bit for bit on any device and after a resume. stochastic_round_at
 hashes (key, global element index) instead of drawing per shape, so every parallel layout
 rounds every element the same way.
@@ -34,7 +34,7 @@ from typing import Union
 
 import torch
 
-from model import rng
+import rng
 
 TYPES = ('fp32', 'bf16SR', 'mixed_precision', 'mixed_precisionSR', 'autocast', 'manual')
 PARAMETER_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}

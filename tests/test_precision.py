@@ -7,7 +7,7 @@ import torch
 
 from configs import base
 from parallel import precision
-from model import rng
+import rng
 from parallel.precision import (add_stochastic, keyed_noise, stochastic_round,
                                 stochastic_round_at, stochastic_round_keyed)
 

@@ -1,7 +1,7 @@
 """Keyed randomness."""
 import torch
 
-from model import rng
+import rng
 
 
 def test_same_key_same_numbers_and_different_keys_differ():
