@@ -76,6 +76,19 @@ class HuggingFaceTokenizer:
   def encode(self, text: str) -> list:
     return self.tok.encode(text, add_special_tokens=False).ids
 
+  def encode_offsets(self, text: str):
+    """(ids as encode, [(start, end)] character span of each token in `text`).
+
+    Spans come from a copy without the post-processor: its ByteLevel trim_offsets shrinks
+    whitespace tokens to empty spans, and without special tokens added it changes no id.
+    """
+    if getattr(self, '_untrimmed', None) is None:
+      from tokenizers import Tokenizer
+      self._untrimmed = Tokenizer.from_str(self.tok.to_str())
+      self._untrimmed.post_processor = None
+    encoding = self._untrimmed.encode(text, add_special_tokens=False)
+    return encoding.ids, encoding.offsets
+
   def decode(self, ids) -> str:
     return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
 

