@@ -20,7 +20,7 @@ from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
-from model import layers, objectives, transformer
+from model import hf, layers, objectives, transformer
 from optim import schedules, update
 from parallel import (comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, precision,
                       remat, tensor)
@@ -189,6 +189,8 @@ def run(config, workdir):
   """Train `config` on this process's share of the mesh. Returns (last logged record, params)."""
   # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
+  if config.model_source == 'hf' and config.model.model_config:
+    config.model.update(hf.read_config(config.model.model_config, config.model))
   config_validation.validate(config, world_size)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)

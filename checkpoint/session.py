@@ -102,9 +102,9 @@ class Session:
     layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=())
     requests = {n: b for n, b in layout.requests().items() if not n.startswith(('optim.', 'master.'))}
     if storage.read_text(path, 'config.json') is not None and not managers.is_committed(path):
-      hf_config, full = hf.load_hf(path)
-      self._check_same_model(hf_config.model)
-      arrays = {n: full[n][box] for n, box in requests.items()}
+      hf_model = hf.read_config(path, self.config.model)
+      self._check_same_model(hf_model)
+      arrays = hf.read_boxes(path, hf_model, requests)   # this rank's boxes only
     else:
       check_shapes(path, managers.read_metadata(path), layout)
       arrays, _ = self.manager.load(path, requests)

@@ -14,19 +14,19 @@ from configs import base, presets
 def get_config(arg=None):
   c = base.get_config()
   c.name = 'gpt_345m'
-  m = c.model
-  m.architecture = 'gpt'
-  m.num_layers, m.hidden_size, m.ffn_hidden_size = 24, 1024, 4096
-  m.num_attention_heads, m.num_kv_heads = 16, 0
-  m.vocab_size, m.max_position_embeddings = 50257, 1024
-  m.position_embedding_type = 'learned_absolute'
-  m.normalization, m.activation, m.has_bias = 'layernorm', 'gelu', True
-  m.share_embeddings_and_output_weights = True
-  m.hidden_dropout = m.attention_dropout = 0.1
-  m.optim.lr, m.optim.weight_decay, m.optim.betas = 1.5e-4, 0.01, (0.9, 0.95)
-  m.optim.sched.warmup_steps, m.optim.sched.min_lr = 2000, 1e-5
+  model = c.model
+  model.architecture = 'gpt'
+  model.num_layers, model.hidden_size, model.ffn_hidden_size = 24, 1024, 4096
+  model.num_attention_heads, model.num_kv_heads = 16, 0
+  model.vocab_size, model.max_position_embeddings = 50257, 1024
+  model.position_embedding_type = 'learned_absolute'
+  model.normalization, model.activation, model.has_bias = 'layernorm', 'gelu', True
+  model.share_embeddings_and_output_weights = True
+  model.hidden_dropout = model.attention_dropout = 0.1
+  model.optim.lr, model.optim.weight_decay, model.optim.betas = 1.5e-4, 0.01, (0.9, 0.95)
+  model.optim.sched.warmup_steps, model.optim.sched.min_lr = 2000, 1e-5
   c.data.seq_length, c.data.micro_batch_size, c.data.global_batch_size = 1024, 4, 512
   c.trainer.max_steps = 500000
   c.trainer.log_every_n_steps = 10
   c.trainer.val_check_interval = 1000
-  return presets.apply(c, arg, 'gpt_345m')
+  return presets.apply(c, arg, 'gpt_345m', smoke=presets.smoke)

@@ -10,14 +10,15 @@ A micro batch is a dict of tensors, all [micro_batch_size, seq_length] unless no
   segment_ids (document index inside the sample; only with reset_attention_mask),
   sample_ids [micro_batch_size] (global sample index: keys dropout).
 
-Samples come from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
+Samples come from SFT records (`data.train_dir` / `data.val_dir`: data/sft.py, one packed or
+padded row per sample, its own loss mask, positions and segments), from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
 split by `splits_string`), or from the synthetic stream when it is empty. Validation builds
 its own Loader(split='valid') and starts at consumed_samples 0 each time.
 """
 import numpy as np
 import torch
 
-from data import blend, gpt_dataset, masks, synthetic, tokenizer
+from data import blend, gpt_dataset, masks, sft, synthetic, tokenizer
 from data.errors import DataError
 
 
@@ -27,7 +28,11 @@ class Loader:
     self.cfg = config.data
     self.split = split
     self.dp_rank, self.dp_size = dp_rank, dp_size
-    if self.cfg.data_prefix:
+    self.sft = bool(sft.settings(config)['train_dir'])
+    if self.sft:
+      self.source = sft.SFTSource(config, split)
+      self.num_samples = self.source.samples_per_epoch
+    elif self.cfg.data_prefix:
       self.source = corpus_source(config, split)
       self.num_samples = self.source.samples_per_epoch   # before any sample repeats
     else:
@@ -53,6 +58,8 @@ class Loader:
     return [self.micro_batch(np.arange(i, i + mbs)) for i in range(start, start + per_rank, mbs)]
 
   def micro_batch(self, sample_ids) -> dict:
+    if self.sft:
+      return self.source.micro_batch(sample_ids)
     windows = self.source.samples(sample_ids)          # int64 [b, seq_length + 1]
     tokens, labels = windows[:, :-1], windows[:, 1:]
     batch = {'tokens': tokens, 'labels': labels}

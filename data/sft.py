@@ -38,20 +38,12 @@ RECORD_FORMS = ('a record needs "input" and "output" (strings), "messages" (a li
 
 
 def settings(config) -> dict:
-  """The SFT keys, read in this one place (defaults while configs/base.py lacks them)."""
+  """The SFT keys (data.train_dir, val_dir, dev_choose_samples; model_alignment_strategy.sft)."""
   data = config.data
-  sft = _get(_get(config, 'model_alignment_strategy'), 'sft')
-  return {'train_dir': _get(data, 'train_dir'), 'val_dir': _get(data, 'val_dir'),
-          'dev_choose_samples': _get(data, 'dev_choose_samples'),
-          'seq_length': data.seq_length, 'packing': _get(sft, 'packing', True),
-          'tokenizer': data.tokenizer, 'seed': config.seed}
-
-
-def _get(section, key, default=None):
-  if section is None:
-    return default
-  value = section.get(key) if hasattr(section, 'get') else getattr(section, key, None)
-  return default if value is None else value
+  return {'train_dir': data.train_dir, 'val_dir': data.val_dir,
+          'dev_choose_samples': data.dev_choose_samples, 'seq_length': data.seq_length,
+          'packing': config.model_alignment_strategy.sft.packing, 'tokenizer': data.tokenizer,
+          'seed': config.seed}
 
 
 # --- records -----------------------------------------------------------------------
@@ -419,7 +411,7 @@ class SFTSource:
 def load_chat_tokenizer(tokenizer_cfg):
   """(tokenizer, chat template or None, special tokens) from config.data.tokenizer; no
   tokenizer (type 'none') is fine for pre-tokenized data."""
-  if tokenizer_cfg is None or _get(tokenizer_cfg, 'type', 'none') == 'none':
+  if tokenizer_cfg is None or tokenizer_cfg.get('type', 'none') == 'none':
     return None, None, {}
   tokenizer = tokenizers.load_tokenizer(tokenizer_cfg)
   directory = os.path.dirname(os.path.abspath(tokenizer.path))

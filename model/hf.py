@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from configs import base as base_config
 from model import transformer
 
 CONFIG_FILE = 'config.json'
@@ -41,8 +40,12 @@ def _rope_theta(hf):
   return float(10000.0 if theta is None else theta)
 
 
-def config_from_hf(hf_config: dict, base=None):
-  """The full flatron config (`base`, default configs/base.py) with `model` set from an HF LlamaConfig dict."""
+def config_from_hf(hf_config: dict, base_model):
+  """A copy of the `model` config section `base_model` with what an HF LlamaConfig dict sets.
+
+  Keys HF Llama has no counterpart for (optim, dropouts other than attention, fusions...) keep
+  `base_model`'s values.
+  """
   hf = hf_config
   if hf.get('model_type') != 'llama' and 'LlamaForCausalLM' not in (hf.get('architectures') or []):
     raise ValueError(f"model_type={hf.get('model_type')!r}, architectures={hf.get('architectures')}: "
@@ -54,8 +57,7 @@ def config_from_hf(hf_config: dict, base=None):
     # Our single has_bias switch covers attention and MLP linears together.
     raise ValueError(f'attention_bias={attention_bias} differs from mlp_bias={mlp_bias}; '
                      'flatron supports biases in all linears or none')
-  cfg = copy.deepcopy(base) if base is not None else base_config.get_config()
-  m = cfg.model
+  m = copy.deepcopy(base_model)
   m.architecture = 'llama'
   m.hidden_size = hf['hidden_size']
   m.ffn_hidden_size = hf['intermediate_size']
@@ -77,7 +79,7 @@ def config_from_hf(hf_config: dict, base=None):
   m.share_embeddings_and_output_weights = bool(hf.get('tie_word_embeddings', False))
   m.attention_dropout = float(hf.get('attention_dropout', 0.0))
   m.init_method_std = float(hf.get('initializer_range', m.init_method_std))
-  return cfg
+  return m
 
 
 def config_to_hf(model_cfg) -> dict:
@@ -168,50 +170,79 @@ def _weight_map(path):
   raise FileNotFoundError(f'{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found{hint}')
 
 
-def load_hf(path, dtype=torch.float32, base=None):
-  """(full config, params) from an HF Llama directory; vocab rows zero-padded as ours.
-
-  dtype=None keeps each tensor's stored dtype.
-  """
-  config_path = os.path.join(path, CONFIG_FILE)
+def read_config(path, base_model):
+  """The model section for an HF `config.json` (or a directory holding one)."""
+  config_path = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (an HF model directory needs one)')
   with open(config_path) as f:
     hf_config = json.load(f)
   try:
-    cfg = config_from_hf(hf_config, base)
+    return config_from_hf(hf_config, base_model)
   except (KeyError, ValueError) as e:
     raise ValueError(f'{config_path}: {e}') from None
-  specs = transformer.param_specs(cfg.model)
+
+
+def _checked_names(path, model_cfg):
+  """(our name -> (file, HF name)) for every parameter, after checking names and shapes."""
+  specs = transformer.param_specs(model_cfg)
   files, source = _weight_map(path)
-  ours = {_from_hf_name(n): n for n in files if not _ignored(n, cfg.model)}
+  ours = {_from_hf_name(n): n for n in files if not _ignored(n, model_cfg)}
   missing = [_to_hf_name(n) for n in specs if n not in ours]
   if missing:
     raise ValueError(f'{source}: missing tensors {_few(missing)}')
   unexpected = [ours[n] for n in ours if n not in specs]
   if unexpected:
     raise ValueError(f'{source}: unexpected tensors {_few(unexpected)}')
-
   by_file = {}
   for name in specs:
     by_file.setdefault(files[ours[name]], []).append(name)
-  loaded = {}
   for file, names in by_file.items():
     with safe_open(file, framework='pt') as f:
       for name in names:
         shape = specs[name].shape
-        expected = (cfg.model.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
+        expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
         found = tuple(f.get_slice(ours[name]).get_shape())
         if found != expected:
           raise ValueError(f'{file}: tensor {ours[name]} has shape {found}, expected {expected}')
-        tensor = f.get_tensor(ours[name])
-        tensor = tensor if dtype is None else tensor.to(dtype)
-        if name in VOCAB_PARAMS:
-          padded = tensor.new_zeros(shape)   # padded rows are never a label, zeros are inert
-          padded[:expected[0]] = tensor
-          tensor = padded
-        loaded[name] = tensor
-  return cfg, {name: loaded[name] for name in specs}
+  return {name: (files[ours[name]], ours[name]) for name in specs}
+
+
+def read_boxes(path, model_cfg, requests, dtype=torch.float32):
+  """{name: box} -> {name: tensor}: only these boxes are read from the safetensors files (each
+  rank of a parallel layout reads its own part, never the whole model). Boxes of vocab tables
+  must lie within the unpadded vocabulary."""
+  where = _checked_names(path, model_cfg)
+  out = {}
+  by_file = {}
+  for name in requests:
+    by_file.setdefault(where[name][0], []).append(name)
+  for file, names in by_file.items():
+    with safe_open(file, framework='pt') as f:
+      for name in names:
+        tensor = f.get_slice(where[name][1])[tuple(requests[name])]
+        out[name] = tensor if dtype is None else tensor.to(dtype)
+  return out
+
+
+def load_hf(path, base_model, dtype=torch.float32):
+  """(model config section, params) from an HF Llama directory; vocab rows zero-padded as ours.
+
+  `base_model` supplies the keys HF does not set (see config_from_hf). dtype=None keeps each
+  tensor's stored dtype.
+  """
+  model_cfg = read_config(path, base_model)
+  specs = transformer.param_specs(model_cfg)
+  whole = {name: tuple(slice(0, n) for n in ((model_cfg.vocab_size,) + spec.shape[1:]
+                                             if name in VOCAB_PARAMS else spec.shape))
+           for name, spec in specs.items()}
+  loaded = read_boxes(path, model_cfg, whole, dtype)
+  for name in VOCAB_PARAMS:
+    if name in loaded:
+      padded = loaded[name].new_zeros(specs[name].shape)   # padded rows are never a label
+      padded[:model_cfg.vocab_size] = loaded[name]
+      loaded[name] = padded
+  return model_cfg, {name: loaded[name] for name in specs}
 
 
 # --- save --------------------------------------------------------------------------------

@@ -42,6 +42,9 @@ SCHEDULES = (
     'SquareAnnealing', 'SquareRootAnnealing', 'NoamAnnealing', 'WarmupAnnealing', 'StepLR',
     'ExponentialLR', 'PolynomialDecayAnnealing')
 
+# Schedules with no warm-up: they ignore warmup_steps and warmup_ratio.
+_NO_WARMUP = ('constant', 'StepLR', 'ExponentialLR')
+
 # Schedules that decay from L over the steps left after warm-up (and constant_steps).
 _DECAYING = ('LinearAnnealingWithWarmUp', 'CosineAnnealing', 'SquareAnnealing', 'SquareRootAnnealing',
              'WarmupAnnealing', 'PolynomialDecayAnnealing')
@@ -163,8 +166,8 @@ def lr_at(step: int, sched_cfg, base_lr: float, max_steps: int, hidden_size: int
 def check_schedule(sched_cfg, max_steps=None) -> list[str]:
   """Problems with `model.optim.sched`, each naming the key and what would be valid.
 
-  With `max_steps` (the run's), also reports a warm-up plus constant steps that leave a
-  decaying schedule nothing to decay over.
+  With `max_steps` (the run's), also reports a warm-up that fills the whole schedule, and a
+  warm-up plus constant steps that leave a decaying schedule nothing to decay over.
   """
   p = 'model.optim.sched.'
   problems = []
@@ -187,11 +190,20 @@ def check_schedule(sched_cfg, max_steps=None) -> list[str]:
     problems.append(f'{p}gamma={sched_cfg.gamma!r} must be > 0')
   if not sched_cfg.power > 0:
     problems.append(f'{p}power={sched_cfg.power!r} must be > 0')
-  if problems or sched_cfg.name not in _DECAYING or (max_steps is None and sched_cfg.max_steps is None):
+  if problems or (max_steps is None and sched_cfg.max_steps is None):
     return problems
   total = schedule_length(sched_cfg, max_steps)
-  used = warmup_steps(sched_cfg, total) + (sched_cfg.constant_steps if sched_cfg.name == 'CosineAnnealing' else 0)
-  if used >= total:
+  if total <= 0:                    # a bad trainer.max_steps: its own check reports it
+    return problems
+  warmup = warmup_steps(sched_cfg, total)
+  used = warmup + (sched_cfg.constant_steps if sched_cfg.name == 'CosineAnnealing' else 0)
+  if warmup >= total and sched_cfg.name not in _NO_WARMUP:
+    # Only warmup_steps can get here: a warmup_ratio below 1 always leaves steps after it.
+    length_key = 'trainer.max_steps' if sched_cfg.max_steps is None else f'{p}max_steps'
+    problems.append(
+        f'{p}warmup_steps={sched_cfg.warmup_steps} is not below {length_key}={total}: the lr never '
+        f'leaves warm-up; lower warmup_steps or raise {length_key}')
+  elif sched_cfg.name in _DECAYING and used >= total:
     problems.append(
         f'{p}warmup_steps/warmup_ratio (+ constant_steps) use {used} of the {total} steps; '
         f'{sched_cfg.name} needs fewer to have steps to decay over')

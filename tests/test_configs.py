@@ -1,17 +1,32 @@
 """Model configs, presets and the up-front validation."""
 import importlib
+import os
 
 import pytest
 
-from configs import base, validate
+from configs import base, cli, validate
 from model import transformer
+from optim import schedules
 
 PUBLISHED = {'llama7b': 6_738_415_616, 'llama3_8b': 8_030_261_248, 'llama3_70b': 70_553_706_496}
-ALL = ('llama_tiny', 'llama7b', 'llama3_8b', 'llama3_70b', 'gpt_345m')
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
+ALL = tuple(sorted(n[:-3] for n in os.listdir(CONFIGS) if n.endswith('.py') and n not in cli.NOT_MODELS))
 
 
 def load(name, arg=None):
   return importlib.import_module(f'configs.{name}').get_config(arg)
+
+
+def offers(name, preset):
+  """Whether configs/NAME.py lists `preset` among its valid ones."""
+  try:
+    load(name, '?')
+  except ValueError as e:
+    return f'{preset!r}' in str(e).split('valid: ')[-1]
+  raise AssertionError(f'{name}: an unknown preset was accepted')
+
+
+SMOKE = tuple(name for name in ALL if offers(name, 'smoke'))
 
 
 @pytest.mark.parametrize('name', sorted(PUBLISHED))
@@ -35,7 +50,11 @@ def test_every_config_validates(name):
   validate.validate(load(name))
 
 
-@pytest.mark.parametrize('name', ('llama7b', 'llama3_8b', 'llama3_70b', 'gpt_345m'))
+def test_the_big_configs_offer_smoke():
+  assert {'llama7b', 'llama3_8b', 'llama3_70b', 'gpt_345m'} <= set(SMOKE)
+
+
+@pytest.mark.parametrize('name', SMOKE)
 def test_smoke_preset_keeps_features_and_shrinks(name):
   full, smoke = load(name), load(name, 'smoke')
   validate.validate(smoke)
@@ -48,9 +67,55 @@ def test_smoke_preset_keeps_features_and_shrinks(name):
   assert is_gqa(smoke.model) == is_gqa(full.model)
 
 
+@pytest.mark.parametrize('name', SMOKE)
+def test_smoke_preset_leaves_warm_up_within_its_steps(name):
+  c = load(name, 'smoke')
+  assert not validate.check(c)
+  sched, steps = c.model.optim.sched, c.trainer.max_steps
+  assert schedules.warmup_steps(sched, steps) < schedules.schedule_length(sched, steps)
+
+
 def test_unknown_preset_is_an_error():
   with pytest.raises(ValueError, match='unknown preset'):
     load('llama7b', 'huge')
+
+
+@pytest.mark.parametrize('name, valid', [
+    ('llama7b', "'smoke' or none"), ('llama_tiny', "'test' or none"), ('llama_50m', 'none')])
+def test_every_config_names_its_presets_the_same_way(name, valid):
+  with pytest.raises(ValueError) as e:
+    load(name, 'bogus')
+  assert str(e.value) == f"{name}: unknown preset 'bogus'; valid: {valid}"
+  assert load(name, '').to_dict() == load(name, None).to_dict()
+
+
+def test_warm_up_as_long_as_the_run_is_an_error_naming_both_keys():
+  c = load('llama7b', 'smoke')
+  c.model.optim.sched.warmup_steps = 10
+  problems = validate.check(c)
+  assert any('model.optim.sched.warmup_steps=10' in p and 'trainer.max_steps=10' in p for p in problems)
+  c.model.optim.sched.warmup_steps, c.model.optim.sched.max_steps = 20, 15
+  assert any('model.optim.sched.max_steps=15' in p for p in validate.check(c))
+  c.model.optim.sched.warmup_steps = 9
+  c.model.optim.sched.max_steps = None
+  assert not validate.check(c)
+
+
+@pytest.mark.parametrize('key', ('init_method_std', 'layernorm_epsilon', 'rope_theta'))
+@pytest.mark.parametrize('value', (float('nan'), float('inf')))
+def test_non_finite_numbers_are_rejected(key, value):
+  c = base.get_config()
+  c.model[key] = value
+  assert any(p.startswith(f'model.{key}=') and 'finite' in p for p in validate.check(c))
+
+
+def test_kv_heads_below_zero_or_no_heads_are_reported_not_crashes():
+  c = base.get_config()
+  c.model.num_kv_heads = -2
+  assert any(p.startswith('model.num_kv_heads=-2 must be >= 0') for p in validate.check(c))
+  c = base.get_config()
+  c.model.num_attention_heads = 0
+  assert any(p.startswith('model.num_attention_heads=0') for p in validate.check(c, world_size=2))
 
 
 def test_validation_reports_every_problem_at_once():

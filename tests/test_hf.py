@@ -1,6 +1,8 @@
 """model/hf.py: HF Llama import/export gives the same logits and loss, and round-trips bit-exactly."""
 import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
@@ -14,6 +16,7 @@ from configs import base as base_config
 from model import hf, transformer
 
 VOCAB = 300        # not a multiple of 128: exercises the vocab padding
+BASE_MODEL = base_config.get_config().model   # what HF does not set comes from here
 SEQ = 16
 TOL = 1e-5
 
@@ -74,8 +77,7 @@ def test_hf_to_flatron_logits(case, tmp_path):
                         **({'max_shard_size': '40KB'} if case == 'sharded' else {}))
   assert os.path.exists(tmp_path / hf.INDEX_FILE) == (case == 'sharded')
 
-  cfg, params = hf.load_hf(str(tmp_path))
-  m = cfg.model
+  m, params = hf.load_hf(str(tmp_path), BASE_MODEL)
   assert params['embed_tokens.weight'].shape[0] == transformer.padded_vocab_size(m) == 384
   assert m.share_embeddings_and_output_weights == (case == 'tied')
   assert m.rope_theta == CASES[case].get('rope_theta', 10000.0)
@@ -137,13 +139,13 @@ def test_round_trip_bit_exact(max_shard_bytes, tmp_path):
   hf.save_hf(str(tmp_path), cfg.model, params, max_shard_bytes=max_shard_bytes)
   assert os.path.exists(tmp_path / hf.INDEX_FILE) == (max_shard_bytes is not None)
   assert os.path.exists(tmp_path / hf.WEIGHTS_FILE) == (max_shard_bytes is None)
-  loaded_cfg, loaded = hf.load_hf(str(tmp_path))
+  loaded_model, loaded = hf.load_hf(str(tmp_path), BASE_MODEL)
   assert loaded.keys() == params.keys()
   for name in params:
     assert loaded[name].dtype == params[name].dtype and torch.equal(loaded[name], params[name]), name
   for key in ('num_layers', 'hidden_size', 'ffn_hidden_size', 'num_attention_heads', 'num_kv_heads',
               'vocab_size', 'rope_theta', 'layernorm_epsilon', 'has_bias', 'share_embeddings_and_output_weights'):
-    assert loaded_cfg.model[key] == cfg.model[key], key
+    assert loaded_model[key] == cfg.model[key], key
 
 
 def test_tied_file_with_lm_head_loads(tmp_path):
@@ -156,7 +158,7 @@ def test_tied_file_with_lm_head_loads(tmp_path):
   assert 'lm_head.weight' not in tensors
   tensors['lm_head.weight'] = tensors['model.embed_tokens.weight'].clone()
   save_file(tensors, file, metadata={'format': 'pt'})
-  _, loaded = hf.load_hf(str(tmp_path))
+  _, loaded = hf.load_hf(str(tmp_path), BASE_MODEL)
   assert 'lm_head.weight' not in loaded
   assert torch.equal(loaded['embed_tokens.weight'][:VOCAB], params['embed_tokens.weight'][:VOCAB])
 
@@ -169,7 +171,25 @@ def test_tied_file_with_lm_head_loads(tmp_path):
 def test_rope_theta_from_either_layout(rope):
   config = dict(model_type='llama', hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                 num_attention_heads=4, vocab_size=VOCAB, **rope)
-  assert hf.config_from_hf(config).model.rope_theta == 5e5
+  assert hf.config_from_hf(config, BASE_MODEL).rope_theta == 5e5
+
+
+def test_config_from_hf_sets_the_model_section_and_keeps_the_rest_of_the_base():
+  base = base_config.get_config().model
+  base.optim.lr, base.hidden_dropout = 1e-3, 0.1
+  config = dict(model_type='llama', hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, vocab_size=VOCAB)
+  m = hf.config_from_hf(config, base)
+  assert (m.num_layers, m.ffn_hidden_size, m.vocab_size) == (3, 96, VOCAB)
+  assert (m.optim.lr, m.hidden_dropout) == (1e-3, 0.1)
+  assert base.num_layers == base_config.get_config().model.num_layers     # a copy: base untouched
+
+
+def test_model_hf_does_not_import_configs():
+  code = 'import sys, model.hf; print(sorted(m for m in sys.modules if m.startswith("configs")))'
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert out.stdout.strip() == '[]'
 
 
 def _saved(tmp_path):
@@ -180,7 +200,7 @@ def _saved(tmp_path):
 
 def test_error_missing_config(tmp_path):
   with pytest.raises(FileNotFoundError, match='config.json'):
-    hf.load_hf(str(tmp_path))
+    hf.load_hf(str(tmp_path), BASE_MODEL)
 
 
 def test_error_wrong_model_type(tmp_path):
@@ -190,14 +210,14 @@ def test_error_wrong_model_type(tmp_path):
   config.update(model_type='gpt2', architectures=['GPT2LMHeadModel'])
   config_path.write_text(json.dumps(config))
   with pytest.raises(ValueError, match=r'config\.json.*gpt2'):
-    hf.load_hf(str(tmp_path))
+    hf.load_hf(str(tmp_path), BASE_MODEL)
 
 
 def test_error_unsupported_rope_scaling():
   config = _hf_config(max_position_embeddings=8192).to_dict()
   config['rope_scaling'] = {'rope_type': 'llama3', 'factor': 8.0}
   with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='llama3'"):
-    hf.config_from_hf(config)
+    hf.config_from_hf(config, BASE_MODEL)
 
 
 def test_error_missing_tensor(tmp_path):
@@ -207,7 +227,7 @@ def test_error_missing_tensor(tmp_path):
   del tensors['model.layers.1.mlp.up_proj.weight']
   save_file(tensors, file, metadata={'format': 'pt'})
   with pytest.raises(ValueError, match=r'model\.safetensors.*missing.*model\.layers\.1\.mlp\.up_proj\.weight'):
-    hf.load_hf(str(tmp_path))
+    hf.load_hf(str(tmp_path), BASE_MODEL)
 
 
 def test_error_shape_mismatch(tmp_path):
@@ -217,7 +237,7 @@ def test_error_shape_mismatch(tmp_path):
   tensors['model.layers.0.self_attn.k_proj.weight'] = torch.zeros(8, 64)
   save_file(tensors, file, metadata={'format': 'pt'})
   with pytest.raises(ValueError, match=r'model\.safetensors.*k_proj\.weight.*\(8, 64\).*\(32, 64\)'):
-    hf.load_hf(str(tmp_path))
+    hf.load_hf(str(tmp_path), BASE_MODEL)
 
 
 def test_error_inexpressible_config():

@@ -248,6 +248,7 @@ def test_init_from_hugging_face_loads_the_weights(tmp_path):
   from model import hf, transformer  # pylint: disable=import-outside-toplevel
   c = parity.parity_config()
   c.trainer.max_steps = 1
+  c.model.optim.sched.warmup_steps = 0         # a warm-up needs steps after it
   weights = transformer.init(c.model, 99)
   hf.save_hf(str(tmp_path / 'hf'), c.model, weights)
   c.exp_manager.init_from = str(tmp_path / 'hf')

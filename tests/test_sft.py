@@ -310,12 +310,12 @@ def sft_config(tok_dir, train_dir, **overrides):
   c.data.tokenizer.model = os.path.join(tok_dir, 'tokenizer.json')
   c.model.vocab_size = 512
   c.data.train_dir, c.data.val_dir, c.data.dev_choose_samples = train_dir, train_dir, None
-  c.model_alignment_strategy = {'sft': {'packing': True}}
+  c.model_alignment_strategy.sft.packing = True
   c.update_from_flattened_dict(overrides)
   return c
 
 
-def test_settings_defaults_when_keys_are_missing():
+def test_settings_defaults():
   s = sft.settings(base.get_config())
   assert (s['train_dir'], s['val_dir'], s['dev_choose_samples'], s['packing']) == (
       None, None, None, True)

@@ -139,6 +139,7 @@ def cli(*args):
 
 def test_cli_overrides_and_parse_time_errors(tmp_path):
   ok = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.trainer.max_steps=3',
+           '--config.model.optim.sched.warmup_steps=2',
            '--config.exp_manager.create_tensorboard_logger=False', '--config.model.optim.lr=0.01')
   assert ok.returncode == 0, ok.stderr
   assert [r['step'] for r in read_metrics(tmp_path) if 'loss' in r] == [1, 2, 3]
@@ -200,6 +201,7 @@ def test_torchrun_tp2_sp_dp2_logs_the_single_process_losses(tmp_path):
 
 def test_torchrun_pp2_logs_the_single_process_losses(tmp_path):
   common = ['--config=configs/llama_tiny.py:test', '--config.trainer.max_steps=3',
+            '--config.model.optim.sched.warmup_steps=2',
             '--config.exp_manager.create_tensorboard_logger=False', '--config.trainer.val_check_interval=3',
             '--config.trainer.limit_val_batches=1']
   single = cli(*common, f'--workdir={tmp_path / "single"}')

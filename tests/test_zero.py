@@ -87,7 +87,9 @@ def test_mixed_precision_tracks_fp32_and_every_recipe_trains():
 # before they are summed. What the layout must not change is the rounding itself: stochastic
 # rounding is keyed by each element's global index (tests/test_update.py checks it bitwise),
 # so what is left comes from the sums. Measured over 10 steps: relative loss error <= 9.4e-4,
-# parameter error <= 1.9e-2 (a few bf16 ulps of the norm weights at 1.0, ulp 2^-7).
+# parameter error <= 1.9e-2 (a few bf16 ulps of the norm weights at 1.0, ulp 2^-7); grad norms
+# drift most (<= 12% by step 10 at this high learning rate; the fp32 and mixed_precision
+# single-device runs differ as much), so they are held only to catching a double count (41%).
 PRECISION_LAYOUTS = {
     'bf16SR_dp2_zero1': (2, {'zero1': True, 'precision': 'bf16SR'}),
     'bf16SR_tp2': (2, {'tp': 2, 'precision': 'bf16SR'}),
@@ -99,4 +101,5 @@ PRECISION_LAYOUTS = {
 @pytest.mark.parametrize('layout', sorted(PRECISION_LAYOUTS))
 def test_bf16_recipes_train_like_one_device_within_bf16_rounding(layout, tmp_path, tmp_path_factory):
   world_size, kwargs = PRECISION_LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2)
+  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2,
+                      norm_rtol=0.25)

@@ -11,18 +11,25 @@ TP2 runs on two spawned CPU processes (gloo). Dropout counts when the config has
 """
 import copy
 import os
+import pickle
+import socket
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
+import torch.multiprocessing as mp  # pylint: disable=wrong-import-position
 
-import train  # pylint: disable=wrong-import-position  (defines --config)
 from model import transformer  # pylint: disable=wrong-import-position
 from parallel import memory, mesh as meshes  # pylint: disable=wrong-import-position
-from tests import world  # pylint: disable=wrong-import-position
 
+# train.py defines a --config flag too (and a test process may import both): allow_override
+# lets either definition replace the other, both reading the same file.
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
+                                          allow_override=True)
 _DTYPE = flags.DEFINE_enum('dtype', 'fp32', ['fp32', 'bf16'], 'Parameter (and activation) dtype.')
 _MEASURE = flags.DEFINE_bool('measure', True, 'Measure; with --nomeasure print the formula only.')
 
@@ -66,15 +73,36 @@ def cells(config, dtype_name, tp=None, mesh=None, measure=True):
   return out
 
 
-def _on_rank(config, dtype_name):
-  mesh = meshes.init(variant(config, True, 'none', 2, False))
-  return cells(config, dtype_name, 2, mesh)
+def _on_rank(rank, port, out, config, dtype_name):
+  """One of two TP ranks, in torchrun's environment; rank 0 pickles its cells to `out`."""
+  os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2', LOCAL_WORLD_SIZE='2',
+                    MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
+  torch.set_num_threads(1)                       # the two ranks share the machine's cores
+  try:
+    table = cells(config, dtype_name, 2, meshes.init(variant(config, True, 'none', 2, False)))
+  finally:
+    meshes.shutdown()
+  if rank == 0:                                  # ranks are symmetric
+    with open(out, 'wb') as f:
+      pickle.dump(table, f)
+
+
+def _tp2_cells(config, dtype_name):
+  """cells() at TP 2, measured on two spawned CPU processes (gloo)."""
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, 'cells.pkl')
+    mp.spawn(_on_rank, (port, out, config, dtype_name), nprocs=2)   # raises if a rank fails
+    with open(out, 'rb') as f:
+      return pickle.load(f)
 
 
 def measure(config, dtype_name='fp32'):
   table = cells(config, dtype_name, 1)
   if fits(config, 2, False):
-    table.update(world.run(_on_rank, 2, config, dtype_name)[0])     # ranks are symmetric
+    table.update(_tp2_cells(config, dtype_name))
   return table
 
 
@@ -114,7 +142,7 @@ def render(config, table, dtype_name):
 
 def main(argv):
   del argv
-  config = train._CONFIG.value  # pylint: disable=protected-access
+  config = _CONFIG.value
   table = measure(config, _DTYPE.value) if _MEASURE.value else cells(config, _DTYPE.value, measure=False)
   print(render(config, table, _DTYPE.value))
 

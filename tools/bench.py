@@ -18,14 +18,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
+from ml_collections import config_flags  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
 
-import train  # pylint: disable=wrong-import-position  (defines --config)
+import train  # pylint: disable=wrong-import-position
 from configs import validate  # pylint: disable=wrong-import-position
 from data.loader import Loader  # pylint: disable=wrong-import-position
 from model import transformer  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, tensor, zero  # pylint: disable=wrong-import-position
+from optim import update  # pylint: disable=wrong-import-position
+from parallel import device as devices, mesh as meshes, tensor  # pylint: disable=wrong-import-position
 
+# Importing train defines --config too: allow_override lets this definition replace that one.
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
+                                          allow_override=True)
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
 _WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
 
@@ -37,7 +42,7 @@ def bench(config, steps, warmup):
   device = mesh.device
   ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
   params = train.init_params(config, mesh)
-  updater = zero.Updater(params, config, mesh)
+  updater = update.Updater(params, config, mesh)
   loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
   batches = [loader.global_batch(i * config.data.global_batch_size) for i in range(steps + warmup)]
   times = []
@@ -60,7 +65,7 @@ def bench(config, steps, warmup):
 
 def main(argv):
   del argv
-  r = bench(train._CONFIG.value, _STEPS.value, _WARMUP.value)  # pylint: disable=protected-access
+  r = bench(_CONFIG.value, _STEPS.value, _WARMUP.value)
   print(f"{r['name']}: {r['params']:,} params on {r['device']} ({r['threads']} threads), "
         f"{r['tokens_per_step']:,} tokens/step")
   print(f"  step time (median of {_STEPS.value}) {r['step_time'] * 1e3:.1f} ms | "

@@ -17,8 +17,10 @@ from ml_collections import config_dict  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
 
 from checkpoint import manager as managers, state as states, store  # pylint: disable=wrong-import-position
+from configs import base  # pylint: disable=wrong-import-position
 from model import hf, transformer  # pylint: disable=wrong-import-position
-from parallel import mesh as meshes, zero  # pylint: disable=wrong-import-position
+from optim import update  # pylint: disable=wrong-import-position
+from parallel import mesh as meshes  # pylint: disable=wrong-import-position
 
 _SRC = flags.DEFINE_string('src', None, 'HF directory or flatron checkpoint step directory.')
 _DST = flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron) or HF directory.')
@@ -26,8 +28,9 @@ _DST = flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron) or HF d
 
 def hf_to_flatron(src, dst):
   """Write the HF model as step 0 of the checkpoint root `dst`; returns the step path."""
-  config, params = hf.load_hf(src)
-  updater = zero.Updater(params, config, meshes.Mesh())
+  config = base.get_config()             # the saved config: defaults around the HF model
+  config.model, params = hf.load_hf(src, config.model)
+  updater = update.Updater(params, config, meshes.Mesh())
   layout = states.StateLayout(config, meshes.Mesh(), updater, state_keys=())
   manager = managers.CheckpointManager(dst)
   manager.save(0, layout.local_tensors(), layout.layouts(),
