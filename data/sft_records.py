@@ -1,0 +1,210 @@
+"""SFT records, read and checked: a `datasets` save_to_disk directory, `.jsonl` / `.json`
+(JSON lines or a JSON list) / `.arrow` files, or a directory of such files. Each record is one of
+  {"input": str, "output": str}        prompt and response
+  {"messages": [{"role", "content"}]}  a conversation for the chat template
+  {"input_ids", "loss_mask" | "labels"} pre-tokenized
+Other keys are ignored; null counts as absent. A bad record is a DataError naming the file and
+line (or record index). data/sft.py turns records into examples and rows.
+"""
+import os
+import typing
+
+import numpy as np
+
+from data.errors import DataError
+
+FILE_TYPES = ('.jsonl', '.json', '.arrow')
+RECORD_FORMS = ('a record needs "input" and "output" (strings), "messages" (a list of '
+                '{"role", "content"} objects), or "input_ids" with "loss_mask" or "labels" '
+                '(pre-tokenized)')
+
+
+class Record(typing.NamedTuple):
+  where: str     # 'file line 7' or 'dir record 3': what an error names
+  fields: dict
+
+
+def read_records(path, limit=None) -> list:
+  """The first `limit` (all when None) records under `path`, each checked (`record_kind`)."""
+  if not path:
+    raise DataError('SFT data: no path set; set data.train_dir (and data.val_dir) to a '
+                    'save_to_disk directory, a .jsonl/.json/.arrow file or a directory of them')
+  if not os.path.exists(path):
+    raise DataError(f'{path}: no such file or directory; point data.train_dir / data.val_dir '
+                    'at the SFT data')
+  if _is_saved_dataset(path):
+    records = _read_saved(path, limit)
+  elif os.path.isdir(path):
+    records = []
+    for name in _data_files(path):
+      more = None if limit is None else limit - len(records)
+      if more == 0:
+        break
+      records += _read_file(os.path.join(path, name), more)
+  else:
+    records = _read_file(path, limit)
+  for record in records:
+    record_kind(record)
+  return records
+
+
+def _is_saved_dataset(path):
+  return os.path.isdir(path) and any(
+      os.path.isfile(os.path.join(path, f)) for f in ('state.json', 'dataset_dict.json'))
+
+
+def _data_files(directory):
+  names = sorted(n for n in os.listdir(directory) if n.endswith(FILE_TYPES))
+  if not names:
+    raise DataError(f'{directory}: no .jsonl, .json or .arrow files and not a save_to_disk '
+                    'directory; put the SFT data there or point the path at the data itself')
+  return names
+
+
+def _read_file(path, limit):
+  if path.endswith('.jsonl'):
+    return _read_json_lines(path, limit)
+  if path.endswith('.json'):
+    return _read_json(path, limit)
+  if path.endswith('.arrow'):
+    return _read_arrow(path, limit)
+  raise DataError(f'{path}: unknown file type; SFT data is .jsonl, .json or .arrow (or a '
+                  'save_to_disk directory)')
+
+
+def _read_json_lines(path, limit):
+  # Read here, not by `datasets`: it merges all lines into one schema (a missing key becomes
+  # null, types get cast) and loses line numbers, which errors must name.
+  import json
+  records = []
+  with open(path, encoding='utf-8') as f:
+    for line_number, line in enumerate(f, 1):
+      if limit is not None and len(records) >= limit:
+        break
+      if not line.strip():
+        continue
+      try:
+        value = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f'{path} line {line_number}: not valid JSON ({e.msg}, column {e.colno});'
+                        ' fix or remove the line (one JSON object per line)') from None
+      records.append(_record(f'{path} line {line_number}', value))
+  return records
+
+
+def _read_json(path, limit):
+  """A JSON list of records, or JSON lines in a .json file (both as `datasets` reads them)."""
+  import json
+  with open(path, encoding='utf-8') as f:
+    text = f.read()
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    if text.lstrip().startswith('['):
+      raise DataError(f'{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}); '
+                      'fix the JSON list of records') from None
+    value = None        # several values: JSON lines
+  if not isinstance(value, list):
+    return _read_json_lines(path, limit)
+  value = value if limit is None else value[:limit]
+  return [_record(f'{path} record {i}', v) for i, v in enumerate(value)]
+
+
+def _read_arrow(path, limit):
+  import datasets
+  try:
+    table = datasets.Dataset.from_file(path)
+  except Exception as e:  # pyarrow raises several types for a file that is not Arrow
+    raise DataError(f'{path}: not a readable Arrow file ({e}); write it with datasets '
+                    '(Dataset.save_to_disk) or use JSON lines') from None
+  return _rows(path, table, limit)
+
+
+def _read_saved(path, limit):
+  import datasets
+  loaded = datasets.load_from_disk(path)
+  if isinstance(loaded, datasets.DatasetDict):
+    raise DataError(f'{path}: a DatasetDict with splits {sorted(loaded)}; point data.train_dir '
+                    f'/ data.val_dir at one split\'s directory, e.g. {path}/train')
+  return _rows(path, loaded, limit)
+
+
+def _rows(path, dataset, limit):
+  if limit is not None:
+    dataset = dataset.select(range(min(limit, len(dataset))))
+  return [_record(f'{path} record {i}', row) for i, row in enumerate(dataset.to_list())]
+
+
+def _record(where, value):
+  if not isinstance(value, dict):
+    raise DataError(f'{where}: expected a JSON object, got {_type(value)}; {RECORD_FORMS}')
+  # Columnar formats give every row every column: null means the row does not have it.
+  return Record(where, {k: v for k, v in value.items() if v is not None})
+
+
+def record_kind(record) -> str:
+  """'prompt', 'chat' or 'tokens', after checking the record's types (DataError if wrong)."""
+  where, f = record.where, record.fields
+  if 'input_ids' in f:
+    _check_tokens(where, f)
+    return 'tokens'
+  if 'messages' in f:
+    _check_messages(where, f['messages'])
+    return 'chat'
+  if 'input' in f or 'output' in f:
+    for key in ('input', 'output'):
+      if not isinstance(f.get(key), str):
+        raise DataError(f'{where}: "{key}" must be a string, got {_type(f.get(key))}; '
+                        'input/output records need both as strings')
+    return 'prompt'
+  raise DataError(f'{where}: {RECORD_FORMS}; this one has keys {sorted(f)}')
+
+
+def _check_messages(where, messages):
+  fix = 'messages is a list of {"role": str, "content": str} with at least one assistant turn'
+  if not isinstance(messages, list) or not messages:
+    raise DataError(f'{where}: messages is {_type(messages)}; {fix}')
+  for i, m in enumerate(messages):
+    if not isinstance(m, dict) or not isinstance(m.get('role'), str):
+      raise DataError(f'{where}: messages[{i}] has no string "role"; {fix}')
+    content = m.get('content')
+    # Tool-calling assistant turns may carry tool_calls instead of content.
+    if not isinstance(content, str) and not (content is None and m.get('tool_calls')):
+      raise DataError(f'{where}: messages[{i}]["content"] is {_type(content)}; {fix}')
+  if not any(m['role'] == 'assistant' for m in messages):
+    raise DataError(f'{where}: no assistant message, so nothing to train on; {fix}')
+
+
+def _check_tokens(where, f):
+  ids = _int_array(where, 'input_ids', f['input_ids'])
+  if ids.size == 0 or ids.min() < 0:
+    raise DataError(f'{where}: input_ids must be a non-empty list of token ids >= 0')
+  if 'loss_mask' in f:
+    mask = _int_array(where, 'loss_mask', f['loss_mask'])
+    if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
+      raise DataError(f'{where}: loss_mask must be 0/1, one per input_ids token '
+                      f'({mask.size} for {ids.size})')
+  elif 'labels' in f:
+    labels = _int_array(where, 'labels', f['labels'])
+    if labels.shape != ids.shape or not ((labels == -100) | (labels == ids)).all():
+      raise DataError(f'{where}: labels must be input_ids with -100 where not trained, one per '
+                      f'token ({labels.size} for {ids.size}); shift-free, as Hugging Face models')
+  else:
+    raise DataError(f'{where}: pre-tokenized records need "loss_mask" or "labels" beside '
+                    '"input_ids"')
+
+
+def _int_array(where, key, value):
+  array = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+  # Whole floats pass (float loss masks are common); anything else is not a token list.
+  whole = array is not None and (array.dtype.kind in 'iub' or (
+      array.dtype.kind == 'f' and np.array_equal(array, np.round(array))))
+  if not whole or array.ndim != 1:
+    raise DataError(f'{where}: "{key}" must be a list of integers, got {_type(value)}')
+  return array.astype(np.int64)
+
+
+def _type(value):
+  return 'missing' if value is None else type(value).__name__
+
+
