@@ -202,8 +202,9 @@ def run(config, workdir):
                             'locking the workdir')
   log, checkpoints = None, None
   try:
-    est = memory.estimate(config, local_param_count(config, mesh), mesh.dp)
-    logging.info('\n%s', summary(config, mesh, local_param_count(config, mesh), est))
+    n_local = local_param_count(config, mesh)
+    est = memory.estimate(config, n_local, mesh.dp)
+    logging.info('\n%s', summary(config, mesh, n_local, est))
     comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')

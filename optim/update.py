@@ -142,10 +142,11 @@ class Updater:
     """This rank's owned rows of masters and optimizer state under checkpoint names:
     `master.<name>` (separate copies only) and `optim.<key>.<name>`."""
     out = {}
+    keys = self.state_keys() if state_keys is None else state_keys
     for n, m in self.master.items():
       if self.has_master_copy():
         out[f'master.{n}'] = m.detach()
-      for key in self.state_keys() if state_keys is None else state_keys:
+      for key in keys:
         if key in self.optimizer.state.get(m, {}):
           out[f'optim.{key}.{n}'] = self.optimizer.state[m][key]
     return out
