@@ -10,7 +10,6 @@ Stopping early (SIGTERM, the first Ctrl-C, trainer.exit_interval) always saves, 
 periodic checkpoints off, so the run can be resumed.
 """
 import datetime
-import json
 import logging
 import os
 import threading
@@ -138,12 +137,8 @@ class Session:
     if not due or self.last_saved == step:
       return
     layout = states.StateLayout(self.config, self.mesh, self.updater)
-    d = self.config.distributed_strategy
-    meta = {'consumed_samples': consumed_samples, 'config': json.loads(self.config.to_json_best_effort()),
-            'layout': {'dp': self.mesh.dp, 'pp': self.mesh.pp, 'tp': self.mesh.tp,
-                       'vp': d.virtual_pipeline_model_parallel_size, 'zero1': d.zero1},
-            'optimizer_state_keys': layout.state_keys,
-            'optimizer_step': self.updater.optimizer_step()}
+    meta = states.step_metadata(self.config, self.mesh, consumed_samples, layout.state_keys,
+                                self.updater.optimizer_step())
     self.manager.save(step, layout.local_tensors(), layout.layouts(), meta)
     self.last_saved = step
 

@@ -9,6 +9,7 @@ rank computes the whole layout and a checkpoint written at one layout loads at a
 each rank reads the boxes its current layout needs.
 """
 import dataclasses
+import json
 
 import torch
 
@@ -48,6 +49,16 @@ def _shard_box(box, local_rows, config, mesh, rank):
   rows, _ = zero.shard_rows(local_rows, parts, mesh_r.dp_rank if parts > 1 else 0)
   start = box[0].start
   return (slice(start + rows.start, start + rows.stop),) + tuple(box[1:])
+
+
+def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **extra) -> dict:
+  """What a step's metadata.json records besides its arrays (the data position, the config,
+  the layout it was saved at, the optimizer's state keys and step)."""
+  strategy = config.distributed_strategy
+  return {'consumed_samples': consumed_samples, 'config': json.loads(config.to_json_best_effort()),
+          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp,
+                     'vp': strategy.virtual_pipeline_model_parallel_size, 'zero1': strategy.zero1},
+          'optimizer_state_keys': list(state_keys), 'optimizer_step': optimizer_step, **extra}
 
 
 class StateLayout:

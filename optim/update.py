@@ -19,7 +19,7 @@ import typing
 import torch
 
 from optim import optimizers
-from parallel import comm, grads as grad_ops, precision, zero
+from parallel import grads as grad_ops, precision, zero
 
 
 class Rows(typing.NamedTuple):

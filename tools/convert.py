@@ -34,9 +34,7 @@ def hf_to_flatron(src, dst):
   layout = states.StateLayout(config, meshes.Mesh(), updater, state_keys=())
   manager = managers.CheckpointManager(dst)
   manager.save(0, layout.local_tensors(), layout.layouts(),
-               {'consumed_samples': 0, 'config': config.to_dict(), 'converted_from': src,
-                'layout': {'dp': 1, 'pp': 1, 'tp': 1, 'vp': 1, 'zero1': False},
-                'optimizer_state_keys': [], 'optimizer_step': 0})
+               states.step_metadata(config, meshes.Mesh(), 0, (), 0, converted_from=src))
   manager.wait()
   return manager.step_path(0)
 
