@@ -14,8 +14,9 @@ STEPS = 10
 
 
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
-                  tied=False, micro=2, zero1=False, precision='fp32'):
+                  tied=False, micro=2, zero1=False, precision='fp32', sft=None):
   c = llama_tiny.get_config('test')
+  c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
   c.trainer.val_check_interval = 0
   c.trainer.gradient_clip_val = 0.3          # below the early grad norms: clipping is active
@@ -88,7 +89,7 @@ def reference(tmp_path_factory, **model_layout):
   return _REFERENCES[key]
 
 
-MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision')
+MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft')   # what the reference run depends on
 
 
 def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,

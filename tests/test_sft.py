@@ -355,3 +355,36 @@ def test_source_options(tmp_path, tok_dir):
     sft.SFTSource(sft_config(tok_dir, path, **{'model.vocab_size': 100}), 'train')
   with pytest.raises(DataError, match='data.train_dir'):
     sft.SFTSource(sft_config(tok_dir, None), 'train')
+
+
+# --- the loop: SFT at every layout equals one device ---------------------------------
+
+
+@pytest.fixture(scope='module')
+def pretokenized_dir(tmp_path_factory):
+  """Pre-tokenized records of 3-24 tokens (seq_length 16: some are truncated, most packed
+  several to a row) whose loss falls on a response after a prompt of varying length."""
+  generator = np.random.default_rng(7)
+  rows = []
+  for _ in range(48):
+    n = int(generator.integers(3, 25))
+    prompt = int(generator.integers(1, n))
+    rows.append({'input_ids': generator.integers(0, 32, n).tolist(),
+                 'loss_mask': [0] * prompt + [1] * (n - prompt)})
+  return write_jsonl(tmp_path_factory.mktemp('sft') / 'records.jsonl', rows)
+
+
+SFT_LAYOUTS = {
+    'sft_tp2': (2, {'tp': 2}),
+    'sft_pp2': (2, {'pp': 2}),
+    'sft_dp2_zero1': (2, {'zero1': True}),
+}
+
+
+@pytest.mark.parametrize('layout', sorted(SFT_LAYOUTS))
+def test_sft_at_every_layout_trains_like_one_device(layout, pretokenized_dir, tmp_path, tmp_path_factory):
+  """Packed rows with masked prompts: the global batch's loss is the mean over its response
+  tokens, however they fall over micro batches, DP ranks and pipeline stages."""
+  from tests import parity    # pylint: disable=import-outside-toplevel
+  world_size, kwargs = SFT_LAYOUTS[layout]
+  parity.check_layout(layout, world_size, dict(kwargs, sft=pretokenized_dir), tmp_path, tmp_path_factory)
