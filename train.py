@@ -13,14 +13,14 @@ import sys
 import time
 
 from absl import app, flags, logging
-from ml_collections import config_flags
+from ml_collections import config_dict, config_flags
 import torch
 
 from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
-from model import hf, layers, objectives, transformer
+from model import hf, layers, lora, objectives, transformer
 from optim import schedules, update
 from parallel import (comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, precision,
                       remat, tensor)
@@ -145,12 +145,12 @@ def init_params(config, mesh):
 # ======================================================================================
 
 
-def local_param_count(config, mesh):
-  """Parameters this rank will hold, from the layout alone (nothing allocated)."""
-  return sum(math.prod(sl.stop - sl.start for sl in box) for box in param_boxes(config, mesh).values())
+def local_sizes(config, mesh):
+  """name -> elements of each parameter box this rank will hold (nothing allocated)."""
+  return {n: math.prod(sl.stop - sl.start for sl in box) for n, box in param_boxes(config, mesh).items()}
 
 
-def summary(config, mesh, n_local, est):
+def summary(config, mesh, sizes, est):
   m, a = config.model, config.data
   n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
   tokens_per_step = a.global_batch_size * a.seq_length
@@ -159,12 +159,19 @@ def summary(config, mesh, n_local, est):
   lines = [
       f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
       f'dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp}{sp}',
-      f'params {n_total:,} ({n_nonembed:,} non-embedding), {n_local:,} on this rank | FLOPs/token '
+      f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
       f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs)',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
       f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),
   ]
+  peft = lora.settings(m)
+  if peft is not None:
+    trained = transformer.count_params(m, trainable_only=True)
+    lines.append(f'LoRA r={peft.lora_rank} alpha={peft.lora_alpha:g} on {", ".join(lora.target_modules(peft))}: '
+                 f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
+                 f'{memory.param_counts(config, sizes)["trainable"]:,} on this rank; optimizer state '
+                 f'{memory.human_bytes(est["optimizer"] + est["master"])} per rank; the base is frozen')
   if mesh.world_size > 1:
     lines += ['layout:'] + ['  ' + line for line in tensor.describe_layout(config, mesh)]
   return '\n'.join(lines)
@@ -173,6 +180,18 @@ def summary(config, mesh, n_local, est):
 def fmt_eta(seconds):
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def apply_hf_model_config(config):
+  """model_source=hf: the architecture keys of model.model_config (an HF config.json) replace
+  the model section's; the rest (optimizer, dropout, recompute...) stays as configured."""
+  try:
+    hf_model = hf.read_config(config.model.model_config, config.model)
+  except (ValueError, FileNotFoundError) as e:
+    raise config_validation.ConfigError(f'model.model_config: {e}') from None
+  for key, value in hf_model.items():
+    if not isinstance(value, config_dict.ConfigDict) and value != config.model[key]:
+      config.model[key] = value
 
 
 def check_tokenizer(config):
@@ -189,8 +208,8 @@ def run(config, workdir):
   """Train `config` on this process's share of the mesh. Returns (last logged record, params)."""
   # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
-  if config.model_source == 'hf' and config.model.model_config:
-    config.model.update(hf.read_config(config.model.model_config, config.model))
+  if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
+    apply_hf_model_config(config)
   config_validation.validate(config, world_size)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)
@@ -202,9 +221,9 @@ def run(config, workdir):
                             'locking the workdir')
   log, checkpoints = None, None
   try:
-    n_local = local_param_count(config, mesh)
-    est = memory.estimate(config, n_local, mesh.dp)
-    logging.info('\n%s', summary(config, mesh, n_local, est))
+    sizes = local_sizes(config, mesh)
+    est = memory.estimate(config, sizes, mesh.dp)
+    logging.info('\n%s', summary(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')
@@ -215,10 +234,14 @@ def run(config, workdir):
     # --- data: each DP rank reads its slice of every global batch
     train_data = Loader(config, 'train', mesh.dp_rank, mesh.dp)
     valid_data = Loader(config, 'valid', mesh.dp_rank, mesh.dp)
+    for data in (train_data, valid_data):
+      if data.sft:
+        logging.info('%s', data.source.summary())
 
     # --- init, then restore (or init_from): parameters, optimizer state and data position
     params = init_params(config, mesh)
-    updater = update.Updater(params, config, mesh, placement(config, mesh))
+    updater = update.Updater(params, config, mesh, placement(config, mesh),
+                             trainable=lora.trainable(config.model, params))
     checkpoints = session.Session(config, workdir, mesh, updater)
     start_step, consumed_samples = checkpoints.restore_or_init()
     if lead:
@@ -240,8 +263,10 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
           start_step, consumed_samples):
   t = config.trainer
   if t.num_sanity_val_steps:
-    logging.info('sanity validation: val_loss %.4f',
-                 evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps))
+    sanity = evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps)
+    logging.info('sanity validation: val_loss %.4f', sanity)
+    if start_step == 0:                     # the model before training, e.g. a fine-tune's base
+      log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples})
   tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   window_start, window_steps, record, skips, stopped = time.perf_counter(), 0, {}, 0, None

@@ -14,10 +14,11 @@ import logging
 import os
 import threading
 
+from ml_collections import config_dict
 import torch.distributed as dist
 
 from checkpoint import manager as managers, preemption, state as states, storage
-from model import hf, transformer
+from model import adapters, hf, lora, transformer
 from parallel import comm
 
 
@@ -45,7 +46,7 @@ def check_shapes(path, meta, layout):
   problems = [f'{n}: checkpoint {list(stored[n])}, model {list(mine[n])}'
               for n in mine if n in stored and stored[n] != mine[n]]
   problems += [f'{n}: missing from the checkpoint' for n in mine if n not in stored]
-  problems += [f'{n}: in the checkpoint, not in the model' for n in stored if n not in mine]
+  problems += [f'{n}: in the checkpoint, not in the model' for n in stored if n not in layout.specs]
   if problems:
     shown = '\n  - '.join(problems[:5]) + (f'\n  ... and {len(problems) - 5} more' if len(problems) > 5 else '')
     raise managers.IncompatibleCheckpoint(
@@ -84,7 +85,9 @@ class Session:
                                          e.resume_from_checkpoint)
     if candidates:
       meta = managers.read_metadata(candidates[0])
-      layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()))
+      names = self._resume_names(candidates[0], meta)
+      layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()),
+                                  names=names)
       step, arrays, meta = self.manager.resume(layout.requests(), candidates=candidates,
                                                check=lambda p, m: check_shapes(p, m, layout))
       layout.restore(arrays, meta.get('optimizer_step', 0))
@@ -94,11 +97,67 @@ class Session:
       return step, meta['consumed_samples']
     if e.init_from:
       self._init_from(e.init_from)
+    peft = lora.settings(self.config.model)
+    if peft is not None and peft.load_lora_from_ckpt:
+      self._load_adapters(os.path.join(peft.lora_save_dir, peft.lora_load_tag or ''))
     return 0, 0
 
+  def _load_adapters(self, path):
+    """load_lora_from_ckpt: the adapters (weights only) of a peft directory or a flatron step."""
+    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=(),
+                                names=lora.trainable(self.config.model, specs))
+    requests = {n: b for n, b in layout.requests().items() if not n.startswith(('optim.', 'master.'))}
+    if adapters.is_peft_dir(path):
+      peft = self.config.model.peft
+      theirs = config_dict.ConfigDict(adapters.read_settings(path))
+      if (theirs.lora_rank, lora.target_modules(theirs)) != (peft.lora_rank, lora.target_modules(peft)):
+        raise managers.IncompatibleCheckpoint(
+            f'{path} holds rank-{theirs.lora_rank} adapters of {", ".join(lora.target_modules(theirs))}, this run '
+            f'trains rank {peft.lora_rank} on {", ".join(lora.target_modules(peft))}; set '
+            'model_alignment_strategy.peft.lora_rank and target_modules to match')
+      arrays = adapters.read_boxes(path, requests)
+    else:
+      check_shapes(path, managers.read_metadata(path), layout)
+      arrays, _ = self.manager.load(path, requests)
+    layout.restore(arrays, 0, weights_only=True)
+    logging.info('loaded LoRA adapters from %s', path)
+
+  def _resume_names(self, path, meta):
+    """The parameters to read when resuming from step `path`. A LoRA step holding adapters
+    only needs its base from exp_manager.init_from, which is loaded here first."""
+    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    stored = meta.get('lora', {}).get('stored', 'all')
+    peft = lora.settings(self.config.model)
+    if peft is None and stored != 'all':
+      raise managers.IncompatibleCheckpoint(
+          f'{path} holds LoRA adapters ({stored}) but LoRA is off; set model_alignment_strategy.peft as '
+          f'when it was saved (its config is in {path}/metadata.json)')
+    if peft is None:
+      return None
+    if stored == 'merged':
+      raise managers.IncompatibleCheckpoint(
+          f'{path} holds a merged model (merge_lora=True), which cannot resume LoRA training; use it as '
+          'exp_manager.init_from of a new run, or resume from a step saved with merge_lora=False')
+    if stored == 'all':
+      raise managers.IncompatibleCheckpoint(
+          f'{path} is a full checkpoint without LoRA adapters; start the LoRA run from it with '
+          'exp_manager.init_from (in a new workdir) instead of resuming')
+    if stored == 'adapters+base':
+      return list(specs)
+    if not self.config.exp_manager.init_from:
+      raise managers.IncompatibleCheckpoint(
+          f'{path} holds LoRA adapters only; set exp_manager.init_from to the base model they were '
+          'trained on (an HF directory or a flatron step), or save with peft.save_lora_base=True')
+    self._init_from(self.config.exp_manager.init_from)
+    return lora.trainable(self.config.model, specs)
+
   def _init_from(self, path):
-    """Weights only: a Hugging Face Llama directory or a flatron checkpoint step."""
-    layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=())
+    """Weights only: a Hugging Face Llama directory or a flatron checkpoint step (the base
+    model; LoRA adapters keep their init, or load_lora_from_ckpt's)."""
+    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=(),
+                                names=[n for n in specs if not lora.is_adapter(n)])
     requests = {n: b for n, b in layout.requests().items() if not n.startswith(('optim.', 'master.'))}
     if storage.read_text(path, 'config.json') is not None and not managers.is_committed(path):
       hf_model = hf.read_config(path, self.config.model)
@@ -137,8 +196,9 @@ class Session:
     if not due or self.last_saved == step:
       return
     layout = states.StateLayout(self.config, self.mesh, self.updater)
+    extra = {'lora': {'stored': lora.checkpoint_kind(self.config.model)}} if lora.settings(self.config.model) else {}
     meta = states.step_metadata(self.config, self.mesh, consumed_samples, layout.state_keys,
-                                self.updater.optimizer_step())
+                                self.updater.optimizer_step(), **extra)
     self.manager.save(step, layout.local_tensors(), layout.layouts(), meta)
     self.last_saved = step
 

@@ -11,10 +11,11 @@ each rank reads the boxes its current layout needs.
 import dataclasses
 import json
 
+from ml_collections import config_dict
 import torch
 
-from checkpoint import store
-from model import transformer
+from checkpoint import manager as managers, store
+from model import hf, lora, transformer
 from parallel import pipeline, tensor, zero
 
 
@@ -64,28 +65,35 @@ def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **
 class StateLayout:
   """Every array's logical shape, dtype and per-rank boxes for one (config, mesh)."""
 
-  def __init__(self, config, mesh, updater, state_keys=None):
+  def __init__(self, config, mesh, updater, state_keys=None, names=None):
     """`state_keys`: optimizer state tensors to include (default: what the optimizer holds;
-    on resume, what the checkpoint holds)."""
+    on resume, what the checkpoint holds); `names`: the parameters to include (default: what
+    a step of this run stores, lora.stored). Masters and optimizer state are those of the
+    trained parameters (none for a merged LoRA model)."""
     self.config, self.mesh, self.updater = config, mesh, updater
     self.specs = transformer.param_specs(config.model, mesh.tp)
     self.all_boxes = [param_boxes(config, mesh, r) for r in range(mesh.world_size)]
     self.state_keys = list(state_keys) if state_keys is not None else updater.state_keys()
+    self.names = list(names) if names is not None else lora.stored(config.model, self.specs)
+    peft = lora.settings(config.model)
+    self.merged = peft is not None and peft.merge_lora
+    self.trained = [] if self.merged else lora.trainable(config.model, self.specs)
+
+  def _param_dtype(self, name):
+    return lora.param_dtype(name, self.updater.recipe.param_dtype)
 
   def _dtype(self, array):
-    """Identical on every rank: parameters in the recipe's dtype, masters and optimizer
-    state fp32 (the optimizer runs on fp32 rows)."""
+    """Identical on every rank: parameters in their dtype (the recipe's; LoRA adapters fp32),
+    masters and optimizer state fp32 (the optimizer runs on fp32 rows)."""
     if array.startswith(('master.', 'optim.')):
       return 'float32'
-    return str(self.updater.recipe.param_dtype).removeprefix('torch.')
+    return str(self._param_dtype(array)).removeprefix('torch.')
 
   def _arrays(self):
     """(array name, param name, kind) for every array of the checkpoint."""
-    names = list(self.specs)
-    out = [(n, n, 'param') for n in names]
-    if self.updater.has_master_copy():
-      out += [(f'master.{n}', n, 'shard') for n in names]
-    out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in names]
+    out = [(n, n, 'param') for n in self.names]
+    out += [(f'master.{n}', n, 'shard') for n in self.trained if self._param_dtype(n) != torch.float32]
+    out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in self.trained]
     return out
 
   def _box(self, param, kind, rank):
@@ -114,8 +122,10 @@ class StateLayout:
 
   def local_tensors(self):
     """array -> this rank's tensor, clipped to the unpadded vocabulary."""
-    tensors = {n: p.detach() for n, p in self.updater.params.items()}
-    tensors.update(self.updater.named_state(self.state_keys))
+    params = {n: p.detach() for n, p in self.updater.params.items()}
+    tensors = lora.merged(params, self.config.model) if self.merged else params
+    if not self.merged:
+      tensors.update(self.updater.named_state(self.state_keys))
     out = {}
     for array, param, kind in self._arrays():
       box = self._box(param, kind, self.mesh.rank)
@@ -134,3 +144,32 @@ class StateLayout:
     if not weights_only:
       u.load_named_state({a: v for a, v in arrays.items() if a.startswith(('master.', 'optim.'))},
                          optimizer_step)
+
+
+def read_model(path):
+  """(config, whole parameters) of checkpoint step `path` on one process, vocab rows padded
+  as the model's. A LoRA step holding adapters only gets its base from the run's
+  exp_manager.init_from (an HF directory or a flatron step); a merged step is a plain model."""
+  meta = managers.read_metadata(path)
+  config = config_dict.ConfigDict(meta['config'])
+  stored = meta.get('lora', {}).get('stored', 'all')
+  if stored == 'merged':
+    config.model.peft.lora_rank = 0
+  specs = transformer.param_specs(config.model)
+  in_step = [n for n in specs if n in meta.get('arrays', {})]
+  arrays = store.load_arrays(path, {n: tuple(slice(0, k) for k in logical_shape(n, specs[n], config.model))
+                                    for n in in_step})
+  params = {}
+  if stored == 'adapters':
+    base = config.exp_manager.init_from
+    if not base:
+      raise store.CheckpointError(f'{path} holds LoRA adapters only and its run names no init_from base')
+    params = dict(hf.load_hf(base, config.model)[1] if hf.is_hf_dir(base) else read_model(base)[1])
+  for name in in_step:
+    value = arrays[name]
+    if value.shape != specs[name].shape:                # re-pad the vocabulary rows
+      padded = torch.zeros(specs[name].shape, dtype=value.dtype)
+      padded[:value.shape[0]] = value
+      value = padded
+    params[name] = value
+  return config, params

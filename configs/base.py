@@ -139,6 +139,21 @@ def get_config(arg=None):
   c.model_alignment_strategy = config_dict.ConfigDict()
   c.model_alignment_strategy.sft = config_dict.ConfigDict()
   c.model_alignment_strategy.sft.packing = True   # several examples per row, each attending only to itself
+  c.model_alignment_strategy.peft = peft = config_dict.ConfigDict()   # LoRA (model/lora.py); off while lora_rank = 0
+  peft.lora_rank = 0                      # r: adapter rank; 0 = no LoRA (full fine-tuning)
+  peft.lora_alpha = 16.0                  # scaling alpha / r (alpha / sqrt(r) with use_rslora)
+  peft.use_rslora = False                 # rank-stabilized scaling alpha / sqrt(r)
+  peft.lora_dropout = 0.0                 # dropout on the adapter's input (keyed like every dropout)
+  peft.lora_bias = 'none'                 # none | all | lora_only: which biases train with the adapters (peft's `bias`)
+  peft.target_modules = ('qkv_proj',)     # among qkv_proj, o_proj, gate_up_proj, down_proj or peft's q/k/v/o/gate/up/down_proj (or all-linear)
+  peft.save_lora_base = False             # checkpoints also hold the frozen base (else adapters + their optimizer state only)
+  peft.merge_lora = False                 # checkpoints hold the merged model W + scale B A (a full model; no adapters to resume)
+  peft.load_lora_from_ckpt = False        # start the adapters from lora_save_dir/lora_load_tag (a flatron step or a peft dir)
+  peft.lora_save_dir = placeholder(str)   # with load_lora_from_ckpt: where the adapter checkpoint is
+  peft.lora_load_tag = placeholder(str)   # with load_lora_from_ckpt: its sub-directory (e.g. step_00000100), optional
+  # The model reads its LoRA settings from its own section: model.peft *is* this section (one
+  # object, so --config.model_alignment_strategy.peft.lora_rank=8 is seen by the model code).
+  c.model.peft = peft
 
   c.precision = config_dict.ConfigDict()
   precision = c.precision

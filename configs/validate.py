@@ -5,6 +5,7 @@ complete list instead of one error per attempt.
 """
 import math
 
+from model import lora
 from optim import optimizers, schedules
 from parallel import precision
 
@@ -154,6 +155,8 @@ def check(config, world_size=1) -> list:
   if not data.data_prefix and data.synthetic_vocab_size > model.vocab_size:
     problems.append(f'data.synthetic_vocab_size={data.synthetic_vocab_size} exceeds model.vocab_size={model.vocab_size}')
 
+  problems += _check_peft(config.model_alignment_strategy.peft)
+
   # --- precision and experiment manager
   problems += precision.check(config.precision)
   e = config.exp_manager
@@ -162,6 +165,31 @@ def check(config, world_size=1) -> list:
              'must be > 0 (steps kept) or -1 (keep all)')
   _positive(problems, 'exp_manager.checkpoint_callback_params.every_n_train_steps',
             e.checkpoint_callback_params.every_n_train_steps, allow_zero=True)
+  return problems
+
+
+def _check_peft(peft) -> list:
+  """LoRA settings (model_alignment_strategy.peft); nothing to check while lora_rank is 0."""
+  key = 'model_alignment_strategy.peft'
+  problems = []
+  _positive(problems, f'{key}.lora_rank', peft.lora_rank, allow_zero=True)
+  if peft.lora_rank <= 0:
+    return problems
+  _positive(problems, f'{key}.lora_alpha', peft.lora_alpha)
+  if not 0.0 <= peft.lora_dropout < 1.0:
+    problems.append(f'{key}.lora_dropout={peft.lora_dropout} must be in [0, 1)')
+  _one_of(problems, f'{key}.lora_bias', peft.lora_bias, lora.BIASES)
+  try:
+    if not lora.target_modules(peft):
+      problems.append(f'{key}.target_modules is empty; name the projections to adapt, e.g. (\'qkv_proj\',)')
+  except ValueError as e:
+    problems.append(str(e))
+  if peft.merge_lora and peft.save_lora_base:
+    problems.append(f'{key}: merge_lora and save_lora_base both set; a merged checkpoint already holds '
+                    'the whole model, choose one')
+  if peft.load_lora_from_ckpt and not peft.lora_save_dir:
+    problems.append(f'{key}.load_lora_from_ckpt needs lora_save_dir (a flatron step or peft directory, '
+                    'with lora_load_tag its sub-directory)')
   return problems
 
 

@@ -185,7 +185,7 @@ def read_config(path, base_model):
 
 def _checked_names(path, model_cfg):
   """(our name -> (file, HF name)) for every parameter, after checking names and shapes."""
-  specs = transformer.param_specs(model_cfg)
+  specs = transformer.param_specs(model_cfg, adapters=False)
   files, source = _weight_map(path)
   ours = {_from_hf_name(n): n for n in files if not _ignored(n, model_cfg)}
   missing = [_to_hf_name(n) for n in specs if n not in ours]
@@ -232,7 +232,7 @@ def load_hf(path, base_model, dtype=torch.float32):
   tensor's stored dtype.
   """
   model_cfg = read_config(path, base_model)
-  specs = transformer.param_specs(model_cfg)
+  specs = transformer.param_specs(model_cfg, adapters=False)
   whole = {name: tuple(slice(0, n) for n in ((model_cfg.vocab_size,) + spec.shape[1:]
                                              if name in VOCAB_PARAMS else spec.shape))
            for name, spec in specs.items()}
@@ -285,7 +285,7 @@ def _remove_old_weights(path):
 def save_hf(path, model_cfg, params, max_shard_bytes=None):
   """Write an HF Llama directory (config.json + safetensors, sharded past max_shard_bytes)."""
   hf_config = config_to_hf(model_cfg)
-  specs = transformer.param_specs(model_cfg)
+  specs = transformer.param_specs(model_cfg, adapters=False)
   _check_params(model_cfg, params, specs)
   tensors = {}
   for name in specs:
@@ -312,3 +312,8 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
       json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)
   with open(os.path.join(path, CONFIG_FILE), 'w') as f:
     json.dump(hf_config, f, indent=2, sort_keys=True)
+
+
+def is_hf_dir(path) -> bool:
+  """Whether `path` (a local directory) holds an HF model's config.json."""
+  return os.path.isfile(os.path.join(path, CONFIG_FILE))

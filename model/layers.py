@@ -14,10 +14,16 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import rng
+from model import lora
 
 
 def _linear(x, w, b=None):
   return F.linear(x, w, b)
+
+
+def _row_linear(x, w, b=None, partial=None):
+  out = F.linear(x, w, b)
+  return out if partial is None else out + partial
 
 
 def _embed(ids_bs, table_vh):
@@ -43,7 +49,8 @@ class Ops:
   """The parallelism-aware operations the model is built from, and its recompute hooks
   (single-device, no-recompute defaults)."""
   column_linear: Callable = _linear    # output features sharded under TP
-  row_linear: Callable = _linear       # input features sharded under TP; output reduced
+  row_linear: Callable = _row_linear   # input features sharded under TP; output reduced, with
+                                       # `partial` (an adapter's share) added before the reduction
   embed: Callable = _embed             # vocab-sharded under TP
   lm_head: Callable = _linear          # vocab-sharded logits
   cross_entropy: Callable = _cross_entropy  # over (possibly vocab-sharded) logits
@@ -85,16 +92,12 @@ def norm(params, prefix, x_bsh, cfg):
 
 
 def has_dropout(cfg) -> bool:
-  return max(cfg.hidden_dropout, cfg.attention_dropout, cfg.ffn_dropout) > 0
+  peft = lora.settings(cfg)
+  return max(cfg.hidden_dropout, cfg.attention_dropout, cfg.ffn_dropout, peft.lora_dropout if peft else 0) > 0
 
 
 def head_dim(cfg) -> int:
   return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
-
-
-def bias_of(params, prefix, cfg):
-  """name -> the bias of linear `prefix.name`, or None without biases."""
-  return (lambda n: params[f'{prefix}.{n}.bias']) if cfg.has_bias else (lambda n: None)
 
 
 def dropout(x_b_, p, key, sample_ids_b, full_shape=None, mask_for_slice=None):
@@ -112,6 +115,32 @@ def dropout(x_b_, p, key, sample_ids_b, full_shape=None, mask_for_slice=None):
   if mask_for_slice is not None:
     keep = mask_for_slice(keep)
   return x_b_ * keep.to(x_b_.device) / (1.0 - p)
+
+
+# --- linear layers (with LoRA adapters where the params have them) ---------------------------
+
+
+def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=None):
+  """Linear layer `name` ('column' or 'row' parallel in ops' terms) plus its LoRA adapter, if
+  any. A row-parallel adapter's output is a partial sum like the base's: it joins the base
+  layer's reduction instead of needing its own."""
+  w, b = params[name + '.weight'], params.get(name + '.bias')
+
+  def adapter_dropout(x, p):
+    if not drop_key or p == 0.0:
+      return x
+    key = drop_key + ('lora', name.rsplit('.', 1)[-1])
+    if parallel == 'column':                 # the input is whole on every rank
+      return dropout(x, p, key, sample_ids_b)
+    # A row-parallel input is this rank's share of the features: draw the whole mask, apply its part.
+    width = cfg.ffn_hidden_size if name.endswith('down_proj') else cfg.num_attention_heads * head_dim(cfg)
+    return dropout(x, p, key, sample_ids_b, x.shape[1:-1] + (width,), lambda m: ops.mask_for_slice(m, 'ffn'))
+
+  extra = lora.delta(params, name, x_bs_, cfg, adapter_dropout)
+  if parallel == 'column':
+    out = ops.column_linear(x_bs_, w, b)
+    return out if extra is None else out + extra
+  return ops.row_linear(x_bs_, w, b, extra)
 
 
 # --- rotary embedding -----------------------------------------------------------------
@@ -176,11 +205,9 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
 
 def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b, kv=None):
   d = head_dim(cfg)
-  bias = bias_of(params, prefix, cfg)
   x_bsh = ops.full_input(x_bsh)
-  q = ops.column_linear(x_bsh, params[prefix + '.q_proj.weight'], bias('q_proj'))
-  k = ops.column_linear(x_bsh, params[prefix + '.k_proj.weight'], bias('k_proj'))
-  v = ops.column_linear(x_bsh, params[prefix + '.v_proj.weight'], bias('v_proj'))
+  q, k, v = (linear(params, f'{prefix}.{n}', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
+             for n in ('q_proj', 'k_proj', 'v_proj'))
   # Local head counts come from the (possibly TP-sharded) weights, not from the config.
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
   if cos_sin is not None:
@@ -193,7 +220,7 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
   out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer,
                                 drop_key and drop_key + ('attn',), sample_ids_b, ops.mask_for_slice)
   out = rearrange(out, 'b n s d -> b s (n d)')
-  return ops.row_linear(out, params[prefix + '.o_proj.weight'], bias('o_proj'))
+  return linear(params, prefix + '.o_proj', out, cfg, ops, 'row', drop_key, sample_ids_b)
 
 
 # --- MLP -----------------------------------------------------------------------------------
@@ -204,14 +231,13 @@ def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
 
 
 def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
-  bias = bias_of(params, prefix, cfg)
   x_bsh = ops.full_input(x_bsh)
-  up_bsf = ops.column_linear(x_bsh, params[prefix + '.up_proj.weight'], bias('up_proj'))
+  up_bsf = linear(params, prefix + '.up_proj', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
   if cfg.activation == 'swiglu':
-    gate_bsf = ops.column_linear(x_bsh, params[prefix + '.gate_proj.weight'], bias('gate_proj'))
+    gate_bsf = linear(params, prefix + '.gate_proj', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
     inner_bsf = F.silu(gate_bsf) * up_bsf
   else:
     inner_bsf = F.gelu(up_bsf)
   inner_bsf = dropout(inner_bsf, cfg.ffn_dropout, drop_key and drop_key + ('ffn',), sample_ids_b,
                       (x_bsh.shape[1], cfg.ffn_hidden_size), lambda m: ops.mask_for_slice(m, 'ffn'))
-  return ops.row_linear(inner_bsf, params[prefix + '.down_proj.weight'], bias('down_proj'))
+  return linear(params, prefix + '.down_proj', inner_bsf, cfg, ops, 'row', drop_key, sample_ids_b)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import rng
-from model import layers, objectives
+from model import layers, lora, objectives
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -23,7 +23,7 @@ INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can dra
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
   shape: tuple
-  init: str          # normal | ones | zeros
+  init: str          # normal | uniform (in +-std) | ones | zeros
   std: float = 0.0
   used_rows: int = 0  # vocab tables: rows past the real vocabulary are padding, initialized to 0
 
@@ -40,8 +40,9 @@ def kv_heads(cfg) -> int:
   return cfg.num_kv_heads or cfg.num_attention_heads
 
 
-def param_specs(cfg, tp=1) -> dict:
-  """Global name -> ParamSpec, in forward order. `cfg` is the `model` section."""
+def param_specs(cfg, tp=1, adapters=True) -> dict:
+  """Global name -> ParamSpec, in forward order. `cfg` is the `model` section; LoRA factors
+  are included when cfg.peft enables them, unless `adapters` is False (the base model)."""
   h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
   std = cfg.init_method_std
   out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.use_scaled_init_method else std
@@ -75,7 +76,21 @@ def param_specs(cfg, tp=1) -> dict:
   norm_specs('norm')
   if not cfg.share_embeddings_and_output_weights:
     specs['lm_head.weight'] = vocab_table
-  return specs
+  return _with_adapters(specs, lora.adapter_specs(cfg, specs, ParamSpec) if adapters else {})
+
+
+def _with_adapters(specs, adapters):
+  """`specs` with each LoRA factor right after the weight it adapts (forward order)."""
+  if not adapters:
+    return specs
+  out = {}
+  for name, spec in specs.items():
+    out[name] = spec
+    linear = name[:-len('.weight')]
+    for factor in lora.FACTORS:
+      if f'{linear}.{factor}.weight' in adapters:
+        out[f'{linear}.{factor}.weight'] = adapters[f'{linear}.{factor}.weight']
+  return out
 
 
 def full_box(shape) -> tuple:
@@ -97,8 +112,12 @@ def init_box(spec: ParamSpec, seed: int, name: str, box=None) -> torch.Tensor:
   rows, rest = box[0], box[1:]
   r = INIT_ROWS_PER_KEY
   first, last = rows.start // r, (rows.stop - 1) // r
-  blocks = [rng.normal((r,) + tuple(spec.shape[1:]), spec.std, seed, 'init', name, k)[(slice(None),) + rest]
-            for k in range(first, last + 1)]
+  def draw(k):
+    shape = (r,) + tuple(spec.shape[1:])
+    if spec.init == 'uniform':
+      return (2 * rng.uniform(shape, seed, 'init', name, k) - 1) * spec.std
+    return rng.normal(shape, spec.std, seed, 'init', name, k)
+  blocks = [draw(k)[(slice(None),) + rest] for k in range(first, last + 1)]
   out = torch.cat(blocks)[rows.start - first * r:rows.stop - first * r]
   if spec.used_rows:
     out[max(spec.used_rows - rows.start, 0):] = 0.0
@@ -109,14 +128,19 @@ def init(cfg, seed: int, device='cpu', dtype=torch.float32, boxes=None, tp=1) ->
   """Fresh parameters (or, with `boxes`, this rank's boxes of them): pure functions of (seed, name)."""
   specs = param_specs(cfg, tp)
   boxes = boxes or {name: None for name in specs}
-  return {name: init_box(specs[name], seed, name, box).to(device=device, dtype=dtype).requires_grad_()
-          for name, box in boxes.items()}
+  return {name: init_box(specs[name], seed, name, box).to(device=device, dtype=lora.param_dtype(name, dtype))
+          .requires_grad_() for name, box in boxes.items()}
 
 
-def count_params(cfg, embedding=True) -> int:
-  """Unpadded-vocab parameter count (the published size); embedding=False drops the input table."""
+def count_params(cfg, embedding=True, trainable_only=False) -> int:
+  """Unpadded-vocab parameter count (the published size); embedding=False drops the input
+  table, trainable_only counts what trains (with LoRA: the adapters and trained biases)."""
   total = 0
-  for name, spec in param_specs(cfg).items():
+  specs = param_specs(cfg)
+  trained = set(lora.trainable(cfg, specs)) if trainable_only else specs
+  for name, spec in specs.items():
+    if name not in trained:
+      continue
     if name in ('embed_tokens.weight', 'lm_head.weight'):
       shape = (cfg.vocab_size,) + spec.shape[1:]
       if name == 'embed_tokens.weight' and not embedding and not cfg.share_embeddings_and_output_weights:

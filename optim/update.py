@@ -106,7 +106,7 @@ class Updater:
 
   def _rounded(self, name, step):
     m = self.master[name]
-    if m.dtype == self.recipe.param_dtype:
+    if m.dtype == self.params[name].dtype:
       return m
     if self.recipe.stochastic_rounding:
       box, shape = self.placement[name]
@@ -134,9 +134,9 @@ class Updater:
     step = state.get('step', 0)
     return float(step.item() if torch.is_tensor(step) else step)
 
-  def has_master_copy(self):
-    """Whether masters are separate fp32 copies (checkpointed as `master.<name>`)."""
-    return self.recipe.param_dtype != torch.float32
+  def has_master_copy(self, name):
+    """Whether `name`'s master is a separate fp32 copy (checkpointed as `master.<name>`)."""
+    return self.params[name].dtype != torch.float32
 
   def named_state(self, state_keys=None):
     """This rank's owned rows of masters and optimizer state under checkpoint names:
@@ -144,7 +144,7 @@ class Updater:
     out = {}
     keys = self.state_keys() if state_keys is None else state_keys
     for n, m in self.master.items():
-      if self.has_master_copy():
+      if self.has_master_copy(n):
         out[f'master.{n}'] = m.detach()
       for key in keys:
         if key in self.optimizer.state.get(m, {}):
@@ -181,4 +181,4 @@ class Updater:
     """Bytes of optimizer state plus master copies held by this rank."""
     total = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                 for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
-    return total + sum(m.numel() * m.element_size() for m in self.master.values() if self.has_master_copy())
+    return total + sum(m.numel() * m.element_size() for n, m in self.master.items() if self.has_master_copy(n))

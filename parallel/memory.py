@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from model import layers, transformer
+from model import layers, lora, transformer
 from parallel import mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -125,25 +125,37 @@ def _saved_bytes(config, num_layers, mesh, dtype):
   return sum(storage.nbytes() for storage in kept.values())
 
 
-def estimate(config, n_params=None, dp=1) -> dict:
-  """Bytes per rank holding `n_params` parameters under the precision recipe and ZeRO-1:
-  params, grads, master weights, optimizer state, and the activations of the micro batches
-  in flight on this stage (1F1B: up to min(pp, micro batches)) plus fp32 logits."""
+def param_counts(config, sizes) -> dict:
+  """{'params', 'trainable', 'adapters'}: element counts of `sizes` (name -> elements), of
+  the trained parameters among them and of the LoRA adapters (fp32 whatever the recipe)."""
+  trained = set(lora.trainable(config.model, sizes))
+  return {'params': sum(sizes.values()), 'trainable': sum(v for n, v in sizes.items() if n in trained),
+          'adapters': sum(v for n, v in sizes.items() if lora.is_adapter(n))}
+
+
+def estimate(config, sizes=None, dp=1) -> dict:
+  """Bytes per rank holding parameters of `sizes` (name -> elements; default: an even share
+  of the model) under the precision recipe and ZeRO-1: params, grads, master weights and
+  optimizer state (of the trained parameters only: a frozen LoRA base has none), and the
+  activations of the micro batches in flight on this stage (1F1B: up to min(pp, micro
+  batches)) plus fp32 logits."""
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
-  if n_params is None:
-    n_params = sum(math.prod(spec.shape) for spec in transformer.param_specs(m, tp).values()) // (tp * pp)
+  if sizes is None:
+    sizes = {n: math.prod(spec.shape) // (tp * pp) for n, spec in transformer.param_specs(m, tp).items()}
+  n = param_counts(config, sizes)
   shards = dp if d.zero1 else 1
   param_bytes = recipe.param_dtype.itemsize
+  base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   in_flight = min(pp, microbatches)
   logits = config.data.micro_batch_size * config.data.seq_length * transformer.padded_vocab_size(m, tp) // tp
   out = {
-      'params': n_params * param_bytes,
-      'grads': n_params * recipe.grad_acc_dtype.itemsize,
-      'master': n_params * 4 // shards if param_bytes != 4 else 0,
-      'optimizer': n_params * 4 * ADAM_STATES.get(m.optim.name, 2) // shards,
+      'params': base * param_bytes + n['adapters'] * 4,
+      'grads': trained_base * recipe.grad_acc_dtype.itemsize + n['adapters'] * 4,
+      'master': trained_base * 4 // shards if param_bytes != 4 else 0,
+      'optimizer': n['trainable'] * 4 * ADAM_STATES.get(m.optim.name, 2) // shards,
       'activations': (math.ceil(m.num_layers / pp) * in_flight
                       * activation_bytes_per_layer(config, param_bytes, tp) + 2 * logits * 4),
   }

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import layers, transformer
+from model import layers, lora, transformer
 from parallel import comm
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
@@ -20,25 +20,48 @@ VOCAB_TABLES = ('embed_tokens.weight', 'lm_head.weight')
 
 
 def _module(name):
-  parts = name.split('.')
-  return parts[-2] if len(parts) >= 2 else ''
+  """The linear layer a parameter belongs to (a LoRA factor: the layer it adapts)."""
+  split = lora.split_name(name)
+  parts = (split[0] if split else name).split('.')
+  return parts[-1] if split else parts[-2] if len(parts) >= 2 else ''
+
+
+def _split_dim(name):
+  """The dim of `name` split over TP (0 rows, 1 columns), or None when replicated. LoRA
+  factors follow Megatron: a column-parallel layer's B is split like its weight (A
+  replicated), a row-parallel layer's A like its weight (B replicated)."""
+  if name in VOCAB_TABLES:
+    return 0
+  module, split = _module(name), lora.split_name(name)
+  if split:
+    factor = split[1]
+    return 0 if module in COLUMN_PARALLEL and factor == 'lora_B' else \
+        1 if module in ROW_PARALLEL and factor == 'lora_A' else None
+  if module in COLUMN_PARALLEL:
+    return 0
+  return 1 if module in ROW_PARALLEL and name.endswith('.weight') else None
 
 
 def is_kv(name):
-  return _module(name) in ('k_proj', 'v_proj')
+  """Boxes of a KV head (held by kv_replicator ranks when tp > num_kv_heads)."""
+  return _module(name) in ('k_proj', 'v_proj') and _split_dim(name) == 0
 
 
 def is_tp_replicated(name):
-  """Parameters every TP rank holds whole (norms, row-parallel biases, learned positions)."""
-  if name in VOCAB_TABLES:
-    return False
-  module = _module(name)
-  return not (module in COLUMN_PARALLEL or (module in ROW_PARALLEL and name.endswith('.weight')))
+  """Parameters every TP rank holds whole (norms, row-parallel biases, learned positions,
+  LoRA's A of column-parallel and B of row-parallel layers)."""
+  return _split_dim(name) is None
+
+
+def is_adapter_tp_partial(name):
+  """Replicated LoRA factors whose gradient each TP rank computes only in part (from its
+  shard of the layer): summed over TP."""
+  return lora.is_adapter(name) and is_tp_replicated(name)
 
 
 def is_sequence_parallel_replicated(name):
   """Replicated parameters applied to sequence shards under SP: their grads need a TP sum."""
-  return is_tp_replicated(name) and name != 'embed_positions.weight'
+  return is_tp_replicated(name) and name != 'embed_positions.weight' and not lora.is_adapter(name)
 
 
 def _split(size, parts, index):
@@ -49,12 +72,11 @@ def _split(size, parts, index):
 def tp_box(name, spec, tp, tp_rank, kv_replicator=1):
   """The slices of the global parameter `name` that TP rank `tp_rank` holds."""
   box = list(transformer.full_box(spec.shape))
-  if name in VOCAB_TABLES or _module(name) in ('q_proj', 'gate_proj', 'up_proj'):
-    box[0] = _split(spec.shape[0], tp, tp_rank)
-  elif is_kv(name):
+  dim = _split_dim(name)
+  if dim == 0 and is_kv(name):
     box[0] = _split(spec.shape[0], tp // kv_replicator, tp_rank // kv_replicator)
-  elif _module(name) in ROW_PARALLEL and name.endswith('.weight'):
-    box[1] = _split(spec.shape[1], tp, tp_rank)
+  elif dim is not None:
+    box[dim] = _split(spec.shape[dim], tp, tp_rank)
   return tuple(box)
 
 
@@ -103,8 +125,8 @@ def make_ops(mesh, sequence_parallel=False):
     return layers.LOCAL_OPS
   sp = sequence_parallel
 
-  def row_linear(x, w, b=None):
-    out = F.linear(x, w)
+  def row_linear(x, w, b=None, partial=None):
+    out = F.linear(x, w) if partial is None else F.linear(x, w) + partial
     out = comm.reduce_scatter_seq(out, group) if sp else comm.reduce_from_group(out, group)
     return out if b is None else out + b
 

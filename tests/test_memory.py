@@ -87,7 +87,7 @@ def test_estimate_follows_the_recompute_mode():
 
 def test_estimate_follows_the_recipe_and_zero1():
   c = llama_tiny.get_config()
-  n = 1000
+  n = {'layers.0.mlp.up_proj.weight': 1000}
   fp32 = memory.estimate(c, n, dp=2)
   assert (fp32['params'], fp32['grads'], fp32['master'], fp32['optimizer']) == (4000, 4000, 0, 8000)
   c.precision.type = 'mixed_precision'

@@ -1,11 +1,16 @@
-"""Hugging Face Llama directory <-> flatron checkpoint, both ways, bit-exact.
+"""Hugging Face Llama directory <-> flatron checkpoint, and LoRA adapters <-> peft, bit-exact.
 
     python tools/convert.py hf-to-flatron --src=/models/llama --dst=runs/ft/checkpoints
     python tools/convert.py flatron-to-hf --src=runs/ft/checkpoints/step_00001000 --dst=/models/out
+    python tools/convert.py export-peft --src=runs/lora/checkpoints/step_00000100 --dst=/adapters/mine
+    python tools/convert.py merge-peft --src=/adapters/mine --base=/models/llama --dst=/models/merged
 
 A converted checkpoint is step 0 with parameters only; train from it with
 `--config.exp_manager.init_from=<dst>/step_00000000` (or point init_from at the HF directory
-directly: no conversion needed). Layout-free: any TP/PP/DP degree loads it.
+directly: no conversion needed). Layout-free: any TP/PP/DP degree loads it. flatron-to-hf of
+a LoRA step writes the merged model (W + scaling B A; the base comes from the run's init_from);
+export-peft writes its adapters as a peft directory (`PeftModel.from_pretrained` loads it);
+merge-peft folds any peft LoRA directory into its HF base.
 """
 import os
 import sys
@@ -13,22 +18,22 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
-from ml_collections import config_dict  # pylint: disable=wrong-import-position
-import torch  # pylint: disable=wrong-import-position
 
-from checkpoint import manager as managers, state as states, store  # pylint: disable=wrong-import-position
-from configs import base  # pylint: disable=wrong-import-position
-from model import hf, transformer  # pylint: disable=wrong-import-position
+from checkpoint import manager as managers, state as states  # pylint: disable=wrong-import-position
+from configs import base as base_config  # pylint: disable=wrong-import-position
+from model import adapters, hf, lora  # pylint: disable=wrong-import-position
 from optim import update  # pylint: disable=wrong-import-position
 from parallel import mesh as meshes  # pylint: disable=wrong-import-position
 
-_SRC = flags.DEFINE_string('src', None, 'HF directory or flatron checkpoint step directory.')
-_DST = flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron) or HF directory.')
+_SRC = flags.DEFINE_string('src', None, 'HF directory, flatron checkpoint step, or peft directory (merge-peft).')
+_DST = flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron), HF directory, or peft directory.')
+_BASE = flags.DEFINE_string('base', None, 'merge-peft: the HF directory of the adapter\'s base model.')
+COMMANDS = ('hf-to-flatron', 'flatron-to-hf', 'export-peft', 'merge-peft')
 
 
 def hf_to_flatron(src, dst):
   """Write the HF model as step 0 of the checkpoint root `dst`; returns the step path."""
-  config = base.get_config()             # the saved config: defaults around the HF model
+  config = base_config.get_config()             # the saved config: defaults around the HF model
   config.model, params = hf.load_hf(src, config.model)
   updater = update.Updater(params, config, meshes.Mesh())
   layout = states.StateLayout(config, meshes.Mesh(), updater, state_keys=())
@@ -40,33 +45,36 @@ def hf_to_flatron(src, dst):
 
 
 def flatron_to_hf(src, dst):
-  """Write the parameters of checkpoint step `src` as a Hugging Face Llama directory."""
-  meta = managers.read_metadata(src)
-  config = config_dict.ConfigDict(meta['config'])
-  model = config.model
-  specs = transformer.param_specs(model)
-  requests = {n: tuple(slice(0, k) for k in states.logical_shape(n, spec, model))
-              for n, spec in specs.items()}
-  arrays = store.load_arrays(src, requests)
-  params = {}
-  for name, spec in specs.items():
-    value = arrays[name]
-    if value.shape != spec.shape:                       # re-pad the vocabulary rows
-      padded = torch.zeros(spec.shape, dtype=value.dtype)
-      padded[:value.shape[0]] = value
-      value = padded
-    params[name] = value
-  hf.save_hf(dst, model, params)
+  """Write checkpoint step `src` as a Hugging Face Llama directory (LoRA merged in)."""
+  config, params = states.read_model(src)
+  hf.save_hf(dst, config.model, lora.merged(params, config.model))
+
+
+def export_peft(src, dst):
+  """Write the LoRA adapters of checkpoint step `src` as a peft directory."""
+  config, params = states.read_model(src)
+  adapters.save_peft(dst, config.model, params, base_model_name_or_path=config.exp_manager.init_from)
+
+
+def merge_peft(src, base, dst):
+  """Fold the peft adapter directory `src` into the HF model `base`; write an HF directory."""
+  model_cfg, params = hf.load_hf(base, base_config.get_config().model)
+  model_cfg, params = adapters.load_peft(src, model_cfg, params)
+  hf.save_hf(dst, model_cfg, lora.merged(params, model_cfg))
 
 
 def main(argv):
-  if len(argv) != 2 or argv[1] not in ('hf-to-flatron', 'flatron-to-hf') or not (_SRC.value and _DST.value):
-    raise app.UsageError('usage: convert.py hf-to-flatron|flatron-to-hf --src=... --dst=...')
+  if len(argv) != 2 or argv[1] not in COMMANDS or not (_SRC.value and _DST.value) or \
+      (argv[1] == 'merge-peft') != bool(_BASE.value):
+    raise app.UsageError(f'usage: convert.py {"|".join(COMMANDS)} --src=... --dst=... (merge-peft: --base=...)')
   if argv[1] == 'hf-to-flatron':
     print(hf_to_flatron(_SRC.value, _DST.value))
+    return
+  if argv[1] == 'merge-peft':
+    merge_peft(_SRC.value, _BASE.value, _DST.value)
   else:
-    flatron_to_hf(_SRC.value, _DST.value)
-    print(_DST.value)
+    {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[argv[1]](_SRC.value, _DST.value)
+  print(_DST.value)
 
 
 if __name__ == '__main__':

@@ -3,7 +3,7 @@
     python tools/generate.py --model=.data/models/smollm2-135m-instruct --chat="What is the capital of France?"
     python tools/generate.py --model=runs/sft/checkpoints/step_00000100 \
         --tokenizer=.data/models/smollm2-135m-instruct --chat=... --temperature=0.7 --top_p=0.9
-    python tools/generate.py --model=runs/tiny/checkpoints/step_00000600 --prompt="ROMEO:"
+    python tools/generate.py --model=runs/tiny/checkpoints --prompt="ROMEO:"    # the newest step
 
 A flatron step carries its config (metadata.json): the model is rebuilt from it and its
 tokenizer (data.tokenizer) is used unless --tokenizer names an HF directory. `--chat` wraps
@@ -17,15 +17,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
-from ml_collections import config_dict  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
 
-from checkpoint import manager as managers, store  # pylint: disable=wrong-import-position
+from checkpoint import manager as managers, state as states  # pylint: disable=wrong-import-position
 from configs import base  # pylint: disable=wrong-import-position
 from data import chat, tokenizer as tokenizers  # pylint: disable=wrong-import-position
-from model import generation, hf, transformer  # pylint: disable=wrong-import-position
+from model import adapters, generation, hf  # pylint: disable=wrong-import-position
 
-_MODEL = flags.DEFINE_string('model', None, 'A flatron checkpoint step directory or an HF model directory.')
+_MODEL = flags.DEFINE_string('model', None, 'A flatron checkpoint step, a checkpoint directory (its newest '
+                             'committed step is used) or an HF model directory.')
+_ADAPTER = flags.DEFINE_string('adapter', None, 'A peft LoRA directory to apply to the model (e.g. from '
+                               'tools/convert.py export-peft, or trained with peft).')
 _TOKENIZER = flags.DEFINE_string('tokenizer', None, 'An HF directory with tokenizer.json (default: the model\'s).')
 _PROMPT = flags.DEFINE_string('prompt', None, 'Plain text to continue.')
 _CHAT = flags.DEFINE_string('chat', None, 'A user message, sent through the chat template.')
@@ -37,23 +39,24 @@ _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample among the most likely tokens r
 _SEED = flags.DEFINE_integer('seed', 0, 'Keys the sampling.')
 
 
+def resolve(path):
+  """A step directory: `path` itself, or the newest committed step of a checkpoint directory."""
+  if managers.is_committed(path) or os.path.exists(os.path.join(path, 'config.json')):
+    return path
+  newest = managers.CheckpointManager(path).latest_committed()
+  if newest is None:
+    raise SystemExit(f'error: {path} is neither an HF model directory, nor a committed checkpoint '
+                     'step, nor a directory holding committed steps')
+  return os.path.join(path, managers.step_dir(newest))
+
+
 def load_model(path):
-  """(model section, params, tokenizer config or None) from a flatron step or an HF directory."""
+  """(model section, params, tokenizer config or None) from a flatron step or an HF directory;
+  LoRA adapters stay separate (generation applies them), a peft directory is not a model."""
+  path = resolve(path)
   if managers.is_committed(path):
-    meta = managers.read_metadata(path)
-    config = config_dict.ConfigDict(meta['config'])
-    model_cfg = config.model
-    specs = transformer.param_specs(model_cfg)
-    requests = {n: tuple(slice(0, d) for d in (model_cfg.vocab_size,) + spec.shape[1:])
-                if n in ('embed_tokens.weight', 'lm_head.weight') else tuple(slice(0, d) for d in spec.shape)
-                for n, spec in specs.items()}
-    arrays = store.load_arrays(path, requests)
-    params = {}
-    for name, spec in specs.items():
-      padded = torch.zeros(spec.shape)
-      padded[:arrays[name].shape[0]] = arrays[name].float()
-      params[name] = padded
-    return model_cfg, params, config.data.tokenizer
+    config, params = states.read_model(path)
+    return config.model, params, config.data.tokenizer
   model_cfg, params = hf.load_hf(path, base.get_config().model)
   return model_cfg, params, None
 
@@ -66,33 +69,43 @@ def load_tokenizer(tokenizer_dir, tokenizer_cfg):
   return tokenizers.load_tokenizer(tokenizer_cfg)
 
 
-def prompt_ids(tok, tokenizer_dir):
-  """Token ids of the prompt, and the ids that end a reply."""
+def prompt_ids(tok, tokenizer_dir, prompt=None, messages=None):
+  """Token ids of a plain prompt, or of chat messages through the chat template (with the
+  generation prompt), and the ids that end a reply."""
   stop = {i for i in (tok.eos_id,) if i is not None}
-  if _PROMPT.value is not None:
-    ids = tok.encode(_PROMPT.value)
-    return ([tok.bos_id] if tok.bos_id is not None else []) + ids, stop
-  messages = json.loads(_MESSAGES.value) if _MESSAGES.value else [{'role': 'user', 'content': _CHAT.value}]
+  if prompt is not None:
+    return ([tok.bos_id] if tok.bos_id is not None else []) + tok.encode(prompt), stop
   directory = tokenizer_dir or os.path.dirname(os.path.abspath(tok.path))
   template = chat.load_template(directory)
   if template is None:
     raise SystemExit(f'error: {directory} has no chat template; use --prompt')
-  special = chat.special_tokens(directory)
-  text = chat.render(template, messages, add_generation_prompt=True, **special)
+  text = chat.render(template, messages, add_generation_prompt=True, **chat.special_tokens(directory))
   return tok.encode(text), stop
+
+
+def reply(model, prompt=None, messages=None, tokenizer_dir=None, max_new_tokens=64,
+          sampling=generation.Sampling()):
+  """The text `model` (a path, or the (model section, params, tokenizer config) of load_model)
+  generates after a prompt or chat messages."""
+  model_cfg, params, tokenizer_cfg = load_model(model) if isinstance(model, str) else model
+  tokenizer_dir = tokenizer_dir or (resolve(model) if isinstance(model, str) and tokenizer_cfg is None else None)
+  tok = load_tokenizer(tokenizer_dir, tokenizer_cfg)
+  ids, stop = prompt_ids(tok, tokenizer_dir, prompt, messages)
+  out = generation.generate(params, model_cfg, ids, max_new_tokens, sampling, stop_ids=stop)
+  return tok.decode([t for t in out if t not in stop])
 
 
 def main(argv):
   del argv
   if sum(x is not None for x in (_PROMPT.value, _CHAT.value, _MESSAGES.value)) != 1:
     raise app.UsageError('give exactly one of --prompt, --chat, --messages')
-  model_cfg, params, tokenizer_cfg = load_model(_MODEL.value)
-  tokenizer_dir = _TOKENIZER.value or (_MODEL.value if tokenizer_cfg is None else None)
-  tok = load_tokenizer(tokenizer_dir, tokenizer_cfg)
-  ids, stop = prompt_ids(tok, tokenizer_dir)
+  messages = json.loads(_MESSAGES.value) if _MESSAGES.value else [{'role': 'user', 'content': _CHAT.value}]
   sampling = generation.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
-  out = generation.generate(params, model_cfg, ids, _MAX_NEW.value, sampling, stop_ids=stop)
-  print(tok.decode([t for t in out if t not in stop]))
+  model = load_model(_MODEL.value)
+  tokenizer_dir = _TOKENIZER.value or (resolve(_MODEL.value) if model[2] is None else None)
+  if _ADAPTER.value:
+    model = adapters.load_peft(_ADAPTER.value, model[0], model[1]) + (model[2],)
+  print(reply(model, _PROMPT.value, messages, tokenizer_dir, _MAX_NEW.value, sampling))
 
 
 if __name__ == '__main__':

@@ -1,0 +1,109 @@
+"""LoRA adapters as peft writes them: `adapter_config.json` + `adapter_model.safetensors`.
+
+A peft directory made here loads with `PeftModel.from_pretrained(llama, dir)`, and one made by
+peft (for a Llama, target modules by name) loads here: its settings become
+model_alignment_strategy.peft, its tensors the `lora_A` / `lora_B` parameters. Keys are peft's
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (our name with HF's
+`model.` prefix, under peft's `base_model.model.`).
+"""
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from model import hf, lora, transformer
+
+CONFIG_FILE = 'adapter_config.json'
+WEIGHTS_FILE = 'adapter_model.safetensors'
+PREFIX = 'base_model.model.'
+BIAS_NAMES = {'none': 'none', 'all': 'all', 'lora_only': 'lora_only'}
+
+
+def peft_key(name) -> str:
+  return PREFIX + hf._to_hf_name(name)  # pylint: disable=protected-access
+
+
+def our_name(key) -> str:
+  return hf._from_hf_name(key[len(PREFIX):] if key.startswith(PREFIX) else key)  # pylint: disable=protected-access
+
+
+def is_peft_dir(path) -> bool:
+  return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def peft_config(peft, base_model_name_or_path=None) -> dict:
+  """adapter_config.json for our settings (peft's LoraConfig fields)."""
+  return {
+      'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'auto_mapping': None,
+      'base_model_name_or_path': base_model_name_or_path, 'inference_mode': True,
+      'r': int(peft.lora_rank), 'lora_alpha': peft.lora_alpha, 'lora_dropout': peft.lora_dropout,
+      'use_rslora': bool(peft.use_rslora), 'bias': peft.lora_bias,
+      'target_modules': list(lora.target_modules(peft)), 'fan_in_fan_out': False,
+      'init_lora_weights': True, 'modules_to_save': None, 'use_dora': False, 'lora_bias': False,
+      'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': {}, 'alpha_pattern': {},
+  }
+
+
+def save_peft(path, model_cfg, params, base_model_name_or_path=None):
+  """Write the adapters (and trained biases) of `params` (whole tensors) as a peft directory."""
+  peft = lora.settings(model_cfg)
+  if peft is None:
+    raise ValueError('the model has no LoRA adapters (model_alignment_strategy.peft.lora_rank is 0)')
+  names = lora.trainable(model_cfg, params)
+  tensors = {peft_key(n): params[n].detach().to('cpu', torch.float32).contiguous() for n in names}
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, WEIGHTS_FILE), metadata={'format': 'pt'})
+  with open(os.path.join(path, CONFIG_FILE), 'w') as f:
+    json.dump(peft_config(peft, base_model_name_or_path), f, indent=2, sort_keys=True)
+
+
+def read_settings(path) -> dict:
+  """model_alignment_strategy.peft values from a peft directory's adapter_config.json."""
+  config_path = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    raise FileNotFoundError(f'{config_path} not found (a peft adapter directory needs one)')
+  with open(config_path) as f:
+    c = json.load(f)
+  unsupported = [f'{k}={c[k]!r}' for k, ok in (('peft_type', 'LORA'), ('use_dora', False), ('lora_bias', False),
+                                               ('fan_in_fan_out', False))
+                 if c.get(k, ok) != ok]
+  unsupported += [f'{k}={c[k]!r}' for k in ('rank_pattern', 'alpha_pattern', 'modules_to_save',
+                                            'layers_to_transform') if c.get(k)]
+  if isinstance(c.get('target_modules'), str) and c['target_modules'] not in lora.TARGET_GROUPS:
+    unsupported.append(f'target_modules={c["target_modules"]!r} (a regular expression; name the modules)')
+  if unsupported:
+    raise ValueError(f'{config_path}: not supported here: {", ".join(unsupported)}')
+  targets = c['target_modules']
+  return {'lora_rank': int(c['r']), 'lora_alpha': float(c['lora_alpha']),
+          'lora_dropout': float(c.get('lora_dropout') or 0.0), 'use_rslora': bool(c.get('use_rslora')),
+          'lora_bias': BIAS_NAMES.get(c.get('bias', 'none'), c.get('bias')),
+          'target_modules': (targets,) if isinstance(targets, str) else tuple(targets)}
+
+
+def read_boxes(path, requests) -> dict:
+  """name -> the requested box (tuple of slices) of each adapter tensor in a peft directory."""
+  file = os.path.join(path, WEIGHTS_FILE)
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f'{file} not found (adapter_model.bin: re-save it with safe_serialization=True)')
+  out = {}
+  with safe_open(file, framework='pt') as f:
+    available = {our_name(k): k for k in f.keys()}
+    missing = sorted(n for n in requests if n not in available)
+    if missing:
+      raise ValueError(f'{file}: missing {", ".join(missing[:5])}{" ..." if len(missing) > 5 else ""} '
+                       '(are target_modules the ones it was trained with?)')
+    for name, box in requests.items():
+      out[name] = f.get_slice(available[name])[box]
+  return out
+
+
+def load_peft(path, model_cfg, params):
+  """(model section with the adapter's LoRA settings, `params` plus its whole adapter
+  tensors): a peft directory applied to a whole model of this process."""
+  model_cfg = model_cfg.copy_and_resolve_references()
+  model_cfg.peft.update(read_settings(path))
+  specs = transformer.param_specs(model_cfg)
+  wanted = {n: tuple(slice(0, k) for k in specs[n].shape) for n in lora.trainable(model_cfg, specs)}
+  return model_cfg, dict(params, **read_boxes(path, wanted))
