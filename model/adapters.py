@@ -76,10 +76,13 @@ def read_settings(path) -> dict:
   if unsupported:
     raise ValueError(f'{config_path}: not supported here: {", ".join(unsupported)}')
   targets = c['target_modules']
+  if not isinstance(targets, str):   # peft matches entries as suffixes of module paths, and writes
+    # `all-linear` out as full paths (model.layers.0.self_attn.q_proj, ...): keep the projection
+    targets = tuple(dict.fromkeys(t.rsplit('.', 1)[-1] for t in targets))
   return {'lora_rank': int(c['r']), 'lora_alpha': float(c['lora_alpha']),
           'lora_dropout': float(c.get('lora_dropout') or 0.0), 'use_rslora': bool(c.get('use_rslora')),
           'lora_bias': BIAS_NAMES.get(c.get('bias', 'none'), c.get('bias')),
-          'target_modules': (targets,) if isinstance(targets, str) else tuple(targets)}
+          'target_modules': (targets,) if isinstance(targets, str) else targets}
 
 
 def read_boxes(path, requests) -> dict:

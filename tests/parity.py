@@ -14,7 +14,7 @@ STEPS = 10
 
 
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
-                  tied=False, micro=2, zero1=False, precision='fp32', sft=None):
+                  tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -32,6 +32,10 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.zero1 = zero1
   c.precision.type = precision
   d.collective_timeout_s = 120
+  if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
+    peft = c.model_alignment_strategy.peft
+    peft.lora_rank, peft.target_modules, peft.lora_alpha, peft.lora_dropout = lora, ('all-linear',), 8.0, lora_dropout
+    c.trainer.gradient_clip_val = 0.1        # B = 0 at init: early grad norms are ~0.12-0.26
   return c
 
 
@@ -89,17 +93,19 @@ def reference(tmp_path_factory, **model_layout):
   return _REFERENCES[key]
 
 
-MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft')   # what the reference run depends on
+# what the reference run depends on
+MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout')
 
 
 def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,
                  norm_rtol=1e-4):
-  """Run `layout` on `world_size` ranks and assert it trains like one device."""
+  """Run `layout` on `world_size` ranks and assert it trains like one device; returns the
+  assembled global parameters."""
   ref_losses, ref_norms, ref_params = reference(
       tmp_path_factory, **{k: v for k, v in layout.items() if k in MODEL_KEYS})
   results = world.run(train_on_rank, world_size, str(tmp_path), layout)
   losses, norms, _ = results[0]
-  assert ref_norms[0] > 0.3                                  # clipping was active
+  assert ref_norms[0] > parity_config(**layout).trainer.gradient_clip_val   # clipping was active
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
   np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
   params = assemble(results, parity_config(**layout).model)
@@ -111,3 +117,4 @@ def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol
         f'worst relative grad-norm error {worst_norm:.2e}')
   for n in ref_params:
     np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-5, atol=param_atol, err_msg=n)
+  return params

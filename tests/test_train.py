@@ -227,3 +227,41 @@ def test_a_configured_tokenizer_is_checked_against_the_vocabulary_at_start_up(tm
   with pytest.raises(errors.DataError, match='--config.model.vocab_size=300'):
     train.run(c, str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'run' / 'metrics.jsonl')
+
+
+def test_sft_of_an_hf_model_starts_from_its_exact_loss(tmp_path):
+  """model_source=hf builds the model from config.json, init_from loads its weights, and the
+  first step's loss on SFT records is transformers' own masked loss on the same batch."""
+  transformers = pytest.importorskip('transformers')
+  torch.manual_seed(0)
+  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+      vocab_size=64, max_position_embeddings=64, tie_word_embeddings=True)).float().eval()
+  hf_model.save_pretrained(tmp_path / 'hf')
+  records = [{'input_ids': list(range(3 + i, 13 + 2 * i)), 'loss_mask': [0] * 4 + [1] * (6 + i)} for i in range(8)]
+  with open(tmp_path / 'sft.jsonl', 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in records)
+  c = tiny_config(max_steps=4, val_check_interval=0)
+  c.model_source, c.model.model_config = 'hf', str(tmp_path / 'hf' / 'config.json')
+  c.exp_manager.init_from = str(tmp_path / 'hf')
+  c.data.train_dir = c.data.val_dir = str(tmp_path / 'sft.jsonl')
+  train.run(c, str(tmp_path / 'run'))
+  first = read_metrics(tmp_path / 'run')[0]
+  assert (c.model.hidden_size, c.model.vocab_size, c.model.share_embeddings_and_output_weights) == (32, 64, True)
+
+  total, count = 0.0, 0
+  for batch in Loader(c, 'train').global_batch(0):
+    labels = batch['labels'].masked_fill(batch['loss_mask'] == 0, -100)
+    with torch.no_grad():
+      logits = hf_model(batch['tokens'], position_ids=batch['position_ids'],
+                        attention_mask=_block_causal(batch['segment_ids'])).logits
+    total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction='sum').item()
+    count += int(batch['loss_mask'].sum())
+  assert first['step'] == 1 and first['loss'] == pytest.approx(total / count, rel=1e-5)
+
+
+def _block_causal(segment_ids_bs):
+  """A 4-D additive mask: causal and within each packed example (what transformers takes)."""
+  s = segment_ids_bs.shape[1]
+  allowed = (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :]) & torch.ones(s, s, dtype=torch.bool).tril()
+  return torch.zeros(allowed.shape).masked_fill(~allowed, float('-inf'))[:, None]
