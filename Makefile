@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: train sft test bench clean
+.PHONY: train sft lora dpo test bench clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -31,6 +31,22 @@ sft: $(STAMP)
 	$(VPY) tools/sft_demo.py > .data/sft_args
 	$(VPY) train.py --config=configs/smollm2_sft.py --workdir=runs/sft $$(cat .data/sft_args) $(ARGS)
 	$(VPY) tools/sft_demo.py --report runs/sft
+
+# The same fine-tune with LoRA (frozen base, rank-16 adapters), exported as a peft adapter.
+lora: $(STAMP)
+	mkdir -p .data
+	$(VPY) tools/sft_demo.py > .data/sft_args
+	$(VPY) train.py --config=configs/smollm2_lora.py --workdir=runs/lora $$(cat .data/sft_args) $(ARGS)
+	$(VPY) tools/sft_demo.py --report runs/lora
+	$(VPY) tools/convert.py export-peft --src=runs/lora/checkpoints --dst=runs/lora/peft_adapter
+	@du -sh runs/lora/checkpoints runs/lora/peft_adapter
+
+# DPO with LoRA on preference pairs derived from the same conversations (tools/dpo_demo.py).
+dpo: $(STAMP)
+	mkdir -p .data
+	$(VPY) tools/dpo_demo.py > .data/dpo_args
+	$(VPY) train.py --config=configs/smollm2_dpo.py --workdir=runs/dpo $$(cat .data/dpo_args) $(ARGS)
+	$(VPY) tools/dpo_demo.py --report runs/dpo
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests $(ARGS)

@@ -23,7 +23,7 @@ from data.loader import Loader
 from model import hf, layers, lora, objectives, transformer
 from optim import schedules, update
 from parallel import (comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, precision,
-                      remat, tensor)
+                      reference as references, remat, tensor)
 from parallel import device as devices
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -41,10 +41,11 @@ def to_device(batch, device):
   return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
-def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True):
+def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True, reference=None):
   """Run this rank's pipeline schedule over the micro batches, accumulating grads of the
   objective's loss over the global batch; return (this rank's loss sum, the global count,
-  this rank's metric sums).
+  this rank's metric sums). `reference`: the reference model's params, for objectives that
+  need one (DPO), unless the batches carry precomputed `ref_logps`.
 
   Each micro batch's summed loss is divided by the objective's count (tokens, pairs) over the
   whole global batch (summed over DP), so the accumulated gradient is the same for any micro
@@ -53,7 +54,7 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   """
   m, d = config.model, config.distributed_strategy
   vp = d.virtual_pipeline_model_parallel_size
-  objective = objectives.get(m.objective)
+  objective = objectives.for_config(config)
   count = sum(objective.count(mb) for mb in micro_batches).to(mesh.device)
   count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
   dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
@@ -64,6 +65,9 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   sums = {'loss': torch.zeros((), device=mesh.device)}
   batches = [to_device(mb, mesh.device) for mb in micro_batches]
   recipe = recipe or precision.recipe(config.precision)
+  if objective.reference is not None and 'ref_logps' not in batches[0]:
+    for batch, ref in zip(batches, references.logps(reference, batches, config, mesh, ops, objective, recipe)):
+      batch['ref_logps'] = ref
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank
@@ -85,41 +89,53 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   else:
     pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape, recipe.param_dtype)
   loss_sum = sums.pop('loss')
-  return loss_sum, count, sums
+  zero = torch.zeros((), device=mesh.device)
+  return loss_sum, count, {name: sums.get(name, zero) for name in objective.metrics}
 
 
-def global_loss(loss_sum, count, mesh):
-  """The global batch's mean loss on every rank (only last-stage ranks hold loss sums)."""
-  loss_sum = comm.all_reduce_(loss_sum, mesh.pp_group, name='all_reduce(loss over pp)')
-  return comm.all_reduce_(loss_sum, mesh.dp_group, name='all_reduce(loss over dp)') / count
+def global_loss(loss_sum, count, mesh, metric_sums=None):
+  """The global batch's mean loss on every rank (only last-stage ranks hold loss sums), and
+  with `metric_sums` (name -> this rank's sum) the global means of the metrics too."""
+  names = list(metric_sums or {})
+  sums = torch.stack([loss_sum] + [metric_sums[n] for n in names])
+  sums = comm.all_reduce_(sums, mesh.pp_group, name='all_reduce(loss over pp)')
+  means = comm.all_reduce_(sums, mesh.dp_group, name='all_reduce(loss over dp)') / count
+  return (means[0], dict(zip(names, means[1:]))) if metric_sums is not None else means[0]
 
 
-def train_step(params, updater, micro_batches, config, step, mesh, ops):
+def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None):
   """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
-  loss_sum, count, _ = forward_backward(params, micro_batches, config, mesh, ops, updater.recipe)
+  loss_sum, count, metric_sums = forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
+                                                  reference=reference)
   gradients = updater.gradients()
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
-  loss = global_loss(loss_sum, count, mesh)
+  loss, metrics = global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss)
   if not updated and config.trainer.nonfinite_policy == 'error':
     raise FloatingPointError(
         f'non-finite loss or gradient at step {step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()}); '
         'lower model.optim.lr, check the data, or set trainer.nonfinite_policy=skip')
-  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not updated}
+  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not updated, 'metrics': metrics}
 
 
 @torch.no_grad()
-def evaluate(params, loader, config, mesh, ops, num_batches):
-  total, tokens = 0.0, 0.0
+def evaluate(params, loader, config, mesh, ops, num_batches, reference=None):
+  """(mean loss, {metric: mean}) over `num_batches` global batches of `loader`, weighted by
+  each batch's count (tokens or pairs)."""
+  total, count, metrics = 0.0, 0.0, {}
   for i in range(num_batches):
-    loss_sum, n, _ = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
-                                      config, mesh, ops, training=False)
-    total += (global_loss(loss_sum, n, mesh) * n).item()
-    tokens += n.item()
-  return total / max(tokens, 1.0)
+    loss_sum, n, metric_sums = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
+                                                config, mesh, ops, training=False, reference=reference)
+    loss, means = global_loss(loss_sum, n, mesh, metric_sums)
+    total += (loss * n).item()
+    for name, value in means.items():
+      metrics[name] = metrics.get(name, 0.0) + (value * n).item()
+    count += n.item()
+  count = max(count, 1.0)
+  return total / count, {name: value / count for name, value in metrics.items()}
 
 
 def param_boxes(config, mesh):
@@ -180,6 +196,26 @@ def summary(config, mesh, sizes, est):
 def fmt_eta(seconds):
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def setup_reference(config, mesh, ops, params, checkpoints, loaders):
+  """DPO's reference model -> the frozen copy the steps use, or None. With LoRA it is the base
+  (adapters off: no memory); else a frozen copy of the starting model (init_from, also on
+  resume), or with dpo.precompute_ref_log_probs the copy's log-probs of every pair, computed
+  once here and attached to the loaders' batches, the copy then dropped."""
+  copy = None
+  if lora.settings(config.model) is None:
+    copy = checkpoints.load_init_weights(init_params(config, mesh))
+  if not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
+    if copy is not None:
+      logging.info('DPO reference: a frozen copy of the starting model, %s on this rank',
+                   memory.human_bytes(sum(p.numel() * p.element_size() for p in copy.values())))
+    return copy
+  for loader in loaders:
+    loader.ref_logps = references.precompute(loader, references.params(params, copy), config, mesh, ops)
+    logging.info('DPO reference: log-probs of %d %s pairs precomputed (%s)', len(loader.ref_logps), loader.split,
+                 memory.human_bytes(loader.ref_logps.numel() * loader.ref_logps.element_size()))
+  return None
 
 
 def apply_hf_model_config(config):
@@ -244,12 +280,15 @@ def run(config, workdir):
                              trainable=lora.trainable(config.model, params))
     checkpoints = session.Session(config, workdir, mesh, updater)
     start_step, consumed_samples = checkpoints.restore_or_init()
+    frozen_ref = None
+    if objectives.for_config(config).reference is not None:
+      frozen_ref = setup_reference(config, mesh, ops, params, checkpoints, (train_data, valid_data))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
                               resumed_at=start_step if start_step > 0 else None)
     return _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log,
-                 train_data, valid_data, start_step, consumed_samples), params
+                 train_data, valid_data, start_step, consumed_samples, frozen_ref), params
   finally:
     if checkpoints is not None:
       checkpoints.close()
@@ -260,18 +299,21 @@ def run(config, workdir):
 
 
 def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, train_data, valid_data,
-          start_step, consumed_samples):
+          start_step, consumed_samples, frozen_ref=None):
   t = config.trainer
+  reference = references.params(params, frozen_ref) if objectives.for_config(config).reference else None
   if t.num_sanity_val_steps:
-    sanity = evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps)
+    sanity, sanity_metrics = evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps, reference)
     logging.info('sanity validation: val_loss %.4f', sanity)
     if start_step == 0:                     # the model before training, e.g. a fine-tune's base
-      log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples})
+      log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples,
+                 **{f'sanity_val_{k}': v for k, v in sanity_metrics.items()}})
   tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   window_start, window_steps, record, skips, stopped = time.perf_counter(), 0, {}, 0, None
   for step in range(start_step, t.max_steps):
-    out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops)
+    out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
+                     reference)
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
@@ -296,19 +338,24 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
                 'step_time': elapsed, 'consumed_samples': consumed_samples}
       if out['skipped']:
         record['skipped'] = True
+      record.update({k: v.item() for k, v in out['metrics'].items()})
       if config.exp_manager.log_parameter_norm:
         record['param_norm'] = grads.global_norm(params, mesh).item()
       logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
                    '%.3f s/step | ETA %s', step + 1, t.max_steps, record['loss'], record['lr'],
                    record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
                    fmt_eta(elapsed * (t.max_steps - step - 1)))
+      if out['metrics']:
+        logging.info('step %d | %s', step + 1, ' | '.join(f'{k} {record[k]:.4f}' for k in out['metrics']))
       log.write(record)
       window_start, window_steps = time.perf_counter(), 0
     if t.val_check_interval and (every(step + 1, t.val_check_interval) or last) and t.limit_val_batches:
-      val_loss = evaluate(params, valid_data, config, mesh, ops, t.limit_val_batches)
-      logging.info('step %d | val_loss %.4f', step + 1, val_loss)
-      log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples})
-      record['val_loss'] = val_loss
+      val_loss, val_metrics = evaluate(params, valid_data, config, mesh, ops, t.limit_val_batches, reference)
+      val_metrics = {f'val_{k}': v for k, v in val_metrics.items()}
+      logging.info('step %d | val_loss %.4f%s', step + 1, val_loss,
+                   ''.join(f' | {k} {v:.4f}' for k, v in val_metrics.items()))
+      log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples, **val_metrics})
+      record.update(val_loss=val_loss, **val_metrics)
       window_start = time.perf_counter()    # validation time is not training throughput
     stopped = None if last else checkpoints.stop_reason(step + 1)
     checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None)

@@ -152,9 +152,17 @@ class Session:
     self._init_from(self.config.exp_manager.init_from)
     return lora.trainable(self.config.model, specs)
 
-  def _init_from(self, path):
+  def load_init_weights(self, params):
+    """`params` (fresh init boxes of this rank) with exp_manager.init_from's weights loaded
+    into them, when it names any: the run's starting model (the DPO reference)."""
+    if self.config.exp_manager.init_from:
+      self._init_from(self.config.exp_manager.init_from, params)
+    return {n: p.detach().requires_grad_(False) for n, p in params.items()}
+
+  def _init_from(self, path, params=None):
     """Weights only: a Hugging Face Llama directory or a flatron checkpoint step (the base
-    model; LoRA adapters keep their init, or load_lora_from_ckpt's)."""
+    model; LoRA adapters keep their init, or load_lora_from_ckpt's), into the updater's
+    parameters or `params`."""
     specs = transformer.param_specs(self.config.model, self.mesh.tp)
     layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=(),
                                 names=[n for n in specs if not lora.is_adapter(n)])
@@ -166,7 +174,7 @@ class Session:
     else:
       check_shapes(path, managers.read_metadata(path), layout)
       arrays, _ = self.manager.load(path, requests)
-    layout.restore(arrays, 0, weights_only=True)
+    layout.restore(arrays, 0, weights_only=True, params=params)
     logging.info('initialized weights from %s', path)
 
   def _check_same_model(self, other):

@@ -133,23 +133,40 @@ class StateLayout:
         out[array] = tensors[array][:box[0].stop - box[0].start]
     return out
 
-  def restore(self, arrays, optimizer_step, weights_only=False):
-    """Copy loaded boxes into parameters, then masters and optimizer state."""
+  def restore(self, arrays, optimizer_step, weights_only=False, params=None):
+    """Copy loaded boxes into parameters, then masters and optimizer state (`params`: other
+    tensors of the same boxes to load weights into, leaving the updater alone)."""
     u = self.updater
     with torch.no_grad():
-      for name, p in u.params.items():
+      for name, p in (params if params is not None else u.params).items():
         if name in arrays:
           p[:arrays[name].shape[0]].copy_(arrays[name])
+    if params is not None:
+      return
     u.refresh_masters()
     if not weights_only:
       u.load_named_state({a: v for a, v in arrays.items() if a.startswith(('master.', 'optim.'))},
                          optimizer_step)
 
 
+def resolve_step(path):
+  """A step directory: `path` itself (a committed step, or an HF model directory), or the
+  newest committed step of a checkpoint directory."""
+  if managers.is_committed(path) or hf.is_hf_dir(path):
+    return path
+  newest = managers.CheckpointManager(path).latest_committed()
+  if newest is None:
+    raise store.CheckpointError(f'{path} is neither an HF model directory, nor a committed checkpoint '
+                                'step, nor a directory holding committed steps')
+  return managers.CheckpointManager(path).step_path(newest)
+
+
 def read_model(path):
-  """(config, whole parameters) of checkpoint step `path` on one process, vocab rows padded
+  """(config, whole parameters) of checkpoint step `path` (or the newest step under it) on
+  one process, vocab rows padded
   as the model's. A LoRA step holding adapters only gets its base from the run's
   exp_manager.init_from (an HF directory or a flatron step); a merged step is a plain model."""
+  path = resolve_step(path)
   meta = managers.read_metadata(path)
   config = config_dict.ConfigDict(meta['config'])
   stored = meta.get('lora', {}).get('stored', 'all')

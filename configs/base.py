@@ -82,7 +82,7 @@ def get_config(arg=None):
   c.model = config_dict.ConfigDict()
   model = c.model
   model.architecture = 'llama'             # llama | gpt (a label; the keys below decide the block)
-  model.objective = 'next_token'           # what the loss is (model/objectives.py): next_token
+  model.objective = 'next_token'           # what the loss is (model/objectives.py): next_token | dpo | orpo
   model.model_config = placeholder(str)    # model_source=hf: an HF config.json (or its directory); its
                                            # architecture keys replace the ones below at start-up
   model.num_layers = 2                     # transformer blocks L
@@ -139,6 +139,17 @@ def get_config(arg=None):
   c.model_alignment_strategy = config_dict.ConfigDict()
   c.model_alignment_strategy.sft = config_dict.ConfigDict()
   c.model_alignment_strategy.sft.packing = True   # several examples per row, each attending only to itself
+  c.model_alignment_strategy.dpo = dpo = config_dict.ConfigDict()   # model.objective=dpo: preference pairs (data/preference.py)
+  dpo.kl_beta = 0.1                       # beta: strength of the KL penalty toward the reference model
+  dpo.loss_type = 'sigmoid'               # sigmoid | ipo: DPO's logistic loss or IPO's squared loss
+  dpo.label_smoothing = 0.0               # sigmoid: assumed probability that a pair's preference is flipped (cDPO)
+  dpo.max_prompt_length = 64              # a pair that does not fit a row has its prompt cut to this many tokens first
+  dpo.precompute_ref_log_probs = False    # compute the reference log-probs once, before training
+  dpo.truncation_mode = 'keep_end'        # keep_end | keep_start: which end of a cut prompt is kept (trl's)
+  c.model_alignment_strategy.orpo = orpo = config_dict.ConfigDict()  # model.objective=orpo: preference pairs, no reference model
+  orpo.beta = 0.1                         # lambda: weight of the odds-ratio term beside the chosen NLL
+  orpo.max_prompt_length = 64             # a pair that does not fit a row has its prompt cut to this many tokens first
+  orpo.truncation_mode = 'keep_end'       # keep_end | keep_start: which end of a cut prompt is kept (trl's)
   c.model_alignment_strategy.peft = peft = config_dict.ConfigDict()   # LoRA (model/lora.py); off while lora_rank = 0
   peft.lora_rank = 0                      # r: adapter rank; 0 = no LoRA (full fine-tuning)
   peft.lora_alpha = 16.0                  # scaling alpha / r (alpha / sqrt(r) with use_rslora)

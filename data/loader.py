@@ -11,14 +11,16 @@ A micro batch is a dict of tensors, all [micro_batch_size, seq_length] unless no
   sample_ids [micro_batch_size] (global sample index: keys dropout).
 
 Samples come from SFT records (`data.train_dir` / `data.val_dir`: data/sft.py, one packed or
-padded row per sample, its own loss mask, positions and segments), from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
+padded row per sample, its own loss mask, positions and segments), from preference pairs when
+model.objective is dpo or orpo (data/preference.py: one pair per row, two segments, and
+chosen_mask / rejected_mask beside loss_mask), from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
 split by `splits_string`), or from the synthetic stream when it is empty. Validation builds
 its own Loader(split='valid') and starts at consumed_samples 0 each time.
 """
 import numpy as np
 import torch
 
-from data import blend, gpt_dataset, masks, sft, synthetic, tokenizer
+from data import blend, gpt_dataset, masks, preference, sft, synthetic, tokenizer
 from data.errors import DataError
 
 
@@ -28,8 +30,12 @@ class Loader:
     self.cfg = config.data
     self.split = split
     self.dp_rank, self.dp_size = dp_rank, dp_size
-    self.sft = bool(sft.settings(config)['train_dir'])
-    if self.sft:
+    pairs = config.model.objective in preference.OBJECTIVES
+    self.sft = pairs or bool(sft.settings(config)['train_dir'])   # rows built from records
+    if pairs:
+      self.source = preference.PreferenceSource(config, split)
+      self.num_samples = self.source.samples_per_epoch
+    elif self.sft:
       self.source = sft.SFTSource(config, split)
       self.num_samples = self.source.samples_per_epoch
     elif self.cfg.data_prefix:
@@ -39,6 +45,7 @@ class Loader:
       self.source = synthetic.SyntheticSource(config, split)
       self.num_samples = None                            # endless
     self.eod_id = self._eod_id()
+    self.ref_logps = None           # [rows, 2]: set by the loop with dpo.precompute_ref_log_probs
 
   def _eod_id(self):
     c = self.cfg
@@ -59,7 +66,10 @@ class Loader:
 
   def micro_batch(self, sample_ids) -> dict:
     if self.sft:
-      return self.source.micro_batch(sample_ids)
+      batch = self.source.micro_batch(sample_ids)
+      if self.ref_logps is not None:     # DPO's precomputed reference log-probs, by row
+        batch['ref_logps'] = self.ref_logps[torch.from_numpy(self.source.row_ids(sample_ids))]
+      return batch
     windows = self.source.samples(sample_ids)          # int64 [b, seq_length + 1]
     tokens, labels = windows[:, :-1], windows[:, 1:]
     batch = {'tokens': tokens, 'labels': labels}

@@ -6,6 +6,7 @@
 Other keys are ignored; null counts as absent. A bad record is a DataError naming the file and
 line (or record index). data/sft.py turns records into examples and rows.
 """
+import itertools
 import os
 import typing
 
@@ -26,26 +27,30 @@ class Record(typing.NamedTuple):
 
 def read_records(path, limit=None) -> list:
   """The first `limit` (all when None) records under `path`, each checked (`record_kind`)."""
-  if not path:
-    raise DataError('SFT data: no path set; set data.train_dir (and data.val_dir) to a '
-                    'save_to_disk directory, a .jsonl/.json/.arrow file or a directory of them')
-  if not os.path.exists(path):
-    raise DataError(f'{path}: no such file or directory; point data.train_dir / data.val_dir '
-                    'at the SFT data')
-  if _is_saved_dataset(path):
-    records = _read_saved(path, limit)
-  elif os.path.isdir(path):
-    records = []
-    for name in _data_files(path):
-      more = None if limit is None else limit - len(records)
-      if more == 0:
-        break
-      records += _read_file(os.path.join(path, name), more)
-  else:
-    records = _read_file(path, limit)
+  records = read_files(path, limit)
   for record in records:
     record_kind(record)
   return records
+
+
+def read_files(path, limit=None, what='SFT', forms=RECORD_FORMS) -> list:
+  """The first `limit` records under `path` as Records of JSON objects, their fields not yet
+  checked (data/preference.py reads its pairs with this too); `what` and `forms` go in errors."""
+  if not path:
+    raise DataError(f'{what} data: no path set; set data.train_dir (and data.val_dir) to a '
+                    'save_to_disk directory, a .jsonl/.json/.arrow file or a directory of them')
+  if not os.path.exists(path):
+    raise DataError(f'{path}: no such file or directory; point data.train_dir / data.val_dir '
+                    f'at the {what} data')
+  if _is_saved_dataset(path):
+    values = _read_saved(path, limit)
+  elif os.path.isdir(path):
+    files = [os.path.join(path, name) for name in _data_files(path, what)]
+    values = itertools.chain.from_iterable(_read_file(f, limit, what) for f in files)
+  else:
+    values = _read_file(path, limit, what)
+  # Lazily, up to the limit: lines past it are not read (nor their errors raised).
+  return [_record(where, value, forms) for where, value in itertools.islice(values, limit)]
 
 
 def _is_saved_dataset(path):
@@ -53,34 +58,32 @@ def _is_saved_dataset(path):
       os.path.isfile(os.path.join(path, f)) for f in ('state.json', 'dataset_dict.json'))
 
 
-def _data_files(directory):
+def _data_files(directory, what):
   names = sorted(n for n in os.listdir(directory) if n.endswith(FILE_TYPES))
   if not names:
     raise DataError(f'{directory}: no .jsonl, .json or .arrow files and not a save_to_disk '
-                    'directory; put the SFT data there or point the path at the data itself')
+                    f'directory; put the {what} data there or point the path at the data itself')
   return names
 
 
-def _read_file(path, limit):
+def _read_file(path, limit, what):
+  """(where, value) of each record in the file: a list, or an iterator for JSON lines."""
   if path.endswith('.jsonl'):
-    return _read_json_lines(path, limit)
+    return _read_json_lines(path)
   if path.endswith('.json'):
     return _read_json(path, limit)
   if path.endswith('.arrow'):
     return _read_arrow(path, limit)
-  raise DataError(f'{path}: unknown file type; SFT data is .jsonl, .json or .arrow (or a '
+  raise DataError(f'{path}: unknown file type; {what} data is .jsonl, .json or .arrow (or a '
                   'save_to_disk directory)')
 
 
-def _read_json_lines(path, limit):
+def _read_json_lines(path):
   # Read here, not by `datasets`: it merges all lines into one schema (a missing key becomes
   # null, types get cast) and loses line numbers, which errors must name.
   import json
-  records = []
   with open(path, encoding='utf-8') as f:
     for line_number, line in enumerate(f, 1):
-      if limit is not None and len(records) >= limit:
-        break
       if not line.strip():
         continue
       try:
@@ -88,8 +91,7 @@ def _read_json_lines(path, limit):
       except json.JSONDecodeError as e:
         raise DataError(f'{path} line {line_number}: not valid JSON ({e.msg}, column {e.colno});'
                         ' fix or remove the line (one JSON object per line)') from None
-      records.append(_record(f'{path} line {line_number}', value))
-  return records
+      yield f'{path} line {line_number}', value
 
 
 def _read_json(path, limit):
@@ -105,9 +107,9 @@ def _read_json(path, limit):
                       'fix the JSON list of records') from None
     value = None        # several values: JSON lines
   if not isinstance(value, list):
-    return _read_json_lines(path, limit)
+    return _read_json_lines(path)
   value = value if limit is None else value[:limit]
-  return [_record(f'{path} record {i}', v) for i, v in enumerate(value)]
+  return [(f'{path} record {i}', v) for i, v in enumerate(value)]
 
 
 def _read_arrow(path, limit):
@@ -132,12 +134,12 @@ def _read_saved(path, limit):
 def _rows(path, dataset, limit):
   if limit is not None:
     dataset = dataset.select(range(min(limit, len(dataset))))
-  return [_record(f'{path} record {i}', row) for i, row in enumerate(dataset.to_list())]
+  return [(f'{path} record {i}', row) for i, row in enumerate(dataset.to_list())]
 
 
-def _record(where, value):
+def _record(where, value, forms=RECORD_FORMS):
   if not isinstance(value, dict):
-    raise DataError(f'{where}: expected a JSON object, got {_type(value)}; {RECORD_FORMS}')
+    raise DataError(f'{where}: expected a JSON object, got {_type(value)}; {forms}')
   # Columnar formats give every row every column: null means the row does not have it.
   return Record(where, {k: v for k, v in value.items() if v is not None})
 

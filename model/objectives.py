@@ -6,18 +6,41 @@ An objective is two plain functions of a micro batch:
                                      batch's loss can be divided by the global total at once
   loss(logits, batch, cfg, ops)  ->  (loss sum, {metric name: sum})
 Sums, not means: the loop divides by the global count, so every layout and micro-batch split
-computes the same number. `model.objective` picks one by name.
+computes the same number. `for_config(config)` picks one by `model.objective`, with its
+settings (model_alignment_strategy.dpo / .orpo) bound.
+
+Preference objectives read one (chosen, rejected) pair per row: `chosen_mask` and
+`rejected_mask` mark the labels of each response (data/preference.py). Sequence log-probs
+are sums over those tokens (DPO) or their means (IPO, ORPO), as trl computes them:
+  DPO   -log sigmoid(beta h) (1 - eps) - log sigmoid(-beta h) eps,  h = (c - r) - (c_ref - r_ref)
+        (Rafailov et al. 2023; eps: label smoothing, the conservative DPO of cDPO)
+  IPO   (h - 1 / (2 beta))^2 on mean log-probs (Azar et al. 2023)
+  ORPO  -mean_t log p(chosen) - beta log sigmoid(log odds(c) - log odds(r)),
+        odds(p) = p / (1 - p) on mean log-probs (Hong et al. 2024); the NLL is each pair's
+        mean over its chosen tokens, as in the paper (trl averages over the batch's tokens).
+Reference log-probs (DPO, IPO) come in the batch as `ref_logps` [b, 2] (the loop computes
+them: train.py). Metrics are trl's: rewards/{chosen,rejected,accuracies,margins}, logps/*.
 """
+import functools
 import typing
+
+import torch
+import torch.nn.functional as F
 
 
 class Objective(typing.NamedTuple):
   count: typing.Callable
   loss: typing.Callable
+  metrics: tuple = ()              # names of the metric sums loss() returns
+  reference: typing.Any = None     # the Objective giving reference log-probs, when one is needed
 
 
 def _loss_mask_count(batch):
   return batch['loss_mask'].sum()
+
+
+def _pair_count(batch):
+  return torch.tensor(float(batch['chosen_mask'].shape[0]))
 
 
 def _next_token_loss(logits_bsv, batch, cfg, ops):
@@ -26,11 +49,75 @@ def _next_token_loss(logits_bsv, batch, cfg, ops):
   return (per_token * batch['loss_mask']).sum(), {}
 
 
+def pair_logps(logits_bsv, batch, cfg, ops, mean=False):
+  """[b, 2]: log p(chosen response), log p(rejected response) of each row's pair (sums over
+  their tokens, or means with `mean`)."""
+  token_logp = -ops.cross_entropy(logits_bsv, batch['labels'], cfg.vocab_size)
+  out = []
+  for key in ('chosen_mask', 'rejected_mask'):
+    mask = batch[key].to(token_logp.dtype)
+    total = (token_logp * mask).sum(-1)
+    out.append(total / mask.sum(-1).clamp(min=1) if mean else total)
+  return torch.stack(out, dim=-1)
+
+
+def _metrics(rewards, logps):
+  chosen, rejected = rewards.detach().unbind(-1)
+  return {'rewards/chosen': chosen.sum(), 'rewards/rejected': rejected.sum(),
+          'rewards/accuracies': (chosen > rejected).float().sum(), 'rewards/margins': (chosen - rejected).sum(),
+          'logps/chosen': logps[:, 0].detach().sum(), 'logps/rejected': logps[:, 1].detach().sum()}
+
+
+def _dpo_loss(logits_bsv, batch, cfg, ops, *, settings):
+  ipo = settings.loss_type == 'ipo'
+  beta = settings.kl_beta
+  logps = pair_logps(logits_bsv, batch, cfg, ops, mean=ipo)
+  ref = batch['ref_logps'].to(logps.dtype)
+  h = (logps[:, 0] - logps[:, 1]) - (ref[:, 0] - ref[:, 1])
+  if ipo:
+    losses = (h - 1 / (2 * beta)) ** 2
+  else:
+    eps = settings.label_smoothing
+    losses = -F.logsigmoid(beta * h) * (1 - eps) - F.logsigmoid(-beta * h) * eps
+  return losses.sum(), _metrics(beta * (logps - ref), logps)
+
+
+def log1mexp(x):
+  """log(1 - exp(x)) for x < 0, accurate at both ends (Maechler 2012)."""
+  return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _orpo_loss(logits_bsv, batch, cfg, ops, *, settings):
+  logps = pair_logps(logits_bsv, batch, cfg, ops, mean=True)
+  chosen, rejected = logps.unbind(-1)
+  log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+  ratio = F.logsigmoid(log_odds)
+  nll = -chosen
+  losses = nll - settings.beta * ratio
+  metrics = _metrics(settings.beta * logps, logps)
+  metrics.update({'nll_loss': nll.detach().sum(), 'log_odds_ratio': ratio.detach().sum(),
+                  'log_odds_chosen': log_odds.detach().sum()})
+  return losses.sum(), metrics
+
+
 NEXT_TOKEN = Objective(_loss_mask_count, _next_token_loss)
-OBJECTIVES = {'next_token': NEXT_TOKEN}
+PREFERENCE_METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'rewards/margins',
+                      'logps/chosen', 'logps/rejected')
+NAMES = ('next_token', 'dpo', 'orpo')
+LOSS_TYPES = ('sigmoid', 'ipo')
 
 
-def get(name) -> Objective:
-  if name not in OBJECTIVES:
-    raise ValueError(f'model.objective={name!r} is unknown; valid: {", ".join(OBJECTIVES)}')
-  return OBJECTIVES[name]
+def for_config(config) -> Objective:
+  """The objective `config.model.objective` names, with its alignment settings bound."""
+  name = config.model.objective
+  if name == 'next_token':
+    return NEXT_TOKEN
+  if name == 'dpo':
+    settings = config.model_alignment_strategy.dpo
+    mean = settings.loss_type == 'ipo'
+    reference = Objective(_pair_count, lambda logits, batch, cfg, ops: (pair_logps(logits, batch, cfg, ops, mean), {}))
+    return Objective(_pair_count, functools.partial(_dpo_loss, settings=settings), PREFERENCE_METRICS, reference)
+  if name == 'orpo':
+    return Objective(_pair_count, functools.partial(_orpo_loss, settings=config.model_alignment_strategy.orpo),
+                     PREFERENCE_METRICS + ('nll_loss', 'log_odds_ratio', 'log_odds_chosen'))
+  raise ValueError(f'model.objective={name!r} is unknown; valid: {", ".join(NAMES)}')

@@ -136,9 +136,10 @@ def param_counts(config, sizes) -> dict:
 def estimate(config, sizes=None, dp=1) -> dict:
   """Bytes per rank holding parameters of `sizes` (name -> elements; default: an even share
   of the model) under the precision recipe and ZeRO-1: params, grads, master weights and
-  optimizer state (of the trained parameters only: a frozen LoRA base has none), and the
+  optimizer state (of the trained parameters only: a frozen LoRA base has none), the
   activations of the micro batches in flight on this stage (1F1B: up to min(pp, micro
-  batches)) plus fp32 logits."""
+  batches)) plus fp32 logits, and DPO's frozen reference copy (none with LoRA, whose reference
+  is the base itself, nor with precomputed reference log-probs)."""
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
@@ -159,6 +160,8 @@ def estimate(config, sizes=None, dp=1) -> dict:
       'activations': (math.ceil(m.num_layers / pp) * in_flight
                       * activation_bytes_per_layer(config, param_bytes, tp) + 2 * logits * 4),
   }
+  if m.objective == 'dpo' and lora.settings(m) is None and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
+    out['reference'] = out['params']       # DPO's frozen copy of the starting model
   out['total'] = sum(out.values())
   return out
 

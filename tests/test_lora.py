@@ -4,6 +4,7 @@ adapter-only checkpoints and their resume, config validation."""
 import copy
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -362,5 +363,5 @@ def test_target_module_names():
   peft = copy.deepcopy(parity.parity_config(lora=4).model.peft)
   peft.target_modules = ('o_proj', 'gate_up_proj', 'q_proj')
   assert lora.target_modules(peft) == ('q_proj', 'o_proj', 'gate_proj', 'up_proj')
-  peft.target_modules = 'all-linear'
+  peft = types.SimpleNamespace(target_modules='all-linear')          # a plain string too
   assert lora.target_modules(peft) == lora.MODULES

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
 
-from checkpoint import manager as managers, state as states  # pylint: disable=wrong-import-position
+from checkpoint import manager as managers, state as states, store  # pylint: disable=wrong-import-position
 from configs import base  # pylint: disable=wrong-import-position
 from data import chat, tokenizer as tokenizers  # pylint: disable=wrong-import-position
 from model import adapters, generation, hf  # pylint: disable=wrong-import-position
@@ -39,21 +39,10 @@ _TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample among the most likely tokens r
 _SEED = flags.DEFINE_integer('seed', 0, 'Keys the sampling.')
 
 
-def resolve(path):
-  """A step directory: `path` itself, or the newest committed step of a checkpoint directory."""
-  if managers.is_committed(path) or os.path.exists(os.path.join(path, 'config.json')):
-    return path
-  newest = managers.CheckpointManager(path).latest_committed()
-  if newest is None:
-    raise SystemExit(f'error: {path} is neither an HF model directory, nor a committed checkpoint '
-                     'step, nor a directory holding committed steps')
-  return os.path.join(path, managers.step_dir(newest))
-
-
 def load_model(path):
   """(model section, params, tokenizer config or None) from a flatron step or an HF directory;
   LoRA adapters stay separate (generation applies them), a peft directory is not a model."""
-  path = resolve(path)
+  path = states.resolve_step(path)
   if managers.is_committed(path):
     config, params = states.read_model(path)
     return config.model, params, config.data.tokenizer
@@ -88,7 +77,7 @@ def reply(model, prompt=None, messages=None, tokenizer_dir=None, max_new_tokens=
   """The text `model` (a path, or the (model section, params, tokenizer config) of load_model)
   generates after a prompt or chat messages."""
   model_cfg, params, tokenizer_cfg = load_model(model) if isinstance(model, str) else model
-  tokenizer_dir = tokenizer_dir or (resolve(model) if isinstance(model, str) and tokenizer_cfg is None else None)
+  tokenizer_dir = tokenizer_dir or (states.resolve_step(model) if isinstance(model, str) and tokenizer_cfg is None else None)
   tok = load_tokenizer(tokenizer_dir, tokenizer_cfg)
   ids, stop = prompt_ids(tok, tokenizer_dir, prompt, messages)
   out = generation.generate(params, model_cfg, ids, max_new_tokens, sampling, stop_ids=stop)
@@ -101,8 +90,11 @@ def main(argv):
     raise app.UsageError('give exactly one of --prompt, --chat, --messages')
   messages = json.loads(_MESSAGES.value) if _MESSAGES.value else [{'role': 'user', 'content': _CHAT.value}]
   sampling = generation.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
-  model = load_model(_MODEL.value)
-  tokenizer_dir = _TOKENIZER.value or (resolve(_MODEL.value) if model[2] is None else None)
+  try:
+    model = load_model(_MODEL.value)
+  except (store.CheckpointError, FileNotFoundError, ValueError) as e:
+    raise SystemExit(f'error: {e}') from None
+  tokenizer_dir = _TOKENIZER.value or (states.resolve_step(_MODEL.value) if model[2] is None else None)
   if _ADAPTER.value:
     model = adapters.load_peft(_ADAPTER.value, model[0], model[1]) + (model[2],)
   print(reply(model, _PROMPT.value, messages, tokenizer_dir, _MAX_NEW.value, sampling))

@@ -1,0 +1,110 @@
+"""model/objectives.py: next-token, DPO / IPO and ORPO losses against hand-computed values and
+trl's own functions on the same log-probabilities."""
+import math
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from configs import base
+from model import objectives
+from model.layers import LOCAL_OPS
+
+VOCAB = 11
+
+
+def _pair_batch(seed=0, b=3, s=9):
+  """Random logits and a batch of b pairs: tokens 1-3 chosen responses, 5-7 rejected."""
+  g = torch.Generator().manual_seed(seed)
+  logits = torch.randn(b, s, VOCAB, generator=g, dtype=torch.float32)
+  labels = torch.randint(0, VOCAB, (b, s), generator=g)
+  chosen, rejected = torch.zeros(b, s), torch.zeros(b, s)
+  chosen[:, 1:4], rejected[:, 5:8] = 1, 1
+  rejected[0, 7] = 0                                  # unequal lengths
+  batch = {'labels': labels, 'chosen_mask': chosen, 'rejected_mask': rejected, 'loss_mask': chosen,
+           'ref_logps': torch.randn(b, 2, generator=g, dtype=torch.float32) - 5}
+  token_logp = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+  return logits, batch, token_logp
+
+
+def _config(objective, **settings):
+  c = base.get_config()
+  c.model.objective, c.model.vocab_size = objective, VOCAB
+  section = c.model_alignment_strategy.dpo if objective == 'dpo' else c.model_alignment_strategy.orpo
+  section.update(settings)
+  return c
+
+
+def _loss(config, logits, batch):
+  return objectives.for_config(config).loss(logits, batch, config.model, LOCAL_OPS)
+
+
+def test_pair_logps_are_sums_or_means_over_each_response():
+  logits, batch, token_logp = _pair_batch()
+  sums = objectives.pair_logps(logits, batch, types.SimpleNamespace(vocab_size=VOCAB), LOCAL_OPS)
+  torch.testing.assert_close(sums[:, 0], token_logp[:, 1:4].sum(-1))
+  torch.testing.assert_close(sums[0, 1], token_logp[0, 5:7].sum())
+  means = objectives.pair_logps(logits, batch, types.SimpleNamespace(vocab_size=VOCAB), LOCAL_OPS, mean=True)
+  torch.testing.assert_close(means[0, 1], token_logp[0, 5:7].mean())
+
+
+@pytest.mark.parametrize('beta, smoothing', [(0.1, 0.0), (0.5, 0.2)])
+def test_dpo_sigmoid_equals_the_formula_by_hand(beta, smoothing):
+  logits, batch, token_logp = _pair_batch()
+  loss, metrics = _loss(_config('dpo', kl_beta=beta, label_smoothing=smoothing), logits, batch)
+  expected, accuracy = 0.0, 0.0
+  for i in range(3):
+    c = token_logp[i, 1:4].sum().item()
+    r = token_logp[i, 5:8 if i else 7].sum().item()
+    cr, rr = batch['ref_logps'][i].tolist()
+    h = (c - r) - (cr - rr)
+    expected += -math.log(1 / (1 + math.exp(-beta * h))) * (1 - smoothing) - \
+        math.log(1 / (1 + math.exp(beta * h))) * smoothing
+    accuracy += float(beta * (c - cr) > beta * (r - rr))
+  assert loss.item() == pytest.approx(expected, rel=1e-5)
+  assert metrics['rewards/accuracies'].item() == accuracy
+  torch.testing.assert_close(metrics['rewards/margins'], metrics['rewards/chosen'] - metrics['rewards/rejected'])
+
+
+def test_ipo_uses_mean_log_probs():
+  logits, batch, token_logp = _pair_batch()
+  beta = 0.3
+  loss, _ = _loss(_config('dpo', kl_beta=beta, loss_type='ipo'), logits, batch)
+  expected = 0.0
+  for i in range(3):
+    c, r = token_logp[i, 1:4].mean().item(), token_logp[i, 5:8 if i else 7].mean().item()
+    cr, rr = batch['ref_logps'][i].tolist()        # the loop passes mean reference logps for IPO
+    expected += ((c - r) - (cr - rr) - 1 / (2 * beta)) ** 2
+  assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_orpo_equals_the_paper_and_trl():
+  logits, batch, token_logp = _pair_batch()
+  beta = 0.25
+  loss, metrics = _loss(_config('orpo', beta=beta), logits, batch)
+  means = torch.stack([token_logp[:, 1:4].mean(-1), torch.stack(
+      [token_logp[0, 5:7].mean(), token_logp[1, 5:8].mean(), token_logp[2, 5:8].mean()])], -1)
+  odds = means.exp() / (1 - means.exp())
+  ratio = F.logsigmoid(torch.log(odds[:, 0] / odds[:, 1]))
+  assert loss.item() == pytest.approx((-means[:, 0] - beta * ratio).sum().item(), rel=1e-5)
+  assert metrics['nll_loss'].item() == pytest.approx(-means[:, 0].sum().item(), rel=1e-6)
+
+  trl = pytest.importorskip('trl.experimental.orpo.orpo_trainer')
+  fake = types.SimpleNamespace(beta=beta, accelerator=types.SimpleNamespace(device='cpu'))
+  theirs, chosen_rewards, rejected_rewards, mean_ratio, _ = trl.ORPOTrainer.odds_ratio_loss(fake, means[:, 0], means[:, 1])
+  torch.testing.assert_close(-theirs.sum(), loss - metrics['nll_loss'], rtol=1e-6, atol=1e-6)
+  assert mean_ratio.item() == pytest.approx(metrics['log_odds_ratio'].item() / 3, rel=1e-6)
+  torch.testing.assert_close(chosen_rewards.sum(), metrics['rewards/chosen'].float(), rtol=1e-6, atol=1e-6)
+
+
+def test_next_token_and_counts():
+  logits, batch, token_logp = _pair_batch()
+  loss, _ = objectives.NEXT_TOKEN.loss(logits, batch, types.SimpleNamespace(vocab_size=VOCAB), LOCAL_OPS)
+  torch.testing.assert_close(loss, -(token_logp * batch['loss_mask']).sum())
+  assert objectives.NEXT_TOKEN.count(batch).item() == 9
+  assert objectives.for_config(_config('dpo')).count(batch).item() == 3
+  c = base.get_config()
+  c.model.objective = 'ppo'
+  with pytest.raises(ValueError, match='model.objective'):
+    objectives.for_config(c)
