@@ -210,6 +210,9 @@ def test_lora_at_every_layout_trains_like_one_device(layout, tmp_path, tmp_path_
   world_size, kwargs = LORA_LAYOUTS[layout]
   kwargs = dict(kwargs, lora=4)
   params = parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+  if kwargs.get('lora_dropout'):        # the adapter dropout acted
+    without = parity.reference(tmp_path_factory, lora=4)[0]
+    assert without != parity.reference(tmp_path_factory, lora=4, lora_dropout=0.1)[0]
   config = parity.parity_config(**kwargs)
   init = transformer.init(config.model, config.seed)
   for name, value in params.items():
