@@ -14,7 +14,8 @@ STEPS = 10
 
 
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
-                  tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0):
+                  tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
+                  objective='next_token', precompute=False):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -36,6 +37,10 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
     peft = c.model_alignment_strategy.peft
     peft.lora_rank, peft.target_modules, peft.lora_alpha, peft.lora_dropout = lora, ('all-linear',), 8.0, lora_dropout
     c.trainer.gradient_clip_val = 0.1        # B = 0 at init: early grad norms are ~0.12-0.26
+  if objective != 'next_token':              # preference pairs in `sft` (data/preference.py)
+    c.model.objective = objective
+    c.model_alignment_strategy.dpo.precompute_ref_log_probs = precompute
+    c.trainer.gradient_clip_val = 0.02 if lora else 0.1   # DPO's first grad norms: ~0.3, ~0.04 with LoRA
   return c
 
 
@@ -94,7 +99,7 @@ def reference(tmp_path_factory, **model_layout):
 
 
 # what the reference run depends on
-MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout')
+MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute')
 
 
 def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,
