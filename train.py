@@ -176,7 +176,7 @@ def summary(config, mesh, sizes, est):
       f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
       f'dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp}{sp}',
       f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
-      f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs)',
+      f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
       f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),

@@ -157,9 +157,11 @@ def flops_per_token(cfg, seq_length: int) -> float:
   """Training FLOPs per token, PaLM/torchtitan convention: 6 N_nonembedding + 12 L h s.
 
   N_nonembedding excludes the input embedding table but keeps the LM head (for tied
-  embeddings the one table is the LM head and counts). Attention counted non-causal.
+  embeddings the one table is the LM head and counts). Attention counted non-causal. With
+  LoRA the frozen base needs no weight gradients: 4 FLOPs per frozen parameter, 6 per trained.
   """
-  return 6 * count_params(cfg, embedding=False) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
+  n, trained = count_params(cfg, embedding=False), count_params(cfg, embedding=False, trainable_only=True)
+  return 6 * trained + 4 * (n - trained) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
 
 
 def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=None,
