@@ -97,7 +97,8 @@ def main(argv):
   tokenizer_dir = _TOKENIZER.value or (states.resolve_step(_MODEL.value) if model[2] is None else None)
   if _ADAPTER.value:
     model = adapters.load_peft(_ADAPTER.value, model[0], model[1]) + (model[2],)
-  print(reply(model, _PROMPT.value, messages, tokenizer_dir, _MAX_NEW.value, sampling))
+  text = reply(model, _PROMPT.value, messages, tokenizer_dir, _MAX_NEW.value, sampling)
+  print(_PROMPT.value + text if _PROMPT.value is not None else text)    # a prompt is continued
 
 
 if __name__ == '__main__':
