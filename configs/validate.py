@@ -5,7 +5,7 @@ complete list instead of one error per attempt.
 """
 import math
 
-from model import lora
+from model import lora, objectives
 from optim import optimizers, schedules
 from parallel import precision
 
@@ -156,6 +156,7 @@ def check(config, world_size=1) -> list:
     problems.append(f'data.synthetic_vocab_size={data.synthetic_vocab_size} exceeds model.vocab_size={model.vocab_size}')
 
   problems += _check_peft(config.model_alignment_strategy.peft)
+  problems += _check_objective(config)
 
   # --- precision and experiment manager
   problems += precision.check(config.precision)
@@ -165,6 +166,25 @@ def check(config, world_size=1) -> list:
              'must be > 0 (steps kept) or -1 (keep all)')
   _positive(problems, 'exp_manager.checkpoint_callback_params.every_n_train_steps',
             e.checkpoint_callback_params.every_n_train_steps, allow_zero=True)
+  return problems
+
+
+def _check_objective(config) -> list:
+  """model.objective and the preference settings it reads."""
+  problems = []
+  objective, strategy = config.model.objective, config.model_alignment_strategy
+  _one_of(problems, 'model.objective', objective, objectives.NAMES)
+  if objective == 'dpo':
+    _one_of(problems, 'model_alignment_strategy.dpo.loss_type', strategy.dpo.loss_type, objectives.LOSS_TYPES)
+    _positive(problems, 'model_alignment_strategy.dpo.kl_beta', strategy.dpo.kl_beta)
+    if not 0.0 <= strategy.dpo.label_smoothing < 0.5:
+      problems.append(f'model_alignment_strategy.dpo.label_smoothing={strategy.dpo.label_smoothing} '
+                      'must be in [0, 0.5)')
+  if objective == 'orpo':
+    _positive(problems, 'model_alignment_strategy.orpo.beta', strategy.orpo.beta)
+  if objective in ('dpo', 'orpo') and not config.data.train_dir:
+    problems.append(f'model.objective={objective} trains on preference pairs: set data.train_dir '
+                    '(and data.val_dir) to (prompt, chosen, rejected) records')
   return problems
 
 

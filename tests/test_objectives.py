@@ -108,3 +108,19 @@ def test_next_token_and_counts():
   c.model.objective = 'ppo'
   with pytest.raises(ValueError, match='model.objective'):
     objectives.for_config(c)
+
+
+@pytest.mark.parametrize('objective, setting, message', [
+    ('dpo', {'loss_type': 'sigmod'}, 'dpo.loss_type'),
+    ('dpo', {'kl_beta': 0.0}, 'dpo.kl_beta'),
+    ('dpo', {'label_smoothing': 0.5}, 'dpo.label_smoothing'),
+    ('orpo', {'beta': -1.0}, 'orpo.beta'),
+])
+def test_bad_preference_settings_name_their_key(objective, setting, message):
+  from configs import validate  # pylint: disable=import-outside-toplevel
+  c = _config(objective, **setting)
+  c.data.train_dir = 'pairs.jsonl'
+  assert any(message in p for p in validate.check(c))
+  c = _config(objective)
+  problems = validate.check(c)
+  assert len(problems) == 1 and 'data.train_dir' in problems[0]

@@ -29,7 +29,7 @@ LAYOUTS = {
     'dpo_dp2_zero1': (2, {'zero1': True}),
     'dpo_precomputed_pp2': (2, {'pp': 2, 'precompute': True}),
     'dpo_lora_tp2_sp': (2, {'tp': 2, 'sp': True, 'lora': 4}),       # reference = the base, adapters off
-    'orpo_dp2_tp2': (4, {'tp': 2}),
+    'orpo_tp2': (2, {'tp': 2}),
 }
 
 
