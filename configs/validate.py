@@ -19,6 +19,7 @@ RECOMPUTE_GRANULARITIES = (None, 'selective', 'full')
 RECOMPUTE_PARTS = ('attention', 'mlp')
 TOKENIZERS = ('none', 'sentencepiece', 'huggingface', 'gpt2')
 NONFINITE_POLICIES = ('error', 'skip')
+ROPE_SCALINGS = ('none', 'linear', 'llama3')
 
 
 class ConfigError(ValueError):
@@ -76,6 +77,16 @@ def check(config, world_size=1) -> list:
   if heads > 0 and kv > 0 and heads % kv:
     problems.append(f'model.num_kv_heads={model.num_kv_heads} must divide model.num_attention_heads={heads} '
              '(0 means num_attention_heads)')
+  scaling = model.rope_scaling
+  _one_of(problems, 'model.rope_scaling.type', scaling.type, ROPE_SCALINGS)
+  if scaling.type != 'none':
+    _positive(problems, 'model.rope_scaling.factor', scaling.factor)
+  if scaling.type == 'llama3' and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+    problems.append(f'model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor '
+                    f'(got {scaling.low_freq_factor}, {scaling.high_freq_factor})')
+  if model.qkv_bias and model.has_bias:
+    problems.append('model.qkv_bias=True with model.has_bias=True: biases everywhere already include q, k, v; '
+                    'set one of them')
   if not 0.0 < model.rotary_percentage <= 1.0:
     problems.append(f'model.rotary_percentage={model.rotary_percentage} must be in (0, 1]')
   for key in ('hidden_dropout', 'attention_dropout', 'ffn_dropout'):

@@ -21,23 +21,45 @@ WEIGHTS_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 SHARD_PATTERN = re.compile(r'model-\d{5}-of-\d{5}\.safetensors')
 VOCAB_PARAMS = ('embed_tokens.weight', 'lm_head.weight')
+FAMILIES = ('llama', 'qwen2')     # HF model_type values imported here
 
 
 # --- config -----------------------------------------------------------------------------
 
 
-def _rope_theta(hf):
-  """The RoPE base, refusing scaled variants (llama3, linear, yarn...) we do not compute."""
-  theta = hf.get('rope_theta')
+ROPE_TYPES = ('default', 'linear', 'llama3')   # HF rope_type values computed here
+
+
+def _rope(hf):
+  """(RoPE base, scaling settings) from either config layout; scaled variants other than
+  linear and llama3 (yarn, dynamic, longrope...) are refused by name."""
+  theta, scaling = hf.get('rope_theta'), {'type': 'none'}
   for key in ('rope_scaling', 'rope_parameters'):
     rope = hf.get(key) or {}
     rope_type = rope.get('rope_type', rope.get('type', 'default'))
-    if rope_type != 'default':
-      raise ValueError(f"{key}.rope_type={rope_type!r} is not implemented (only plain RoPE, 'default')")
+    if rope_type not in ROPE_TYPES:
+      raise ValueError(f"{key}.rope_type={rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
     if rope.get('partial_rotary_factor', 1.0) != 1.0:
       raise ValueError(f'{key}.partial_rotary_factor={rope["partial_rotary_factor"]} is not supported by HF Llama')
     theta = rope.get('rope_theta', theta)
-  return float(10000.0 if theta is None else theta)
+    if rope_type != 'default':
+      scaling = {'type': rope_type, 'factor': float(rope['factor'])}
+      if rope_type == 'llama3':
+        scaling.update({k: float(rope[k]) for k in ('low_freq_factor', 'high_freq_factor')},
+                       original_max_position_embeddings=int(rope['original_max_position_embeddings']))
+  return float(10000.0 if theta is None else theta), scaling
+
+
+def _rope_to_hf(m) -> dict:
+  """rope_scaling as HF writes it (None without scaling)."""
+  r = m.get('rope_scaling')
+  if r is None or r.type == 'none':
+    return None
+  out = {'rope_type': r.type, 'factor': r.factor}
+  if r.type == 'llama3':
+    out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+               original_max_position_embeddings=r.original_max_position_embeddings)
+  return out
 
 
 def config_from_hf(hf_config: dict, base_model):
@@ -47,11 +69,16 @@ def config_from_hf(hf_config: dict, base_model):
   `base_model`'s values.
   """
   hf = hf_config
-  if hf.get('model_type') != 'llama' and 'LlamaForCausalLM' not in (hf.get('architectures') or []):
-    raise ValueError(f"model_type={hf.get('model_type')!r}, architectures={hf.get('architectures')}: "
-                     "only Llama ('llama' / LlamaForCausalLM) can be imported")
+  family = hf.get('model_type')
+  if family not in FAMILIES and 'LlamaForCausalLM' not in (hf.get('architectures') or []):
+    raise ValueError(f"model_type={family!r}, architectures={hf.get('architectures')}: only "
+                     f"{', '.join(FAMILIES)} can be imported")
   if hf.get('hidden_act', 'silu') != 'silu':
     raise ValueError(f"hidden_act={hf['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+  qwen = family == 'qwen2'
+  if hf.get('use_sliding_window') or any(t != 'full_attention' for t in hf.get('layer_types') or []):
+    raise ValueError(f'use_sliding_window={hf.get("use_sliding_window")}, layer_types={hf.get("layer_types")}: '
+                     'sliding-window attention is not supported yet')
   attention_bias, mlp_bias = bool(hf.get('attention_bias', False)), bool(hf.get('mlp_bias', False))
   if attention_bias != mlp_bias:
     # Our single has_bias switch covers attention and MLP linears together.
@@ -71,11 +98,13 @@ def config_from_hf(hf_config: dict, base_model):
   m.max_position_embeddings = hf.get('max_position_embeddings', 2048)
   m.position_embedding_type = 'rope'
   m.rotary_percentage = 1.0
-  m.rope_theta = _rope_theta(hf)
+  m.rope_theta, scaling = _rope(hf)
+  m.rope_scaling.update(scaling)
   m.normalization = 'rmsnorm'
   m.layernorm_epsilon = float(hf.get('rms_norm_eps', 1e-6))
   m.activation = 'swiglu'
   m.has_bias = attention_bias
+  m.qkv_bias = qwen                   # Qwen2: biases on q, k, v only (always)
   m.share_embeddings_and_output_weights = bool(hf.get('tie_word_embeddings', False))
   m.attention_dropout = float(hf.get('attention_dropout', 0.0))
   m.init_method_std = float(hf.get('initializer_range', m.init_method_std))
@@ -98,9 +127,12 @@ def config_to_hf(model_cfg) -> dict:
   for key, (value, needed) in unsupported.items():
     if value != needed:
       raise ValueError(f'model.{key}={value!r} cannot be expressed in HF Llama (needs {needed!r})')
+  if m.get('qkv_bias') and m.has_bias:
+    raise ValueError('model.qkv_bias with model.has_bias: biases everywhere already include q, k, v')
+  qwen = bool(m.get('qkv_bias'))       # q/k/v-only biases: Qwen2's layout
   return {
-      'architectures': ['LlamaForCausalLM'],
-      'model_type': 'llama',
+      'architectures': ['Qwen2ForCausalLM' if qwen else 'LlamaForCausalLM'],
+      'model_type': 'qwen2' if qwen else 'llama',
       'hidden_size': m.hidden_size,
       'intermediate_size': m.ffn_hidden_size,
       'num_hidden_layers': m.num_layers,
@@ -113,8 +145,8 @@ def config_to_hf(model_cfg) -> dict:
       'rms_norm_eps': m.layernorm_epsilon,
       # Both layouts: transformers 4.x reads rope_theta, 5.x rope_parameters.
       'rope_theta': m.rope_theta,
-      'rope_parameters': {'rope_type': 'default', 'rope_theta': m.rope_theta},
-      'rope_scaling': None,
+      'rope_parameters': dict(_rope_to_hf(m) or {'rope_type': 'default'}, rope_theta=m.rope_theta),
+      'rope_scaling': _rope_to_hf(m),
       'attention_bias': m.has_bias,
       'mlp_bias': m.has_bias,
       'attention_dropout': m.attention_dropout,

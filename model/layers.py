@@ -146,8 +146,26 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
 # --- rotary embedding -----------------------------------------------------------------
 
 
-def rope_cos_sin(position_ids_bs, rot_dim, theta, dtype):
+def rope_inv_freq(rot_dim, theta, scaling=None):
+  """RoPE's inverse frequencies (float64), with HF's `linear` or `llama3` scaling: llama3 keeps
+  the high frequencies, divides the low ones by `factor`, and blends in between."""
   inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+  kind = scaling.type if scaling is not None else 'none'
+  if kind == 'linear':
+    return inv_freq / scaling.factor
+  if kind == 'llama3':
+    original = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
+    return torch.where(medium, blended, scaled)
+  return inv_freq
+
+
+def rope_cos_sin(position_ids_bs, rot_dim, theta, dtype, scaling=None):
+  inv_freq = rope_inv_freq(rot_dim, theta, scaling)
   angles = position_ids_bs.double()[..., None] * inv_freq.to(position_ids_bs.device)
   angles = torch.cat([angles, angles], dim=-1)                        # rotate-half layout (HF)
   return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # [b, 1, s, r]

@@ -58,7 +58,7 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
 
   def linear_specs(name, out_dim, in_dim, w_std):
     specs[name + '.weight'] = ParamSpec((out_dim, in_dim), 'normal', w_std)
-    if cfg.has_bias:
+    if cfg.has_bias or (cfg.get('qkv_bias') and name.endswith(('q_proj', 'k_proj', 'v_proj'))):
       specs[name + '.bias'] = ParamSpec((out_dim,), 'zeros')
 
   for i in range(cfg.num_layers):
@@ -217,7 +217,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   cos_sin = None
   if cfg.position_embedding_type == 'rope':
     rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
-    cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x_bsh.dtype)
+    cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x_bsh.dtype, cfg.get('rope_scaling'))
   kv = batch.get('kv_cache')
   if kv is not None and kv[0] is not None:
     mask = layers.causal_mask_after(kv[0].length, s, tokens_bs.device)

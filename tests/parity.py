@@ -15,7 +15,7 @@ STEPS = 10
 
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
-                  objective='next_token', precompute=False):
+                  objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -32,6 +32,9 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.pipeline_cuts = tuple(cuts)
   d.zero1 = zero1
   c.precision.type = precision
+  c.model.qkv_bias = qkv_bias                # Qwen2's biases on q, k, v only
+  if rope_llama3:                            # Llama 3.1's RoPE scaling
+    c.model.rope_scaling.update(dict(type='llama3', factor=8.0, original_max_position_embeddings=8))
   d.collective_timeout_s = 120
   if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
     peft = c.model_alignment_strategy.peft
@@ -99,7 +102,8 @@ def reference(tmp_path_factory, **model_layout):
 
 
 # what the reference run depends on
-MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute')
+MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
+              'qkv_bias', 'rope_llama3')
 
 
 def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,

@@ -64,6 +64,10 @@ CASES = {
     'tied': dict(tie_word_embeddings=True),
     'bias': dict(attention_bias=True, mlp_bias=True),
     'rope_theta': dict(rope_theta=500000.0, num_hidden_layers=3),
+    # Llama 3.1's scaling: head dim 16 puts one frequency in each band (kept, blended, divided)
+    'rope_llama3': dict(rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                                      'high_freq_factor': 4.0, 'original_max_position_embeddings': 32}),
+    'rope_linear': dict(rope_scaling={'rope_type': 'linear', 'factor': 4.0}),
     'sharded': dict(num_key_value_heads=2),
 }
 
@@ -81,6 +85,7 @@ def test_hf_to_flatron_logits(case, tmp_path):
   assert params['embed_tokens.weight'].shape[0] == transformer.padded_vocab_size(m) == 384
   assert m.share_embeddings_and_output_weights == (case == 'tied')
   assert m.rope_theta == CASES[case].get('rope_theta', 10000.0)
+  assert m.rope_scaling.type == CASES[case].get('rope_scaling', {}).get('rope_type', 'none')
   tokens = _tokens(1)
   with torch.no_grad():
     ours = transformer.forward(params, tokens, m)[..., :VOCAB]
@@ -215,8 +220,8 @@ def test_error_wrong_model_type(tmp_path):
 
 def test_error_unsupported_rope_scaling():
   config = _hf_config(max_position_embeddings=8192).to_dict()
-  config['rope_scaling'] = {'rope_type': 'llama3', 'factor': 8.0}
-  with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='llama3'"):
+  config['rope_scaling'] = {'rope_type': 'yarn', 'factor': 8.0}
+  with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='yarn'"):
     hf.config_from_hf(config, BASE_MODEL)
 
 
@@ -243,3 +248,44 @@ def test_error_shape_mismatch(tmp_path):
 def test_error_inexpressible_config():
   with pytest.raises(ValueError, match='normalization'):
     hf.config_to_hf(_flatron_config(normalization='layernorm').model)
+
+
+@pytest.mark.parametrize('family, overrides', [
+    ('llama', dict(rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                                 'high_freq_factor': 4.0, 'original_max_position_embeddings': 32})),
+    ('qwen2', dict(num_key_value_heads=2)),
+    ('qwen2', dict(num_key_value_heads=2, tie_word_embeddings=True)),
+])
+def test_families_import_and_export_with_equal_logits(family, overrides, tmp_path):
+  """Llama 3.1's RoPE scaling and Qwen2 (biases on q, k, v only): logits equal transformers'
+  on import, and the export loads in transformers as the same family with the same logits."""
+  classes = {'llama': (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+             'qwen2': (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+  config_class, model_class = classes[family]
+  kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5, **overrides)
+  torch.manual_seed(0)
+  model = model_class(config_class(**kwargs)).float().eval()
+  _randomize(model.named_parameters(), 0)
+  model.save_pretrained(tmp_path / 'theirs')
+  m, params = hf.load_hf(str(tmp_path / 'theirs'), BASE_MODEL)
+  assert m.qkv_bias == (family == 'qwen2') and not m.has_bias
+  tokens = _tokens(2)
+  with torch.no_grad():
+    ours = transformer.forward(params, tokens, m)[..., :VOCAB]
+    theirs = model(tokens).logits
+  print(f'{family} {overrides}: max |logit error| = {(ours - theirs).abs().max().item():.2e}')
+  assert (ours - theirs).abs().max().item() < TOL
+  hf.save_hf(str(tmp_path / 'ours'), m, params)
+  assert json.load(open(tmp_path / 'ours' / 'config.json'))['model_type'] == family
+  again = model_class.from_pretrained(tmp_path / 'ours').float().eval()
+  with torch.no_grad():
+    assert (again(tokens).logits - theirs).abs().max().item() < TOL
+  assert hf.load_hf(str(tmp_path / 'ours'), BASE_MODEL)[0].rope_scaling.to_dict() == m.rope_scaling.to_dict()
+
+
+def test_sliding_window_is_refused_by_name():
+  config = dict(model_type='qwen2', hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, vocab_size=VOCAB, use_sliding_window=True)
+  with pytest.raises(ValueError, match='use_sliding_window'):
+    hf.config_from_hf(config, BASE_MODEL)

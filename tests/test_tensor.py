@@ -15,6 +15,7 @@ LAYOUTS = {
     'tp4_kv2_replicated': (4, {'tp': 4, 'kv_replicator': 2}),
     'dp2_tp2_sp': (4, {'tp': 2, 'sp': True}),
     'tp2_sp_dropout': (2, {'tp': 2, 'sp': True, 'dropout': 0.1}),   # keyed masks: same as one device
+    'tp2_sp_qwen2_bias_llama3_rope': (2, {'tp': 2, 'sp': True, 'qkv_bias': True, 'rope_llama3': True}),
 }
 
 
