@@ -20,10 +20,10 @@ from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
-from model import hf, layers, lora, objectives, transformer
+from model import hf, lora, objectives, transformer
 from optim import schedules, update
-from parallel import (comm, grads, memory, mesh as meshes, pipeline, pipeline_schedule, precision,
-                      reference as references, remat, tensor)
+from parallel import (comm, grads, memory, mesh as meshes, passes, pipeline, precision,
+                      reference as references, tensor)
 from parallel import device as devices
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -37,82 +37,16 @@ _DEBUG = flags.DEFINE_bool('debug', False, 'Full tracebacks instead of one-line 
 # ======================================================================================
 
 
-def to_device(batch, device):
-  return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True, reference=None):
-  """Run this rank's pipeline schedule over the micro batches, accumulating grads of the
-  objective's loss over the global batch; return (this rank's loss sum, the global count,
-  this rank's metric sums). `reference`: the reference model's params, for objectives that
-  need one (DPO), unless the batches carry precomputed `ref_logps`.
-
-  Each micro batch's summed loss is divided by the objective's count (tokens, pairs) over the
-  whole global batch (summed over DP), so the accumulated gradient is the same for any micro
-  batch split and any DP degree: `grads.sync` then only has to add the ranks' gradients. With
-  pp = 1 the schedule is forward, backward per micro batch; the sums live on the last stage.
-  """
-  m, d = config.model, config.distributed_strategy
-  vp = d.virtual_pipeline_model_parallel_size
-  objective = objectives.for_config(config)
-  count = sum(objective.count(mb) for mb in micro_batches).to(mesh.device)
-  count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
-  dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
-  ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
-                              m.activations_checkpoint_recompute) if training else (ops, None)
-  bounds = pipeline.config_bounds(config, mesh.pp)
-  last_stage = len(bounds) - 1
-  sums = {'loss': torch.zeros((), device=mesh.device)}
-  batches = [to_device(mb, mesh.device) for mb in micro_batches]
-  recipe = recipe or precision.recipe(config.precision)
-  if objective.reference is not None and 'ref_logps' not in batches[0]:
-    for batch, ref in zip(batches, references.logps(reference, batches, config, mesh, ops, objective, recipe)):
-      batch['ref_logps'] = ref
-
-  def stage_fn(i, chunk, x):
-    vs = chunk * mesh.pp + mesh.pp_rank
-    with precision.compute_context(recipe, mesh.device.type):
-      out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x,
-                              last=vs == last_stage, layer_fn=layer_fn, dropout_key=dropout_key,
-                              objective=objective)
-    if vs != last_stage:
-      return out
-    loss, metrics = out
-    for name, value in [('loss', loss)] + list(metrics.items()):
-      sums[name] = sums.get(name, 0) + value.detach()
-    return loss / count
-
-  shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
-  if training:
-    schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
-    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype)
-  else:
-    pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape, recipe.param_dtype)
-  loss_sum = sums.pop('loss')
-  zero = torch.zeros((), device=mesh.device)
-  return loss_sum, count, {name: sums.get(name, zero) for name in objective.metrics}
-
-
-def global_loss(loss_sum, count, mesh, metric_sums=None):
-  """The global batch's mean loss on every rank (only last-stage ranks hold loss sums), and
-  with `metric_sums` (name -> this rank's sum) the global means of the metrics too."""
-  names = list(metric_sums or {})
-  sums = torch.stack([loss_sum] + [metric_sums[n] for n in names])
-  sums = comm.all_reduce_(sums, mesh.pp_group, name='all_reduce(loss over pp)')
-  means = comm.all_reduce_(sums, mesh.dp_group, name='all_reduce(loss over dp)') / count
-  return (means[0], dict(zip(names, means[1:]))) if metric_sums is not None else means[0]
-
-
 def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None):
   """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
-  loss_sum, count, metric_sums = forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
+  loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
                                                   reference=reference)
   gradients = updater.gradients()
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
-  loss, metrics = global_loss(loss_sum, count, mesh, metric_sums)
+  loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss)
   if not updated and config.trainer.nonfinite_policy == 'error':
     raise FloatingPointError(
@@ -127,9 +61,9 @@ def evaluate(params, loader, config, mesh, ops, num_batches, reference=None):
   each batch's count (tokens or pairs)."""
   total, count, metrics = 0.0, 0.0, {}
   for i in range(num_batches):
-    loss_sum, n, metric_sums = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
-                                                config, mesh, ops, training=False, reference=reference)
-    loss, means = global_loss(loss_sum, n, mesh, metric_sums)
+    loss_sum, n, metric_sums = passes.forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
+                                                       config, mesh, ops, training=False, reference=reference)
+    loss, means = passes.global_loss(loss_sum, n, mesh, metric_sums)
     total += (loss * n).item()
     for name, value in means.items():
       metrics[name] = metrics.get(name, 0.0) + (value * n).item()
@@ -198,26 +132,6 @@ def fmt_eta(seconds):
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
 
 
-def setup_reference(config, mesh, ops, params, checkpoints, loaders):
-  """DPO's reference model -> the frozen copy the steps use, or None. With LoRA it is the base
-  (adapters off: no memory); else a frozen copy of the starting model (init_from, also on
-  resume), or with dpo.precompute_ref_log_probs the copy's log-probs of every pair, computed
-  once here and attached to the loaders' batches, the copy then dropped."""
-  copy = None
-  if lora.settings(config.model) is None:
-    copy = checkpoints.load_init_weights(init_params(config, mesh))
-  if not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
-    if copy is not None:
-      logging.info('DPO reference: a frozen copy of the starting model, %s on this rank',
-                   memory.human_bytes(sum(p.numel() * p.element_size() for p in copy.values())))
-    return copy
-  for loader in loaders:
-    loader.ref_logps = references.precompute(loader, references.params(params, copy), config, mesh, ops)
-    logging.info('DPO reference: log-probs of %d %s pairs precomputed (%s)', len(loader.ref_logps), loader.split,
-                 memory.human_bytes(loader.ref_logps.numel() * loader.ref_logps.element_size()))
-  return None
-
-
 def apply_hf_model_config(config):
   """model_source=hf: the architecture keys of model.model_config (an HF config.json) replace
   the model section's; the rest (optimizer, dropout, recompute...) stays as configured."""
@@ -282,7 +196,8 @@ def run(config, workdir):
     start_step, consumed_samples = checkpoints.restore_or_init()
     frozen_ref = None
     if objectives.for_config(config).reference is not None:
-      frozen_ref = setup_reference(config, mesh, ops, params, checkpoints, (train_data, valid_data))
+      frozen_ref = references.setup(config, mesh, ops, params, (train_data, valid_data),
+                                    lambda: checkpoints.load_init_weights(init_params(config, mesh)))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,

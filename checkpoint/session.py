@@ -105,9 +105,9 @@ class Session:
   def _load_adapters(self, path):
     """load_lora_from_ckpt: the adapters (weights only) of a peft directory or a flatron step."""
     specs = transformer.param_specs(self.config.model, self.mesh.tp)
-    layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=(),
-                                names=lora.trainable(self.config.model, specs))
-    requests = {n: b for n, b in layout.requests().items() if not n.startswith(('optim.', 'master.'))}
+    layout = states.StateLayout(self.config, self.mesh, self.updater, names=lora.trainable(self.config.model, specs),
+                                weights_only=True)
+    requests = layout.requests()
     if adapters.is_peft_dir(path):
       peft = self.config.model.peft
       theirs = config_dict.ConfigDict(adapters.read_settings(path))
@@ -164,9 +164,9 @@ class Session:
     model; LoRA adapters keep their init, or load_lora_from_ckpt's), into the updater's
     parameters or `params`."""
     specs = transformer.param_specs(self.config.model, self.mesh.tp)
-    layout = states.StateLayout(self.config, self.mesh, self.updater, state_keys=(),
-                                names=[n for n in specs if not lora.is_adapter(n)])
-    requests = {n: b for n, b in layout.requests().items() if not n.startswith(('optim.', 'master.'))}
+    layout = states.StateLayout(self.config, self.mesh, self.updater, names=[n for n in specs if not lora.is_adapter(n)],
+                                weights_only=True)
+    requests = layout.requests()
     if storage.read_text(path, 'config.json') is not None and not managers.is_committed(path):
       hf_model = hf.read_config(path, self.config.model)
       self._check_same_model(hf_model)

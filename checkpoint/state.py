@@ -65,11 +65,11 @@ def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **
 class StateLayout:
   """Every array's logical shape, dtype and per-rank boxes for one (config, mesh)."""
 
-  def __init__(self, config, mesh, updater, state_keys=None, names=None):
+  def __init__(self, config, mesh, updater, state_keys=None, names=None, weights_only=False):
     """`state_keys`: optimizer state tensors to include (default: what the optimizer holds;
     on resume, what the checkpoint holds); `names`: the parameters to include (default: what
     a step of this run stores, lora.stored). Masters and optimizer state are those of the
-    trained parameters (none for a merged LoRA model)."""
+    trained parameters (none for a merged LoRA model, nor with `weights_only`)."""
     self.config, self.mesh, self.updater = config, mesh, updater
     self.specs = transformer.param_specs(config.model, mesh.tp)
     self.all_boxes = [param_boxes(config, mesh, r) for r in range(mesh.world_size)]
@@ -77,7 +77,7 @@ class StateLayout:
     self.names = list(names) if names is not None else lora.stored(config.model, self.specs)
     peft = lora.settings(config.model)
     self.merged = peft is not None and peft.merge_lora
-    self.trained = [] if self.merged else lora.trainable(config.model, self.specs)
+    self.trained = [] if self.merged or weights_only else lora.trainable(config.model, self.specs)
 
   def _param_dtype(self, name):
     return lora.param_dtype(name, self.updater.recipe.param_dtype)

@@ -18,7 +18,6 @@ from model import hf, lora, transformer
 CONFIG_FILE = 'adapter_config.json'
 WEIGHTS_FILE = 'adapter_model.safetensors'
 PREFIX = 'base_model.model.'
-BIAS_NAMES = {'none': 'none', 'all': 'all', 'lora_only': 'lora_only'}
 
 
 def peft_key(name) -> str:
@@ -81,7 +80,7 @@ def read_settings(path) -> dict:
     targets = tuple(dict.fromkeys(t.rsplit('.', 1)[-1] for t in targets))
   return {'lora_rank': int(c['r']), 'lora_alpha': float(c['lora_alpha']),
           'lora_dropout': float(c.get('lora_dropout') or 0.0), 'use_rslora': bool(c.get('use_rslora')),
-          'lora_bias': BIAS_NAMES.get(c.get('bias', 'none'), c.get('bias')),
+          'lora_bias': c.get('bias') or 'none',
           'target_modules': (targets,) if isinstance(targets, str) else targets}
 
 

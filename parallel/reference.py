@@ -6,11 +6,31 @@ switched off (the same tensors: no memory); without, a frozen copy sharded like 
 or (dpo.precompute_ref_log_probs) that copy's log-probs of every row of a split, computed
 once before training and looked up per batch (8 bytes per pair instead of a model).
 """
+import logging
+
 import numpy as np
 import torch
 
-from model import lora, objectives, transformer
-from parallel import comm, pipeline, precision
+from model import lora, objectives
+from parallel import comm, memory, passes, precision
+
+
+def setup(config, mesh, ops, policy, loaders, starting_model):
+  """The frozen copy the steps use as reference, or None. With LoRA the reference is the
+  base (adapters off: no memory); else `starting_model()` (the init_from weights, also on
+  resume), or with dpo.precompute_ref_log_probs that copy's log-probs of every pair of the
+  loaders' splits, attached to their batches, the copy then dropped."""
+  copy = starting_model() if lora.settings(config.model) is None else None
+  if not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
+    if copy is not None:
+      logging.info('DPO reference: a frozen copy of the starting model, %s on this rank',
+                   memory.human_bytes(sum(p.numel() * p.element_size() for p in copy.values())))
+    return copy
+  for loader in loaders:
+    loader.ref_logps = precompute(loader, params(policy, copy), config, mesh, ops)
+    logging.info('DPO reference: log-probs of %d %s pairs precomputed (%s)', len(loader.ref_logps), loader.split,
+                 memory.human_bytes(loader.ref_logps.numel() * loader.ref_logps.element_size()))
+  return None
 
 
 def params(policy, frozen_copy):
@@ -18,31 +38,6 @@ def params(policy, frozen_copy):
   if frozen_copy is not None:
     return frozen_copy
   return {n: p for n, p in policy.items() if not lora.is_adapter(n)}
-
-
-@torch.no_grad()
-def logps(ref_params, batches, config, mesh, ops, objective, recipe):
-  """[b, 2] reference log-probs of each micro batch's pairs on last-stage ranks (None on
-  the others): a forward-only pass through the pipeline."""
-  m = config.model
-  bounds = pipeline.config_bounds(config, mesh.pp)
-  last = len(bounds) - 1
-  out = [None] * len(batches)
-
-  def stage_fn(i, chunk, x):
-    vs = chunk * mesh.pp + mesh.pp_rank
-    with precision.compute_context(recipe, mesh.device.type):
-      result = transformer.stage(ref_params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x,
-                                 last=vs == last, objective=objective.reference)
-    if vs != last:
-      return result
-    out[i] = result[0].detach()
-    return None
-
-  shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
-  pipeline.run_forward_only(len(batches), stage_fn, mesh, config.distributed_strategy.virtual_pipeline_model_parallel_size,
-                            shape, recipe.param_dtype)
-  return out
 
 
 def precompute(loader, ref_params, config, mesh, ops):
@@ -59,7 +54,7 @@ def precompute(loader, ref_params, config, mesh, ops):
     ids = [mine[i:i + mbs] for i in range(0, per_rank, mbs)]
     batches = [{k: torch.from_numpy(v).to(mesh.device) for k, v in source.rows.batch(np.minimum(r, rows - 1)).items()}
                for r in ids]
-    for r, ref in zip(ids, logps(ref_params, batches, config, mesh, ops, objective, recipe)):
+    for r, ref in zip(ids, passes.forward_outputs(ref_params, batches, config, mesh, ops, objective.reference, recipe)):
       if ref is not None and (r < rows).any():
         table[r[r < rows]] = ref[torch.from_numpy(r < rows).to(ref.device)].float()
   return comm.all_reduce_(table, mesh.dp_group, name='all_reduce(reference log-probs over dp)').cpu()

@@ -1,0 +1,97 @@
+"""Passes of the model over a rank's micro batches, through its pipeline stages: the training
+pass (forward and backward under the pipeline schedule), evaluation, and forward-only passes
+that return an objective's per-micro-batch output (DPO's reference log-probs).
+
+Each micro batch's summed loss is divided by the objective's count (tokens, pairs) over the
+whole global batch (summed over DP), so the accumulated gradient is the same for any micro
+batch split and any DP degree: `grads.sync` then only has to add the ranks' gradients. The
+loss and metric sums live on the last stage; `global_loss` gives every rank the means.
+"""
+import torch
+
+from model import layers, objectives, transformer
+from parallel import comm, pipeline, pipeline_schedule, precision, remat
+
+
+def to_device(batch, device):
+  return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _run(params, batches, config, mesh, ops, recipe, objective, on_last, training=False,
+         layer_fn=None, dropout_key=None):
+  """Run `batches` through this rank's chunks (the 1F1B / interleaved schedule when
+  training, else forward only); the last stage's objective output of micro batch i goes to
+  on_last(i, out), whose result is what backward starts from."""
+  m = config.model
+  vp = config.distributed_strategy.virtual_pipeline_model_parallel_size
+  bounds = pipeline.config_bounds(config, mesh.pp)
+  last = len(bounds) - 1
+
+  def stage_fn(i, chunk, x):
+    vs = chunk * mesh.pp + mesh.pp_rank
+    with precision.compute_context(recipe, mesh.device.type):
+      out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x, last=vs == last,
+                              layer_fn=layer_fn, dropout_key=dropout_key, objective=objective)
+    return out if vs != last else on_last(i, out)
+
+  shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
+  if training:
+    schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
+    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype)
+  else:
+    pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape, recipe.param_dtype)
+
+
+@torch.no_grad()
+def forward_outputs(params, batches, config, mesh, ops, objective, recipe):
+  """`objective`'s first output for each micro batch on last-stage ranks (None on the others):
+  a forward-only pass, e.g. [b, 2] reference log-probs."""
+  out = [None] * len(batches)
+
+  def keep(i, result):
+    out[i] = result[0].detach()
+
+  _run(params, batches, config, mesh, ops, recipe, objective, keep)
+  return out
+
+
+def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True, reference=None):
+  """This rank's pass over the micro batches, accumulating grads of the objective's loss
+  over the global batch (training); returns (this rank's loss sum, the global count, this
+  rank's metric sums). `reference`: the reference model's params, for objectives that need
+  one (DPO), unless the batches carry precomputed `ref_logps`."""
+  m = config.model
+  objective = objectives.for_config(config)
+  count = sum(objective.count(mb) for mb in micro_batches).to(mesh.device)
+  count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
+  dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
+  ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
+                              m.activations_checkpoint_recompute) if training else (ops, None)
+  sums = {'loss': torch.zeros((), device=mesh.device)}
+  batches = [to_device(mb, mesh.device) for mb in micro_batches]
+  recipe = recipe or precision.recipe(config.precision)
+  if objective.reference is not None and 'ref_logps' not in batches[0]:
+    refs = forward_outputs(reference, batches, config, mesh, ops, objective.reference, recipe)
+    for batch, ref in zip(batches, refs):
+      batch['ref_logps'] = ref
+
+  def accumulate(i, out):
+    loss, metrics = out
+    for name, value in [('loss', loss)] + list(metrics.items()):
+      sums[name] = sums.get(name, 0) + value.detach()
+    return loss / count
+
+  _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, layer_fn, dropout_key)
+  loss_sum = sums.pop('loss')
+  zero = torch.zeros((), device=mesh.device)
+  return loss_sum, count, {name: sums.get(name, zero) for name in objective.metrics}
+
+
+def global_loss(loss_sum, count, mesh, metric_sums=None):
+  """The global batch's mean loss on every rank (only last-stage ranks hold loss sums), and
+  with `metric_sums` (name -> this rank's sum) the global means of the metrics too."""
+  names = list(metric_sums or {})
+  sums = torch.stack([loss_sum] + [metric_sums[n] for n in names])
+  sums = comm.all_reduce_(sums, mesh.pp_group, name='all_reduce(loss over pp)')
+  means = comm.all_reduce_(sums, mesh.dp_group, name='all_reduce(loss over dp)') / count
+  return (means[0], dict(zip(names, means[1:]))) if metric_sums is not None else means[0]
