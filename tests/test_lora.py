@@ -368,3 +368,21 @@ def test_target_module_names():
   assert lora.target_modules(peft) == ('q_proj', 'o_proj', 'gate_proj', 'up_proj')
   peft = types.SimpleNamespace(target_modules='all-linear')          # a plain string too
   assert lora.target_modules(peft) == lora.MODULES
+
+
+@pytest.mark.parametrize('source', ['peft_dir', 'flatron_step'])
+def test_load_lora_from_ckpt_starts_from_those_adapters(runs, tmp_path, source):
+  import train    # pylint: disable=import-outside-toplevel
+  from tools import convert    # pylint: disable=import-outside-toplevel
+  root, trained = runs['root'], runs['straight']
+  step = step_path(root / 'straight', 10)
+  path = str(tmp_path / 'adapter') if source == 'peft_dir' else step
+  if source == 'peft_dir':
+    convert.export_peft(step, path)
+  config = lora_config(str(root / 'hf'), load_lora_from_ckpt=True, lora_save_dir=path)
+  config.exp_manager.create_checkpoint_callback = False
+  with pytest.MonkeyPatch.context() as mp:         # stop before the first step: the starting params
+    mp.setattr(train, '_loop', lambda *args, **kwargs: {})
+    _, start = train.run(config, str(tmp_path / 'run'))
+  for name, p in trained.items():
+    assert torch.equal(start[name].detach(), p.detach()), name    # adapters loaded, base from init_from
