@@ -139,9 +139,13 @@ def apply_hf_model_config(config):
     hf_model = hf.read_config(config.model.model_config, config.model)
   except (ValueError, FileNotFoundError) as e:
     raise config_validation.ConfigError(f'model.model_config: {e}') from None
-  for key, value in hf_model.items():
-    if not isinstance(value, config_dict.ConfigDict) and value != config.model[key]:
-      config.model[key] = value
+  def copy(src, dst):
+    for key, value in src.items():
+      if isinstance(value, config_dict.ConfigDict):
+        copy(value, dst[key])           # rope_scaling's keys (optim, peft... are the base's own)
+      elif value != dst[key]:
+        dst[key] = value
+  copy(hf_model, config.model)
 
 
 def check_tokenizer(config):

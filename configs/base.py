@@ -81,7 +81,8 @@ def get_config(arg=None):
 
   c.model = config_dict.ConfigDict()
   model = c.model
-  model.architecture = 'llama'             # llama | gpt (a label; the keys below decide the block)
+  model.architecture = 'llama'             # llama | gpt | mistral | qwen2 | gemma3 (a label: the keys below decide the block;
+                                           # HF export names this family where the keys allow)
   model.objective = 'next_token'           # what the loss is (model/objectives.py): next_token | dpo | orpo
   model.model_config = placeholder(str)    # model_source=hf: an HF config.json (or its directory); its
                                            # architecture keys replace the ones below at start-up
@@ -98,14 +99,22 @@ def get_config(arg=None):
   model.rotary_percentage = 1.0            # fraction of each head's dims that RoPE rotates
   model.rope_theta = 10000.0               # RoPE base
   model.rope_scaling = config_dict.ConfigDict()   # RoPE frequency scaling for long context (HF's rope_scaling)
-  model.rope_scaling.type = 'none'         # none | linear | llama3 (Llama 3.1 / 3.2)
-  model.rope_scaling.factor = 1.0          # linear / llama3: how much longer than the original context
+  model.rope_scaling.type = 'none'         # none | linear | dynamic (NTK, past max_position_embeddings) | llama3 (Llama 3.1 / 3.2)
+  model.rope_scaling.factor = 1.0          # linear / dynamic / llama3: how much longer than the original context
   model.rope_scaling.low_freq_factor = 1.0     # llama3: wavelengths above original / low_freq_factor are divided by factor
   model.rope_scaling.high_freq_factor = 4.0    # llama3: wavelengths below original / high_freq_factor are kept
   model.rope_scaling.original_max_position_embeddings = 8192  # llama3: the context the model was pretrained at
+  model.rope_local_theta = 0.0             # RoPE base of sliding-window layers (Gemma 3: 1e4); 0 = rope_theta (and its scaling)
+  model.sliding_window = 0                 # sliding_attention layers see the last this-many positions (Mistral, Gemma 3); 0 = off
+  model.layer_types = ()                   # per layer: full_attention | sliding_attention; () = all sliding if sliding_window, else all full
   model.normalization = 'rmsnorm'          # rmsnorm | layernorm
   model.layernorm_epsilon = 1e-5           # norm epsilon
-  model.activation = 'swiglu'              # swiglu | gelu
+  model.rmsnorm_unit_offset = False        # Gemma: RMSNorm scales by (1 + w), w starting at 0
+  model.qk_norm = False                    # Gemma 3: RMSNorm over each query / key head before RoPE
+  model.sandwich_norm = False              # Gemma: attention and MLP outputs normed before the residual add
+  model.scale_embeddings = False           # Gemma: embeddings multiplied by sqrt(hidden_size)
+  model.query_pre_attn_scalar = 0          # Gemma: scores scaled by 1/sqrt(this); 0 = head_dim
+  model.activation = 'swiglu'              # swiglu | geglu (Gemma: tanh GELU gate) | gelu
   model.has_bias = False                   # biases in every linear layer
   model.qkv_bias = False                   # biases on q, k, v only (Qwen2)
   model.share_embeddings_and_output_weights = False  # tie the LM head to the input embedding

@@ -12,14 +12,15 @@ from parallel import precision
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')
 NORMALIZATIONS = ('rmsnorm', 'layernorm')
-ACTIVATIONS = ('swiglu', 'gelu')
+ACTIVATIONS = ('swiglu', 'geglu', 'gelu')
 POSITIONS = ('rope', 'learned_absolute')
-ARCHITECTURES = ('llama', 'gpt')
+ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'gemma3')
 RECOMPUTE_GRANULARITIES = (None, 'selective', 'full')
 RECOMPUTE_PARTS = ('attention', 'mlp')
 TOKENIZERS = ('none', 'sentencepiece', 'huggingface', 'gpt2')
 NONFINITE_POLICIES = ('error', 'skip')
-ROPE_SCALINGS = ('none', 'linear', 'llama3')
+ROPE_SCALINGS = ('none', 'linear', 'dynamic', 'llama3')
+LAYER_TYPES = ('full_attention', 'sliding_attention')
 
 
 class ConfigError(ValueError):
@@ -84,6 +85,20 @@ def check(config, world_size=1) -> list:
   if scaling.type == 'llama3' and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
     problems.append(f'model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor '
                     f'(got {scaling.low_freq_factor}, {scaling.high_freq_factor})')
+  _positive(problems, 'model.sliding_window', model.sliding_window, allow_zero=True)
+  _positive(problems, 'model.rope_local_theta', model.rope_local_theta, allow_zero=True)
+  _positive(problems, 'model.query_pre_attn_scalar', model.query_pre_attn_scalar, allow_zero=True)
+  if model.layer_types:
+    for kind in model.layer_types:
+      _one_of(problems, 'model.layer_types', kind, LAYER_TYPES)
+    if len(model.layer_types) != model.num_layers:
+      problems.append(f'model.layer_types has {len(model.layer_types)} entries for model.num_layers='
+                      f'{model.num_layers} layers; give one per layer (or () for all alike)')
+    if 'sliding_attention' in model.layer_types and not model.sliding_window:
+      problems.append('model.layer_types has sliding_attention layers but model.sliding_window=0; set the window')
+  if (model.rmsnorm_unit_offset or model.qk_norm or model.sandwich_norm) and model.normalization != 'rmsnorm':
+    problems.append(f'model.rmsnorm_unit_offset / qk_norm / sandwich_norm need model.normalization=rmsnorm '
+                    f'(got {model.normalization!r})')
   if model.qkv_bias and model.has_bias:
     problems.append('model.qkv_bias=True with model.has_bias=True: biases everywhere already include q, k, v; '
                     'set one of them')

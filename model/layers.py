@@ -72,9 +72,12 @@ LOCAL_OPS = Ops()
 # --- norms -------------------------------------------------------------------------
 
 
-def rms_norm(x_bsh, weight_h, eps):
+def rms_norm(x_bsh, weight_h, eps, unit_offset=False):
+  """Llama scales the normalized x (cast back) by w; Gemma scales by 1 + w in fp32, then casts."""
   x = x_bsh.float()
   x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+  if unit_offset:
+    return (x * (1.0 + weight_h.float())).to(x_bsh.dtype)
   return weight_h * x.to(x_bsh.dtype)
 
 
@@ -84,7 +87,7 @@ def layer_norm(x_bsh, weight_h, bias_h, eps):
 
 def norm(params, prefix, x_bsh, cfg):
   if cfg.normalization == 'rmsnorm':
-    return rms_norm(x_bsh, params[prefix + '.weight'], cfg.layernorm_epsilon)
+    return rms_norm(x_bsh, params[prefix + '.weight'], cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False))
   return layer_norm(x_bsh, params[prefix + '.weight'], params[prefix + '.bias'], cfg.layernorm_epsilon)
 
 
@@ -146,11 +149,15 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
 # --- rotary embedding -----------------------------------------------------------------
 
 
-def rope_inv_freq(rot_dim, theta, scaling=None):
-  """RoPE's inverse frequencies (float64), with HF's `linear` or `llama3` scaling: llama3 keeps
-  the high frequencies, divides the low ones by `factor`, and blends in between."""
-  inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+def rope_inv_freq(rot_dim, theta, scaling=None, seq_len=0, max_positions=0):
+  """RoPE's inverse frequencies (float64), with HF's `linear`, `dynamic` or `llama3` scaling:
+  llama3 keeps the high frequencies, divides the low ones by `factor`, and blends in between;
+  dynamic (NTK) raises the base once `seq_len` (the batch's last position + 1, as HF) passes
+  `max_positions`."""
   kind = scaling.type if scaling is not None else 'none'
+  if kind == 'dynamic' and seq_len > max_positions:
+    theta = theta * ((scaling.factor * seq_len / max_positions) - (scaling.factor - 1)) ** (rot_dim / (rot_dim - 2))
+  inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
   if kind == 'linear':
     return inv_freq / scaling.factor
   if kind == 'llama3':
@@ -164,8 +171,9 @@ def rope_inv_freq(rot_dim, theta, scaling=None):
   return inv_freq
 
 
-def rope_cos_sin(position_ids_bs, rot_dim, theta, dtype, scaling=None):
-  inv_freq = rope_inv_freq(rot_dim, theta, scaling)
+def rope_cos_sin(position_ids_bs, rot_dim, theta, dtype, scaling=None, max_positions=0):
+  seq_len = int(position_ids_bs.max()) + 1 if scaling is not None and scaling.type == 'dynamic' else 0
+  inv_freq = rope_inv_freq(rot_dim, theta, scaling, seq_len, max_positions)
   angles = position_ids_bs.double()[..., None] * inv_freq.to(position_ids_bs.device)
   angles = torch.cat([angles, angles], dim=-1)                        # rotate-half layout (HF)
   return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # [b, 1, s, r]
@@ -183,34 +191,52 @@ def apply_rope(x_bnsd, cos_b1sr, sin_b1sr):
 # --- attention ---------------------------------------------------------------------------
 
 
-def attention_mask(segment_ids_bs, s):
-  """Causal mask [b, 1, s, s] (True = attend), restricted to the same document when given."""
-  causal = torch.ones(s, s, dtype=torch.bool).tril()
-  if segment_ids_bs is None:
+def attention_mask(segment_ids_bs, s, window=0, device=None):
+  """Causal mask [b or 1, 1, s, s] (True = attend), restricted to the same document when
+  segments are given and to the last `window` positions (sliding window, HF's: query i sees
+  keys i - window < j <= i); None when plainly causal."""
+  if segment_ids_bs is None and not window:
     return None
-  same_doc = segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :]
-  return (same_doc & causal.to(same_doc.device))[:, None]
+  if segment_ids_bs is not None:
+    device = segment_ids_bs.device
+  mask = causal_mask_after(0, s, device, window)
+  if segment_ids_bs is not None:
+    mask = mask & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])[:, None]
+  return mask
 
 
-def causal_mask_after(past, s, device=None):
-  """[1, 1, s, past + s]: new query i (position past + i) attends keys 0 .. past + i."""
-  return (torch.arange(past + s, device=device)[None] <= past + torch.arange(s, device=device)[:, None])[None, None]
+def causal_mask_after(past, s, device=None, window=0):
+  """[1, 1, s, past + s]: new query i (position past + i) attends keys 0 .. past + i (the last
+  `window` of them with a sliding window)."""
+  keys, queries = torch.arange(past + s, device=device)[None], past + torch.arange(s, device=device)[:, None]
+  mask = keys <= queries
+  if window:
+    mask = mask & (keys > queries - window)
+  return mask[None, None]
+
+
+def attention_scale(cfg, d) -> float:
+  """The scores' scale: 1 / sqrt(d), or Gemma's 1 / sqrt(query_pre_attn_scalar)."""
+  return (cfg.get('query_pre_attn_scalar') or d) ** -0.5
 
 
 def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, mask_for_slice):
-  """softmax(q k^T / sqrt(d)) v over grouped KV heads, causal (and per-document if masked)."""
+  """softmax(q k^T * scale) v over grouped KV heads, causal (and per-document / windowed if masked)."""
   groups = q_bnsd.shape[1] // k_bnsd.shape[1]
+  scale = attention_scale(cfg, q_bnsd.shape[-1])
   use_sdpa = cfg.fusions.flash_attention and (cfg.attention_dropout == 0.0 or drop_key is None)
   if use_sdpa:
     if mask_b1ss is None:
-      return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, is_causal=True, enable_gqa=groups > 1)
-    return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, attn_mask=mask_b1ss, enable_gqa=groups > 1)
+      return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, is_causal=True, scale=scale,
+                                            enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, attn_mask=mask_b1ss, scale=scale,
+                                          enable_gqa=groups > 1)
   k_bnsd = k_bnsd.repeat_interleave(groups, dim=1)
   v_bnsd = v_bnsd.repeat_interleave(groups, dim=1)
   # Query-key layer scaling (Megatron) divides the scores by the layer number and multiplies
   # back inside an fp32 softmax: exact in fp32, it keeps fp16 scores from overflowing.
   coeff = float(layer + 1) if cfg.apply_query_key_layer_scaling else 1.0
-  scores = (q_bnsd @ k_bnsd.transpose(-1, -2)) / (math.sqrt(q_bnsd.shape[-1]) * coeff)
+  scores = (q_bnsd @ k_bnsd.transpose(-1, -2)) * (scale / coeff)
   s = q_bnsd.shape[2]
   if mask_b1ss is None:
     mask_b1ss = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril()
@@ -228,6 +254,9 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
              for n in ('q_proj', 'k_proj', 'v_proj'))
   # Local head counts come from the (possibly TP-sharded) weights, not from the config.
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
+  if cfg.get('qk_norm'):                # Gemma 3: RMSNorm over each head's dims before RoPE
+    q, k = (rms_norm(t, params[f'{prefix}.{n}.weight'], cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False))
+            for t, n in ((q, 'q_norm'), (k, 'k_norm')))
   if cos_sin is not None:
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
   if kv is not None:                   # generation: attend the cached positions too
@@ -244,6 +273,10 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
 # --- MLP -----------------------------------------------------------------------------------
 
 
+GATED = {'swiglu': F.silu,                                          # Llama, Mistral, Qwen2
+         'geglu': lambda x: F.gelu(x, approximate='tanh')}          # Gemma (gelu_pytorch_tanh)
+
+
 def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   return ops.recompute_mlp(_mlp, params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b)
 
@@ -251,9 +284,9 @@ def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
 def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   x_bsh = ops.full_input(x_bsh)
   up_bsf = linear(params, prefix + '.up_proj', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
-  if cfg.activation == 'swiglu':
+  if cfg.activation in GATED:
     gate_bsf = linear(params, prefix + '.gate_proj', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
-    inner_bsf = F.silu(gate_bsf) * up_bsf
+    inner_bsf = GATED[cfg.activation](gate_bsf) * up_bsf
   else:
     inner_bsf = F.gelu(up_bsf)
   inner_bsf = dropout(inner_bsf, cfg.ffn_dropout, drop_key and drop_key + ('ffn',), sample_ids_b,

@@ -40,6 +40,38 @@ def kv_heads(cfg) -> int:
   return cfg.num_kv_heads or cfg.num_attention_heads
 
 
+def layer_types(cfg) -> tuple:
+  """Each layer's attention, HF's names: 'full_attention' or 'sliding_attention' (the last
+  model.sliding_window positions). Empty model.layer_types: every layer slides when a window
+  is set (Mistral), none otherwise."""
+  if cfg.get('layer_types'):
+    return tuple(cfg.layer_types)
+  kind = 'sliding_attention' if cfg.get('sliding_window') else 'full_attention'
+  return (kind,) * cfg.num_layers
+
+
+def _rope_by_type(cfg, position_ids_bs, dtype):
+  """cos, sin per layer type: sliding layers use their own unscaled base when
+  model.rope_local_theta is set (Gemma 3), else every layer uses rope_theta with rope_scaling."""
+  rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
+  full = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, dtype, cfg.get('rope_scaling'),
+                             cfg.max_position_embeddings)
+  local_theta = cfg.get('rope_local_theta')
+  local = layers.rope_cos_sin(position_ids_bs, rot_dim, local_theta, dtype) if local_theta else full
+  return {'full_attention': full, 'sliding_attention': local}
+
+
+def _masks_by_type(cfg, batch, s, device):
+  kv = batch.get('kv_cache')
+  past = kv[0].length if kv is not None and kv[0] is not None else None
+  out = {}
+  for kind in set(layer_types(cfg)):
+    window = cfg.sliding_window if kind == 'sliding_attention' else 0
+    out[kind] = (layers.causal_mask_after(past, s, device, window) if past is not None else
+                 layers.attention_mask(batch.get('segment_ids'), s, window, device))
+  return out
+
+
 def param_specs(cfg, tp=1, adapters=True) -> dict:
   """Global name -> ParamSpec, in forward order. `cfg` is the `model` section; LoRA factors
   are included when cfg.peft enables them, unless `adapters` is False (the base model)."""
@@ -51,8 +83,9 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
   if cfg.position_embedding_type == 'learned_absolute':
     specs['embed_positions.weight'] = ParamSpec((cfg.max_position_embeddings, h), 'normal', std)
 
-  def norm_specs(name):
-    specs[name + '.weight'] = ParamSpec((h,), 'ones')
+  def norm_specs(name, width=h):
+    # (1 + w) norms (Gemma) start at w = 0: the same identity scale
+    specs[name + '.weight'] = ParamSpec((width,), 'zeros' if cfg.get('rmsnorm_unit_offset') else 'ones')
     if cfg.normalization == 'layernorm':
       specs[name + '.bias'] = ParamSpec((h,), 'zeros')
 
@@ -67,12 +100,19 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
     linear_specs(p + '.self_attn.q_proj', cfg.num_attention_heads * d, h, std)
     linear_specs(p + '.self_attn.k_proj', kv_heads(cfg) * d, h, std)
     linear_specs(p + '.self_attn.v_proj', kv_heads(cfg) * d, h, std)
+    if cfg.get('qk_norm'):
+      norm_specs(p + '.self_attn.q_norm', d)
+      norm_specs(p + '.self_attn.k_norm', d)
     linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std)
     norm_specs(p + '.post_attention_layernorm')
-    if cfg.activation == 'swiglu':
+    if cfg.get('sandwich_norm'):
+      norm_specs(p + '.pre_feedforward_layernorm')
+    if cfg.activation in layers.GATED:
       linear_specs(p + '.mlp.gate_proj', f, h, std)
     linear_specs(p + '.mlp.up_proj', f, h, std)
     linear_specs(p + '.mlp.down_proj', h, f, out_std)
+    if cfg.get('sandwich_norm'):
+      norm_specs(p + '.post_feedforward_layernorm')
   norm_specs('norm')
   if not cfg.share_embeddings_and_output_weights:
     specs['lm_head.weight'] = vocab_table
@@ -209,25 +249,23 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     position_ids_bs = torch.arange(s, device=tokens_bs.device).expand(b, s)
   sample_ids_b = batch.get('sample_ids')
   if x_bsh is None:
-    x_bsh = ops.embed(tokens_bs, params['embed_tokens.weight'])
+    table = params['embed_tokens.weight']
+    x_bsh = ops.embed(tokens_bs, table)
+    if cfg.get('scale_embeddings'):       # Gemma: times sqrt(h), rounded to the table's dtype as HF
+      x_bsh = x_bsh * torch.tensor(cfg.hidden_size ** 0.5, dtype=table.dtype)
     if cfg.position_embedding_type == 'learned_absolute':
       x_bsh = x_bsh + params['embed_positions.weight'][position_ids_bs]
     x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
     x_bsh = ops.slice_residual(x_bsh)
-  cos_sin = None
-  if cfg.position_embedding_type == 'rope':
-    rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
-    cos_sin = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, x_bsh.dtype, cfg.get('rope_scaling'))
+  rope = _rope_by_type(cfg, position_ids_bs, x_bsh.dtype) if cfg.position_embedding_type == 'rope' else {}
+  masks = _masks_by_type(cfg, batch, s, tokens_bs.device)
   kv = batch.get('kv_cache')
-  if kv is not None and kv[0] is not None:
-    mask = layers.causal_mask_after(kv[0].length, s, tokens_bs.device)
-  else:
-    mask = layers.attention_mask(batch.get('segment_ids'), s)
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
   lo, hi = layer_range or (0, cfg.num_layers)
+  kinds = layer_types(cfg)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
-    x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, mask, cfg, ops, key, sample_ids_b, kv)
+    x_bsh = layer_fn(block, params, i, x_bsh, rope.get(kinds[i]), masks[kinds[i]], cfg, ops, key, sample_ids_b, kv)
   if not last:
     return x_bsh
   x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))
@@ -237,7 +275,8 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
 
 
 def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None):
-  """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)).
+  """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); with
+  model.sandwich_norm (Gemma) the attention and MLP outputs are normed too before the add.
 
   `x_bsh` may be a slice of the residual stream (`ops.residual_slices`); residual dropout
   draws the whole sequence's mask and applies its part.
@@ -253,9 +292,14 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
 
   h = layers.norm(params, p + '.input_layernorm', x_bsh, cfg)
   h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
+  sandwich = cfg.get('sandwich_norm')
+  if sandwich:
+    h = layers.norm(params, p + '.post_attention_layernorm', h, cfg)
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
-  h = layers.norm(params, p + '.post_attention_layernorm', x_bsh, cfg)
+  h = layers.norm(params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'), x_bsh, cfg)
   h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
+  if sandwich:
+    h = layers.norm(params, p + '.post_feedforward_layernorm', h, cfg)
   return x_bsh + residual_dropout(h, 'mlp_out')
 
 

@@ -4,8 +4,8 @@ After backward each rank holds gradients of its parameter boxes for its share of
 global batch. `sync` makes them the gradients of the global loss:
   1. SP: replicated parameters applied to sequence shards (norms, row biases) saw only their
      shard's tokens, so their gradients are summed over TP (a Megatron-LM bug once forgot this);
-     so are LoRA's replicated factors (A of q/k/v/gate/up, B of o/down): each rank's gradient
-     comes from its shard of the layer only;
+     so are, at every layout, LoRA's replicated factors (A of q/k/v/gate/up, B of o/down) and
+     Gemma 3's per-head q/k norms: each rank's gradient comes from its shard of the layer only;
   2. KV replicas: each copy of a KV head saw only its ranks' query heads: summed over the
      replicas;
   3. PP with tied embeddings: the first stage's embedding and the last stage's LM head are
@@ -39,7 +39,7 @@ def _all_reduce_bucketed(tensors, group, name):
 def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True):
   """Sum `grads` (name -> gradient of this rank's box) in place as described above; the DP
   sum is skipped when ZeRO-1 reduce-scatters instead (`reduce_dp=False`)."""
-  partial = [g for n, g in grads.items() if tensor.is_adapter_tp_partial(n) or
+  partial = [g for n, g in grads.items() if tensor.is_tp_partial(n) or
              (sequence_parallel and tensor.is_sequence_parallel_replicated(n))]
   _all_reduce_bucketed(partial, mesh.tp_group, 'all_reduce(partial replicated grads over tp)')
   if mesh.kv_group is not None:

@@ -53,15 +53,19 @@ def is_tp_replicated(name):
   return _split_dim(name) is None
 
 
-def is_adapter_tp_partial(name):
-  """Replicated LoRA factors whose gradient each TP rank computes only in part (from its
-  shard of the layer): summed over TP."""
-  return lora.is_adapter(name) and is_tp_replicated(name)
+HEAD_NORMS = ('q_norm', 'k_norm')
+
+
+def is_tp_partial(name):
+  """Replicated parameters whose gradient each TP rank computes only in part, from its shard
+  of the layer (its heads): LoRA's replicated factors and the per-head q/k norms (Gemma 3).
+  Summed over TP at every layout."""
+  return is_tp_replicated(name) and (lora.is_adapter(name) or _module(name) in HEAD_NORMS)
 
 
 def is_sequence_parallel_replicated(name):
   """Replicated parameters applied to sequence shards under SP: their grads need a TP sum."""
-  return is_tp_replicated(name) and name != 'embed_positions.weight' and not lora.is_adapter(name)
+  return is_tp_replicated(name) and name != 'embed_positions.weight' and not is_tp_partial(name)
 
 
 def _split(size, parts, index):

@@ -15,7 +15,8 @@ STEPS = 10
 
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
-                  objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False):
+                  objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
+                  family=None):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -35,6 +36,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   c.model.qkv_bias = qkv_bias                # Qwen2's biases on q, k, v only
   if rope_llama3:                            # Llama 3.1's RoPE scaling
     c.model.rope_scaling.update(dict(type='llama3', factor=8.0, original_max_position_embeddings=8))
+  if family:                                 # model/hf.py's families' blocks (tests/test_hf.py checks them vs HF)
+    apply_family(c.model, family)
   d.collective_timeout_s = 120
   if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
     peft = c.model_alignment_strategy.peft
@@ -45,6 +48,21 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
     c.model_alignment_strategy.dpo.precompute_ref_log_probs = precompute
     c.trainer.gradient_clip_val = 0.02 if lora else 0.1   # DPO's first grad norms: ~0.3, ~0.04 with LoRA
   return c
+
+
+def apply_family(model, family):
+  """Mistral: every layer a sliding window shorter than the sequence (16); Gemma 3: its block
+  (GeGLU, (1 + w) norms, q/k norms, sandwich norms, scaled embeddings and scores, tied
+  tables), local and global layers alternating with their own RoPE bases, head_dim != h / a."""
+  model.sliding_window = 5
+  model.architecture = family
+  if family == 'gemma3':
+    model.activation = 'geglu'
+    model.rmsnorm_unit_offset = model.qk_norm = model.sandwich_norm = model.scale_embeddings = True
+    model.share_embeddings_and_output_weights = True
+    model.head_dim, model.query_pre_attn_scalar = 16, 12
+    model.layer_types = ('sliding_attention', 'full_attention') * (model.num_layers // 2)
+    model.rope_theta, model.rope_local_theta = 1e6, 1e4
 
 
 def train_on_rank(workdir, layout):
@@ -103,7 +121,7 @@ def reference(tmp_path_factory, **model_layout):
 
 # what the reference run depends on
 MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
-              'qkv_bias', 'rope_llama3')
+              'qkv_bias', 'rope_llama3', 'family')
 
 
 def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,

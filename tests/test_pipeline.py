@@ -12,6 +12,7 @@ LAYOUTS = {
     'pp2_uneven_cuts': (2, {'pp': 2, 'cuts': (1,), 'layers': 4}),
     'pp2_tied_embeddings': (2, {'pp': 2, 'layers': 4, 'tied': True}),
     'tp2_pp2_dp2_sp': (8, {'tp': 2, 'sp': True, 'pp': 2, 'layers': 4}),
+    'pp2_gemma3_lora': (2, {'pp': 2, 'layers': 4, 'family': 'gemma3', 'lora': 4}),   # layer types per stage
 }
 
 

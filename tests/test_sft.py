@@ -378,6 +378,7 @@ SFT_LAYOUTS = {
     'sft_tp2': (2, {'tp': 2}),
     'sft_pp2': (2, {'pp': 2}),
     'sft_dp2_zero1': (2, {'zero1': True}),
+    'sft_tp2_mistral': (2, {'tp': 2, 'family': 'mistral'}),   # sliding window inside packed documents
 }
 
 

