@@ -30,7 +30,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
                    explicit  w 3 N a' d  q, k, v repeated to a' heads + 4 b a' s^2 softmax
                              (fp32) [+ w b a' s^2  the probs matmul's input: dropped, or a
                              16-bit copy] + s^2 causal mask + w N a' d  o_proj input
-    MLP            swiglu 4 w N f' (gate, up, silu(gate), product) | gelu 2 w N f'
+    MLP            swiglu / geglu 4 w N f' (gate, up, act(gate), product) | gelu 2 w N f'
+    (Gemma's q/k and sandwich norms are not counted: a few w Nh more per layer)
     dropout masks  2 Nh/σ residual + N f' ffn + b a' s^2 attention (*)
 
   Recompute keeps a region's inputs instead of its insides: selective 'attention' keeps
@@ -68,7 +69,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
     norm = (4 + w) * local * h + 4 * local     # rms_norm computes in fp32
   else:
     norm = w * (local * h + 2 * local)
-  swiglu = m.activation == 'swiglu'
+  swiglu = m.activation in layers.GATED       # swiglu or geglu: gate, up, act(gate), product
 
   attention = norm + w * n * h * (3 if copies else 1) + w * n * heads * d + hidden_mask
   dropped = m.attention_dropout > 0

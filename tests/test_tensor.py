@@ -93,4 +93,9 @@ def test_classification_of_replicated_parameters():
   assert not tensor.is_tp_replicated('lm_head.weight')
   assert tensor.is_sequence_parallel_replicated('norm.weight')
   assert not tensor.is_sequence_parallel_replicated('embed_positions.weight')
+  # Gemma 3's per-head norms: replicated, each rank's gradient covers its heads only
+  for name in ('layers.0.self_attn.q_norm.weight', 'layers.0.self_attn.k_norm.weight'):
+    assert tensor.is_tp_replicated(name) and tensor.is_tp_partial(name)
+    assert not tensor.is_sequence_parallel_replicated(name)      # summed once, not twice under SP
+  assert not tensor.is_tp_partial('layers.0.pre_feedforward_layernorm.weight')
   assert comm.group_size(None) == 1
