@@ -268,8 +268,11 @@ def config_to_hf(model_cfg) -> dict:
   if family == 'mistral':
     out['sliding_window'] = window or None
   if family == 'qwen2':
+    types = list(transformer.layer_types(m))
+    # Older readers take the layers from max_window_layers on as sliding (5.x reads layer_types)
+    first_sliding = types.index('sliding_attention') if 'sliding_attention' in types else m.num_layers
     out.update(use_sliding_window=bool(window), sliding_window=window or None,
-               max_window_layers=m.num_layers, layer_types=list(transformer.layer_types(m)))
+               max_window_layers=first_sliding, layer_types=types)
   return out
 
 
