@@ -4,7 +4,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 
-.PHONY: train sft lora dpo test bench clean
+.PHONY: train sft lora dpo test test-xla bench clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -50,6 +50,21 @@ dpo: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q tests $(ARGS)
+
+# The XLA lane: torch 2.9.0 + torch_xla 2.9.0 in their own environment (~7 GB, a few minutes
+# once), the loop on torch-xla's CPU PJRT client (tests/test_xla.py). .ci/run runs it after
+# `make test`; SKIP_XLA=1 .ci/run skips it.
+XVENV   := .venv-xla
+XSTAMP  := $(XVENV)/.installed
+
+$(XSTAMP): requirements-xla.txt
+	test -x $(XVENV)/bin/python || $(PY) -m venv $(XVENV)
+	$(XVENV)/bin/python -m pip install --quiet --upgrade pip
+	$(XVENV)/bin/python -m pip install --quiet -r requirements-xla.txt
+	touch $(XSTAMP)
+
+test-xla: $(XSTAMP)
+	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -q tests/test_xla.py $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) tools/bench.py --config=configs/llama_tiny.py $(ARGS)

@@ -24,7 +24,7 @@ from model import hf, lora, objectives, transformer
 from optim import schedules, update
 from parallel import (comm, grads, memory, mesh as meshes, passes, pipeline, precision,
                       reference as references, tensor)
-from parallel import device as devices
+from parallel import device as devices, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
@@ -48,11 +48,34 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
                        config.trainer.max_steps, config.model.hidden_size)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss)
+  if torch.is_tensor(updated):            # XLA: a device bool, read on log steps (_check_skips)
+    return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated, 'metrics': metrics}
   if not updated and config.trainer.nonfinite_policy == 'error':
-    raise FloatingPointError(
-        f'non-finite loss or gradient at step {step + 1} (loss={loss.item()}, grad_norm={grad_norm.item()}); '
-        'lower model.optim.lr, check the data, or set trainer.nonfinite_policy=skip')
+    raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')
   return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not updated, 'metrics': metrics}
+
+
+def nonfinite_error(step, values=''):
+  return FloatingPointError(f'non-finite loss or gradient at step {step + 1}{values}; lower model.optim.lr, '
+                            'check the data, or set trainer.nonfinite_policy=skip')
+
+
+def _check_skips(flags, skips, t):
+  """Warn about and count skipped updates, given [(step, skipped)] in order (one step on eager
+  devices; on XLA the steps since the last log step, read in one transfer). Returns the
+  number of skips in a row; raises at the limit, or at once under nonfinite_policy=error."""
+  for step, skipped in flags:
+    if skipped and t.nonfinite_policy == 'error':
+      raise nonfinite_error(step)
+    skips = skips + 1 if skipped else 0
+    if skipped:
+      logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
+                      'is trainer.max_consecutive_skips=%d)', step + 1, skips, t.max_consecutive_skips)
+      if skips >= t.max_consecutive_skips:
+        raise FloatingPointError(
+            f'{skips} steps in a row had a non-finite loss or gradient (the last: step {step + 1}); '
+            'lower model.optim.lr, check the data, or raise trainer.max_consecutive_skips')
+  return skips
 
 
 @torch.no_grad()
@@ -167,6 +190,8 @@ def run(config, workdir):
   config_validation.validate(config, world_size)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)
+  for key, value, effect in xla.configure(config, config.device):   # before the XLA runtime starts
+    logging.info('%s=%s: %s', key, value, effect)
   mesh = meshes.init(config)
   lead = mesh.rank == 0                    # the one rank that prints and writes files
   if not lead:
@@ -230,24 +255,27 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
   tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   window_start, window_steps, record, skips, stopped = time.perf_counter(), 0, {}, 0, None
+  lazy = mesh.device.type == 'xla'
+  pending, compiled = [], None          # XLA: skip flags not yet read; graphs compiled after step 2
   for step in range(start_step, t.max_steps):
     out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
                      reference)
+    devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
     consumed_samples += config.data.global_batch_size
     window_steps += 1
-    skips = skips + 1 if out['skipped'] else 0
-    if out['skipped']:
-      logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
-                      'is trainer.max_consecutive_skips=%d)', step + 1, skips, t.max_consecutive_skips)
-      if skips >= t.max_consecutive_skips:
-        raise FloatingPointError(
-            f'{skips} steps in a row had a non-finite loss or gradient (the last: step {step + 1}); '
-            'lower model.optim.lr, check the data, or raise trainer.max_consecutive_skips')
+    pending.append((step, out['skipped']))
     last = step + 1 == t.max_steps
-    if every(step + 1, t.log_every_n_steps) or last:
+    logging_step = every(step + 1, t.log_every_n_steps) or last
+    if not lazy or logging_step:
+      flags = [f for _, f in pending]
+      if lazy:                          # one transfer of the window's flags, already computed
+        flags = list(devices.to_host(dict(enumerate(flags))).values())
+      skips = _check_skips([(s, bool(f)) for (s, _), f in zip(pending, flags)], skips, t)
+      out['skipped'], pending = bool(flags[-1]), []
+    if logging_step:
       devices.synchronize(mesh.device)
       elapsed = (time.perf_counter() - window_start) / window_steps
       tokens_per_sec = tokens_per_step / elapsed
@@ -260,6 +288,13 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
       record.update({k: v.item() for k, v in out['metrics'].items()})
       if config.exp_manager.log_parameter_norm:
         record['param_norm'] = grads.global_norm(params, mesh).item()
+      if lazy:
+        record['xla_compiles'] = compiles = xla.compiles()
+        if compiled is not None and compiles > compiled:
+          logging.warning('step %d: XLA compiled %d new graph(s) since the last log step (a shape or '
+                          'a Python value changed inside the step)', step + 1, compiles - compiled)
+        if step >= start_step + 1:
+          compiled = compiles
       logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
                    '%.3f s/step | ETA %s', step + 1, t.max_steps, record['loss'], record['lr'],
                    record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
@@ -276,6 +311,8 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
       log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples, **val_metrics})
       record.update(val_loss=val_loss, **val_metrics)
       window_start = time.perf_counter()    # validation time is not training throughput
+      if lazy and compiled is not None:     # validation's own graph is not a training recompile
+        compiled = xla.compiles()
     stopped = None if last else checkpoints.stop_reason(step + 1)
     checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None)
     if stopped:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import storage, store
+from parallel import device as devices
 
 FORMAT_VERSION = 1
 MARKER = 'COMMITTED'
@@ -136,7 +137,7 @@ class CheckpointManager:
     mine = [name for name, lay in layout.items() if lay.box_of(self.rank) is not None]
     if missing := sorted(set(mine) - set(arrays)):
       raise ValueError(f'rank {self.rank} writes {missing[:5]} (layout) but was not given them')
-    host = {name: arrays[name].detach().to('cpu', copy=self.async_save) for name in mine}
+    host = devices.to_host({name: arrays[name] for name in mine}, copy=self.async_save)
     if not self.async_save:
       self._write(step, host, layout, meta)
       return

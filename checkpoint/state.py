@@ -16,7 +16,7 @@ import torch
 
 from checkpoint import manager as managers, store
 from model import hf, lora, transformer
-from parallel import pipeline, tensor, zero
+from parallel import device as devices, pipeline, tensor, zero
 
 
 def _rank_mesh(mesh, rank):
@@ -126,6 +126,9 @@ class StateLayout:
     tensors = lora.merged(params, self.config.model) if self.merged else params
     if not self.merged:
       tensors.update(self.updater.named_state(self.state_keys))
+    if self.mesh.device.type == 'xla':
+      # One batched transfer of whole tensors; clipping them on the device would compile a graph.
+      tensors = devices.to_host(tensors)
     out = {}
     for array, param, kind in self._arrays():
       box = self._box(param, kind, self.mesh.rank)

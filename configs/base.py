@@ -18,6 +18,13 @@ def get_config(arg=None):
   c.seed = 1234                      # root of every keyed random draw (init, data, dropout)
   c.device = 'auto'                  # auto | cpu | cuda | xla  (auto: cuda if present, else cpu)
   c.model_source = 'megatron'        # megatron | hf: with hf the model section comes from model.model_config
+  # NxD Training's compiler / runtime keys (parallel/xla.py maps them; reported at start-up where
+  # they do nothing): neuronx-cc flags, a persistent compilation cache, Neuron runtime settings.
+  c.compiler_flags = ''
+  c.compiler_cache_url = ''
+  c.aync_exec_max_inflight_requests = 0   # (sic: NxD's spelling)
+  c.neuron_rt_exec_timeout = 0
+  c.neuron_experimental_compress_rg = False
 
   c.trainer = config_dict.ConfigDict()
   trainer = c.trainer

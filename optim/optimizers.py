@@ -4,6 +4,8 @@ Weight decay skips norm weights and all biases unless do_layer_norm_weight_decay
 Embeddings and the LM head are decayed, as in Megatron. Each parameter group carries its
 parameters' names (torch's `param_names`), so optimizer state dicts say which tensor is which.
 """
+import inspect
+
 import torch
 
 OPTIMIZERS = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adadelta', 'adamax', 'adagrad', 'rmsprop',
@@ -106,6 +108,9 @@ def make_optimizer(params: dict, optim_cfg) -> torch.optim.Optimizer:
   cls, keys = _BUILDERS[optim_cfg.name]
   kwargs = {k: tuple(optim_cfg[k]) if k == 'betas' else float(optim_cfg[k]) for k in keys}
   kwargs.pop('weight_decay', None)  # set per group
+  on_xla = any(p.device.type == 'xla' for p in params.values())
+  if on_xla and 'capturable' in inspect.signature(cls.__init__).parameters:
+    kwargs['capturable'] = True     # the step count on the device: no host value inside the graph
   return cls(param_groups(params, optim_cfg, 'weight_decay' in keys), **kwargs)
 
 

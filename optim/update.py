@@ -85,24 +85,50 @@ class Updater:
 
   def step(self, gradients, lr, step, loss=None):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.
-    Returns (grad norm, whether the update happened): the one host sync of a step."""
+    Returns (grad norm, whether the update happened): the one host sync of a step on eager
+    devices; on XLA a device bool (read on log steps)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
     owned = zero.reduce_scatter_rows(gradients, self.rows, self.parts, self.group)
     norm = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
-    ok = bool(finite)
-    if ok:
-      if not self.recipe.master_weights and self.recipe.param_dtype != torch.float32:
-        for n, m in self.master.items():     # bf16SR: the bf16 parameter is the only copy
-          m.copy_(self._owned(n))
-      for n, m in self.master.items():
-        m.grad = owned[n]
-      self.optimizer.step()
-      zero.all_gather_rows({n: self._rounded(n, step) for n in self.master}, self.params, self.rows,
-                           self.parts, self.group)
+    if norm.device.type == 'xla':
+      # No host sync inside a traced step: update, then keep the old values where the step
+      # was not finite (a select in the graph). `ok` stays a device tensor.
+      self._update(owned, step, keep_if_not=finite)
+      ok = finite
+    else:
+      ok = bool(finite)
+      if ok:
+        self._update(owned, step)
     self._clear()
     return norm, ok
+
+  def _update(self, owned, step, keep_if_not=None):
+    if not self.recipe.master_weights and self.recipe.param_dtype != torch.float32:
+      for n, m in self.master.items():     # bf16SR: the bf16 parameter is the only copy
+        m.copy_(self._owned(n))
+    if keep_if_not is not None:
+      before = {id(t): t.clone() for t in self._state_tensors()}
+    for n, m in self.master.items():
+      m.grad = owned[n]
+    self.optimizer.step()
+    if keep_if_not is not None:
+      with torch.no_grad():
+        for t in self._state_tensors():      # state made by this step falls back to zeros
+          old = before.get(id(t))
+          t.copy_(torch.where(keep_if_not, t, old if old is not None else torch.zeros_like(t)))
+    # Without ZeRO-1 an fp32 master is the parameter itself (a view of all its rows): no copy back.
+    rounded = {n: self._rounded(n, step) for n in self.master
+               if self.group is not None or self.has_master_copy(n)}
+    zero.all_gather_rows(rounded, self.params, self.rows, self.parts, self.group)
+
+  def _state_tensors(self):
+    """Masters and every optimizer state tensor on the masters' device."""
+    out = list(self.master.values())
+    for state in self.optimizer.state.values():
+      out += [v for v in state.values() if torch.is_tensor(v) and v.device == out[0].device]
+    return out
 
   def _rounded(self, name, step):
     m = self.master[name]
@@ -168,13 +194,15 @@ class Updater:
         if key not in state:
           state[key] = torch.zeros_like(m, dtype=value.dtype)
         state[key][:value.shape[0]].copy_(value)
-        state['step'] = torch.tensor(float(optimizer_step))
+        # capturable optimizers (XLA) keep the step count on the parameter's device
+        on = m.device if self.optimizer.defaults.get('capturable') else 'cpu'
+        state['step'] = torch.tensor(float(optimizer_step), device=on)
 
   def refresh_masters(self):
     """After parameters were loaded: masters that are copies take the parameters' rows."""
     with torch.no_grad():
       for n, m in self.master.items():
-        if m.untyped_storage().data_ptr() != self.params[n].untyped_storage().data_ptr():
+        if self.has_master_copy(n):
           m.copy_(self._owned(n).float())
 
   def state_bytes(self):

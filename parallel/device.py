@@ -1,11 +1,13 @@
 """The device layer: which device, which collective backend, and the peak FLOP/s for MFU.
 
-cpu (gloo) and cuda (nccl) are real today; xla (torch-xla: Trainium, TPU) is resolved
-lazily so the core never imports torch_xla unless asked to.
+cpu (gloo), cuda (nccl) and xla (torch-xla: Trainium, TPU; parallel/xla.py) share one path;
+torch_xla is imported only when the device is an XLA one.
 """
 import time
 
 import torch
+
+from parallel import xla
 
 # Dense bf16 datasheet peaks (never sparse), matched against torch.cuda.get_device_name().
 CUDA_PEAK_BF16 = (('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('L40S', 362e12),
@@ -22,10 +24,10 @@ def resolve(name: str, local_rank: int = 0) -> torch.device:
     return torch.device('cuda', local_rank)
   if name == 'xla':
     try:
-      import torch_xla.core.xla_model as xm  # pylint: disable=import-outside-toplevel
+      import torch_xla  # pylint: disable=import-outside-toplevel,unused-import
     except ImportError as e:
-      raise RuntimeError('device=xla needs torch-xla (its own environment: see README)') from e
-    return xm.xla_device()
+      raise RuntimeError('device=xla needs torch-xla (its own environment: make test-xla, see README)') from e
+    return xla.device()
   return torch.device('cpu')
 
 
@@ -38,9 +40,24 @@ def synchronize(device: torch.device):
   if device.type == 'cuda':
     torch.cuda.synchronize(device)
   elif device.type == 'xla':
-    import torch_xla.core.xla_model as xm  # pylint: disable=import-outside-toplevel
-    xm.mark_step()
-    xm.wait_device_ops()
+    xla.step_boundary()
+    xla.wait()
+
+
+def step_boundary(device: torch.device):
+  """The end of an optimizer step: on XLA the traced step becomes one graph (compiled once,
+  then cached); eager devices have nothing to do."""
+  if device.type == 'xla':
+    xla.step_boundary()
+
+
+def to_host(tensors: dict, copy=False) -> dict:
+  """{name: CPU tensor}: XLA tensors in one batched transfer; `copy` guarantees tensors that
+  do not share memory with the originals (CPU tensors are otherwise returned as they are)."""
+  xla_names = [n for n, t in tensors.items() if t.device.type == 'xla']
+  out = xla.to_host({n: tensors[n].detach() for n in xla_names}) if xla_names else {}
+  out.update({n: t.detach().to('cpu', copy=copy) for n, t in tensors.items() if n not in out})
+  return {n: out[n] for n in tensors}
 
 
 def measured_matmul_flops(device: torch.device, dtype=torch.float32, n=1024, repeats=5) -> float:

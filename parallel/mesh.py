@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from parallel import device as devices
+from parallel import device as devices, xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,10 @@ def init(config, device_name=None) -> Mesh:
     return Mesh(device=device, kv_replicator=kv_replicator, timeout_s=d.collective_timeout_s)
   timeout = datetime.timedelta(seconds=d.collective_timeout_s)
   if not dist.is_initialized():
-    dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
+    if device.type == 'xla':
+      xla.init_process_group(timeout)         # torchrun's env; the `xla` backend's collectives
+    else:
+      dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
   # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
   make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
   groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, kv_replicator=kv_replicator), rank, make_group)

@@ -110,7 +110,8 @@ def _splitmix64_(seed, index):
   neighbours. int64 multiplies and adds wrap mod 2^64, exactly like the uint64 original.
   In-place ops keep it to one temporary per shift: it is memory-bound.
   """
-  z = index.add_(1).mul_(_GOLDEN_GAMMA).add_(_int64(seed))
+  # The seed as a tensor, not a Python int: on XLA a changing scalar would be a new graph per step.
+  z = index.add_(1).mul_(_GOLDEN_GAMMA).add_(torch.tensor(_int64(seed), dtype=torch.int64, device=index.device))
   z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX_1)
   z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX_2)
   return z.bitwise_xor_(_shift_right(z, 31))

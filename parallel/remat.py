@@ -12,15 +12,19 @@ bitwise those of no recompute. What each mode keeps per layer: parallel/memory.p
 import dataclasses
 from typing import Callable
 
+import torch
 import torch.utils.checkpoint
 
 from model import layers
+from parallel import xla
 
 PARTS = ('attention', 'mlp')
 
 
 def checkpointed(fn, *args):
   # Dropout draws from keyed generators, never the global RNG: no RNG state to stash.
+  if any(torch.is_tensor(a) and a.device.type == 'xla' for a in args):
+    return xla.checkpoint(fn, *args)        # torch.utils.checkpoint fails under torch-xla
   return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 

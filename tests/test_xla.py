@@ -1,0 +1,156 @@
+"""parallel/xla.py and the loop on XLA. The runtime keys' mapping runs everywhere; the rest needs
+torch-xla (`make test-xla`: its own environment, the CPU PJRT client) and runs each case as
+`train.py` in a subprocess with a timeout: XLA equals eager CPU, one compile per graph, bf16
+recipes, recompute, checkpoints from and to the device with exact resume."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from configs import base
+from parallel import xla
+from tests import procs
+
+STEPS = 10
+slow = pytest.mark.timeout(900)       # compiles on two shared cores: minutes, not the suite's 300 s
+
+
+# --- runtime keys (no torch-xla needed) --------------------------------------------------
+
+
+def _settings_config(**keys):
+  c = base.get_config()
+  for key, value in keys.items():
+    c[key] = value
+  return c
+
+
+def test_runtime_keys_are_reported_not_applicable_off_neuron(monkeypatch):
+  monkeypatch.setenv('PJRT_DEVICE', 'CPU')
+  c = _settings_config(compiler_flags='--model-type transformer', neuron_rt_exec_timeout=600,
+                       compiler_cache_url='/tmp/cache')
+  cpu = {key: effect for key, _, effect in xla.runtime_settings(c, 'cpu')}
+  assert set(cpu) == {'compiler_flags', 'neuron_rt_exec_timeout', 'compiler_cache_url'}
+  assert all(effect.startswith('not applicable') for effect in cpu.values())
+  on_xla = {key: effect for key, _, effect in xla.runtime_settings(c, 'xla')}
+  assert 'NEURON_CC_FLAGS' in on_xla['compiler_flags'] and 'xla (CPU)' in on_xla['compiler_flags']
+  assert on_xla['compiler_cache_url'].startswith('persistent compilation cache')
+  assert xla.runtime_settings(base.get_config(), 'xla') == []       # unset keys say nothing
+
+
+def test_runtime_keys_set_the_neuron_environment(monkeypatch):
+  monkeypatch.setenv('PJRT_DEVICE', 'NEURON')
+  for env in xla.NEURON_ENV.values():
+    monkeypatch.delenv(env, raising=False)
+  c = _settings_config(compiler_flags='--model-type transformer -O1', aync_exec_max_inflight_requests=7,
+                       neuron_rt_exec_timeout=600, neuron_experimental_compress_rg=True)
+  settings = xla.configure(c, 'xla')
+  assert [effect for _, _, effect in settings] == [f'sets {env}' for env in xla.NEURON_ENV.values()]
+  assert os.environ['NEURON_CC_FLAGS'] == '--model-type transformer -O1'
+  assert os.environ['NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS'] == '7'
+  assert os.environ['NEURON_RT_EXEC_TIMEOUT'] == '600'
+  assert os.environ['NEURON_EXPERIMENTAL_COMPRESS_RG'] == '1'
+
+
+# --- the loop on an XLA device (torch-xla's CPU client) -------------------------------------
+
+
+def _train(workdir, device, *flags, timeout=420):
+  """train.py on llama_tiny:test in a subprocess; (metrics records, stderr)."""
+  env = dict(os.environ, PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1', OMP_NUM_THREADS='1')
+  out = procs.run([sys.executable, 'train.py', '--config=configs/llama_tiny.py:test', f'--workdir={workdir}',
+                   f'--config.device={device}', f'--config.trainer.max_steps={STEPS}',
+                   '--config.trainer.log_every_n_steps=1', '--config.exp_manager.create_tensorboard_logger=False',
+                   '--config.exp_manager.create_checkpoint_callback=True', *flags],
+                  timeout=timeout, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f], out.stderr
+
+
+def _losses(records):
+  return [r['loss'] for r in records if 'loss' in r]
+
+
+def _final_params(workdir):
+  from checkpoint import state  # pylint: disable=import-outside-toplevel
+  _, params = state.read_model(os.path.join(workdir, 'checkpoints'))
+  return {n: p.float().numpy() for n, p in params.items()}
+
+
+@pytest.fixture(scope='module')
+def eager_fp32(tmp_path_factory):
+  pytest.importorskip('torch_xla')
+  workdir = str(tmp_path_factory.mktemp('cpu'))
+  records, _ = _train(workdir, 'cpu')
+  return _losses(records), _final_params(workdir)
+
+
+@slow
+def test_xla_trains_like_eager_cpu(eager_fp32, tmp_path):
+  """fp32, 10 steps of llama_tiny: losses and final parameters equal eager CPU's (the parity
+  tests' tolerance), after a checkpoint saved from the device."""
+  records, _ = _train(str(tmp_path), 'xla')
+  losses, params = _losses(records), _final_params(str(tmp_path))
+  ref_losses, ref_params = eager_fp32
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  worst = max(float(np.abs(params[n] - ref_params[n]).max()) for n in ref_params)
+  print(f'XLA vs eager CPU, fp32, {STEPS} steps: worst relative loss error '
+        f'{max(abs(a - b) / b for a, b in zip(losses, ref_losses)):.2e}, worst parameter error {worst:.2e}')
+  for n in ref_params:
+    np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-5, atol=1e-5, err_msg=n)
+
+
+@slow
+def test_no_recompile_after_the_second_step(tmp_path):
+  """20 steps with logging every step, validation every 5 (after a sanity pass) and a
+  checkpoint at step 10: the compile count never moves after step 2."""
+  pytest.importorskip('torch_xla')
+  records, _ = _train(str(tmp_path), 'xla', '--config.trainer.max_steps=20', '--config.trainer.val_check_interval=5',
+                      '--config.trainer.num_sanity_val_steps=1',
+                      '--config.exp_manager.checkpoint_callback_params.every_n_train_steps=10')
+  counts = {r['step']: r['xla_compiles'] for r in records if 'xla_compiles' in r}
+  assert sorted(counts) == list(range(1, 21))
+  print(f'XLA compiles after steps 1, 2 and 20: {counts[1]}, {counts[2]}, {counts[20]}')
+  for step in range(3, 21):
+    assert counts[step] == counts[2], f'step {step} recompiled: {counts[step] - counts[2]} new graph(s)'
+  assert any('val_loss' in r for r in records)
+  assert os.path.isdir(os.path.join(str(tmp_path), 'checkpoints'))
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize('recipe', ['bf16SR', 'mixed_precision'])
+def test_bf16_recipes_train_on_xla(recipe, tmp_path):
+  """bf16 with stochastic rounding, and bf16 with fp32 masters: they train on XLA, close to eager."""
+  pytest.importorskip('torch_xla')
+  # 4 steps: stochastic rounding's bit reinterpretation (view as int32) falls back to the CPU on
+  # torch-xla 2.9, so the first two steps compile a few graphs per parameter shape (cached after).
+  records, stderr = _train(str(tmp_path), 'xla', f'--config.precision.type={recipe}', '--config.trainer.max_steps=4',
+                           '--config.model.optim.sched.warmup_steps=1', timeout=1100)
+  losses, counts = _losses(records), [r['xla_compiles'] for r in records if 'xla_compiles' in r]
+  print(f'{recipe} on XLA: losses {losses}, compiles after each step {counts}')
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.3, losses
+  assert counts[2:] == [counts[1]] * (len(counts) - 2) and 'new graph' not in stderr
+
+
+@slow
+def test_full_recompute_on_xla_equals_no_recompute(eager_fp32, tmp_path):
+  """torch_xla's checkpoint under model.activations_checkpoint_granularity=full: the same steps."""
+  records, _ = _train(str(tmp_path), 'xla', '--config.model.activations_checkpoint_granularity=full')
+  np.testing.assert_allclose(_losses(records), eager_fp32[0], rtol=1e-5)
+
+
+@slow
+def test_resume_on_xla_is_exact(tmp_path):
+  """Stop at step 5 (checkpoint from the device), resume to 10 (load to the device): the final
+  parameters equal an uninterrupted run's bit for bit."""
+  pytest.importorskip('torch_xla')
+  straight, resumed = str(tmp_path / 'straight'), str(tmp_path / 'resumed')
+  _train(straight, 'xla')
+  _train(resumed, 'xla', '--config.trainer.exit_interval=5')
+  _train(resumed, 'xla', '--config.exp_manager.resume_if_exists=True')
+  a, b = _final_params(straight), _final_params(resumed)
+  for n in a:
+    np.testing.assert_array_equal(a[n], b[n], err_msg=n)
