@@ -154,3 +154,37 @@ def test_resume_on_xla_is_exact(tmp_path):
   a, b = _final_params(straight), _final_params(resumed)
   for n in a:
     np.testing.assert_array_equal(a[n], b[n], err_msg=n)
+
+
+NONFINITE_STEP = '''
+import torch, torch_xla, train
+from configs import llama_tiny
+from data.loader import Loader
+from model import transformer
+from optim import update
+from parallel import mesh as meshes, tensor
+c = llama_tiny.get_config('test')
+c.trainer.nonfinite_policy = 'skip'
+mesh = meshes.Mesh(device=torch_xla.device())
+params = transformer.init(c.model, 0, device=mesh.device)
+with torch.no_grad():
+  params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
+before = {k: v.detach().cpu().clone() for k, v in params.items()}
+updater = update.Updater(params, c, mesh)
+out = train.train_step(params, updater, Loader(c).global_batch(0), c, 0, mesh, tensor.make_ops(mesh))
+torch_xla.sync()
+assert torch.is_tensor(out['skipped']) and bool(out['skipped'].cpu())
+for k, v in params.items():
+  torch.testing.assert_close(v.detach().cpu(), before[k], equal_nan=True, rtol=0, atol=0)
+print('skipped in the graph')
+'''
+
+
+@slow
+def test_nonfinite_update_is_skipped_in_the_graph():
+  """On XLA the finite check is no host sync: the update runs and is selected away in the
+  graph, leaving parameters (and optimizer state) exactly as they were."""
+  pytest.importorskip('torch_xla')
+  out = procs.run([sys.executable, '-c', NONFINITE_STEP], timeout=600,
+                  env=dict(os.environ, PJRT_DEVICE='CPU', PYTHONPATH=procs.ROOT))
+  assert out.returncode == 0 and 'skipped in the graph' in out.stdout, out.stderr[-3000:]
