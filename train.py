@@ -48,11 +48,11 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
                        config.trainer.max_steps, config.model.hidden_size)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss)
-  if torch.is_tensor(updated):            # XLA: a device bool, read on log steps (_check_skips)
-    return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated, 'metrics': metrics}
-  if not updated and config.trainer.nonfinite_policy == 'error':
+  lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
+  if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
     raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')
-  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': not updated, 'metrics': metrics}
+  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated if lazy else not updated,
+          'metrics': metrics}
 
 
 def nonfinite_error(step, values=''):

@@ -65,10 +65,9 @@ def configure(config, device_name):
   if device_name != 'xla':
     return settings
   neuron = pjrt_device() == 'NEURON'
-  for key, env in NEURON_ENV.items():
-    value = config.get(key)
-    if neuron and value not in (None, '', 0, False):
-      os.environ[env] = str(int(value) if isinstance(value, bool) else value)
+  for key, value, effect in settings:      # runtime_settings already decided what each key does
+    if key in NEURON_ENV and effect.startswith('sets '):
+      os.environ[NEURON_ENV[key]] = str(int(value) if isinstance(value, bool) else value)
   url = config.get('compiler_cache_url')
   if url:
     if neuron:
