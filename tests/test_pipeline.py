@@ -13,6 +13,9 @@ LAYOUTS = {
     'pp2_tied_embeddings': (2, {'pp': 2, 'layers': 4, 'tied': True}),
     'tp2_pp2_dp2_sp': (8, {'tp': 2, 'sp': True, 'pp': 2, 'layers': 4}),
     'pp2_gemma3_lora': (2, {'pp': 2, 'layers': 4, 'family': 'gemma3', 'lora': 4}),   # layer types per stage
+    # Mistral's sliding windows with Qwen2's q/k/v biases (and Llama 3.1's RoPE scaling) over stages
+    'pp2_mistral_qwen2_llama3_rope': (2, {'pp': 2, 'layers': 4, 'family': 'mistral', 'qkv_bias': True,
+                                          'rope_llama3': True}),
 }
 
 
