@@ -43,7 +43,8 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
                                                   reference=reference)
   gradients = updater.gradients()
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
-             config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp)
+             config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp,
+             bucket_bytes=updater.bucket_bytes)
   lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
                        config.trainer.max_steps, config.model.hidden_size)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
@@ -137,6 +138,8 @@ def summary(config, mesh, sizes, est):
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
       f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),
+      f'precision {config.precision.type}: {memory.state_bytes_per_param(est, sizes):.1f} bytes/param on this rank '
+      '(params + grads + master + optimizer state)',
   ]
   peft = lora.settings(m)
   if peft is not None:

@@ -2,7 +2,8 @@
 
 Arrays (each stored once, in its global logical shape; vocab tables unpadded):
   <param name>               parameters, e.g. layers.3.mlp.up_proj.weight
-  master.<param name>        fp32 master weights (only where parameters are bf16)
+  master.<param name>        fp32 master weights (only where parameters are bf16 and the recipe
+                             keeps masters: mixed_precision)
   optim.<key>.<param name>   optimizer state tensors (exp_avg, exp_avg_sq, ...)
 The box of each array that a rank holds is a pure function of (config, mesh, rank), so every
 rank computes the whole layout and a checkpoint written at one layout loads at any other:
@@ -84,15 +85,18 @@ class StateLayout:
 
   def _dtype(self, array):
     """Identical on every rank: parameters in their dtype (the recipe's; LoRA adapters fp32),
-    masters and optimizer state fp32 (the optimizer runs on fp32 rows)."""
-    if array.startswith(('master.', 'optim.')):
+    masters fp32, optimizer state in the recipe's state dtype (bf16SR: bf16)."""
+    if array.startswith('master.'):
       return 'float32'
+    if array.startswith('optim.'):
+      param = array.split('.', 2)[2]
+      return str(self.updater.recipe.state_dtype(self._param_dtype(param))).removeprefix('torch.')
     return str(self._param_dtype(array)).removeprefix('torch.')
 
   def _arrays(self):
     """(array name, param name, kind) for every array of the checkpoint."""
     out = [(n, n, 'param') for n in self.names]
-    out += [(f'master.{n}', n, 'shard') for n in self.trained if self._param_dtype(n) != torch.float32]
+    out += [(f'master.{n}', n, 'shard') for n in self.trained if self.updater.recipe.has_master(self._param_dtype(n))]
     out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in self.trained]
     return out
 

@@ -25,6 +25,7 @@ def get_config(arg=None):
   c.aync_exec_max_inflight_requests = 0   # (sic: NxD's spelling)
   c.neuron_rt_exec_timeout = 0
   c.neuron_experimental_compress_rg = False
+  c.bucket_size_collectives = 32.0   # MiB: DP gradient all-reduce and ZeRO-1's collectives go through flat buffers of this size
 
   c.trainer = config_dict.ConfigDict()
   trainer = c.trainer
@@ -59,6 +60,7 @@ def get_config(arg=None):
   strategy.tensor_model_parallel_size = 1     # TP degree t (ranks sharing each layer); heads, ffn, vocab divide by t
   strategy.pipeline_model_parallel_size = 1   # PP degree p (stages of contiguous layers)
   strategy.virtual_pipeline_model_parallel_size = 1  # interleaved chunks v per PP rank (1 = plain 1F1B)
+  strategy.deallocate_pipeline_outputs = False  # free a stage's output once sent (its autograd node stays)
   strategy.pipeline_cuts = ()                 # explicit stage boundaries as layer indices; () = even split
   strategy.sequence_parallel = False          # shard norms/dropout over the sequence inside TP groups (needs t > 1)
   strategy.zero1 = False                      # shard optimizer state + fp32 master weights over DP

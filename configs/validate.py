@@ -50,6 +50,8 @@ def check(config, world_size=1) -> list:
     problems.append('model_source=hf needs model.model_config: the path of an HF config.json '
                     '(or the model directory holding it)')
 
+  _positive(problems, 'bucket_size_collectives', config.bucket_size_collectives)
+
   # --- trainer
   _positive(problems, 'trainer.max_steps', trainer.max_steps)
   _positive(problems, 'trainer.log_every_n_steps', trainer.log_every_n_steps)

@@ -3,16 +3,19 @@
 One path for every recipe and layout. Each trainable parameter box is split by rows (dim 0,
 padded) into `parts` shards; this rank owns shard `index` (a `Rows` value). Without ZeRO-1
 there is one part and a rank owns every row; with ZeRO-1 (`distributed_strategy.zero1`) the
-parts are the DP ranks. For the rows it owns, a rank keeps the optimizer state and an fp32
-copy (the "master"; for fp32 parameters it is a view of the parameter itself, so no copy).
+parts are the DP ranks. For the rows it owns, a rank keeps the optimizer state and the rows
+the optimizer steps (the "master"): an fp32 copy with master weights (mixed_precision), else
+a view of the parameter itself, so no copy.
 A step:
   1. gradients of the owned rows: reduce-scattered over DP (ZeRO-1) or taken as they are;
   2. the global norm over them, clipping;
   3. optimizer.step() on the masters;
   4. masters rounded to the parameter dtype (nearest, or stochastically keyed by each
      element's global index, so every layout rounds alike) and all-gathered back.
-bf16SR keeps no master precision: the fp32 rows are refreshed from the bf16 parameters before
-each update. Frozen parameters (not in `trainable`) get no gradient, state or rows.
+bf16SR keeps nothing in fp32 (as NxD Training runs it: 2 bytes of parameter and 4 of moments
+per parameter): for one update the owned rows and the moments are widened to fp32 working
+copies, and after it rounded back (stochastically, keyed like the parameters). Frozen
+parameters (not in `trainable`) get no gradient, state or rows.
 """
 import typing
 
@@ -42,6 +45,7 @@ class Updater:
     self.recipe = precision.recipe(config.precision)
     zero1 = config.distributed_strategy.zero1 and mesh.dp_group is not None
     self.group = mesh.dp_group if zero1 else None
+    self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
     self.parts, self.index = (mesh.dp, mesh.dp_rank) if zero1 else (1, 0)
     self.trainable = [n for n in params if trainable is None or n in trainable]
     for name, p in params.items():
@@ -55,8 +59,8 @@ class Updater:
       for name in self.trainable:
         params[name].register_post_accumulate_grad_hook(self._accumulate_hook(name))
     self.rows = {n: owned_rows(params[n].shape[0], self.parts, self.index) for n in self.trainable}
-    # fp32 parameters are their own master: the shard is a view of the parameter's rows.
-    self.master = {n: self._owned(n) if params[n].dtype == torch.float32 else self._owned(n).float()
+    # Without a master copy the shard is a view of the parameter's rows.
+    self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
                    for n in self.trainable}
     self.optimizer = optimizers.make_optimizer(self.master, config.model.optim)
 
@@ -89,7 +93,7 @@ class Updater:
     devices; on XLA a device bool (read on log steps)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
-    owned = zero.reduce_scatter_rows(gradients, self.rows, self.parts, self.group)
+    owned = zero.reduce_scatter_rows(gradients, self.rows, self.parts, self.group, self.bucket_bytes)
     norm = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
     if norm.device.type == 'xla':
@@ -105,9 +109,7 @@ class Updater:
     return norm, ok
 
   def _update(self, owned, step, keep_if_not=None):
-    if not self.recipe.master_weights and self.recipe.param_dtype != torch.float32:
-      for n, m in self.master.items():     # bf16SR: the bf16 parameter is the only copy
-        m.copy_(self._owned(n))
+    narrow = self._widen()
     if keep_if_not is not None:
       before = {id(t): t.clone() for t in self._state_tensors()}
     for n, m in self.master.items():
@@ -119,9 +121,33 @@ class Updater:
           old = before.get(id(t))
           t.copy_(torch.where(keep_if_not, t, old if old is not None else torch.zeros_like(t)))
     # Without ZeRO-1 an fp32 master is the parameter itself (a view of all its rows): no copy back.
-    rounded = {n: self._rounded(n, step) for n in self.master
-               if self.group is not None or self.has_master_copy(n)}
-    zero.all_gather_rows(rounded, self.params, self.rows, self.parts, self.group)
+    rounded = {n: self._rounded(n, step) for n, m in self.master.items()
+               if self.group is not None or m.dtype != self.params[n].dtype}
+    self._narrow(narrow, step)
+    zero.all_gather_rows(rounded, self.params, self.rows, self.parts, self.group, self.bucket_bytes)
+
+  def _widen(self):
+    """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their
+    state for this update. Returns the names widened."""
+    narrow = [n for n, m in self.master.items() if m.dtype != torch.float32]
+    for n in narrow:
+      m = self.master[n]
+      state = self.optimizer.state.get(m, {})
+      for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == m.shape:
+          state[key] = value.float()
+      m.data = m.float()
+    return narrow
+
+  def _narrow(self, names, step):
+    """Back to the parameter's dtype: state rounded (as the parameters are), rows a view again."""
+    for n in names:
+      m = self.master[n]
+      state = self.optimizer.state[m]
+      for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == m.shape:
+          state[key] = self._round(value, n, step, key)
+      m.data = self._owned(n)
 
   def _state_tensors(self):
     """Masters and every optimizer state tensor on the masters' device."""
@@ -134,12 +160,17 @@ class Updater:
     m = self.master[name]
     if m.dtype == self.params[name].dtype:
       return m
+    return self._round(m, name, step)
+
+  def _round(self, rows, name, step, *purpose):
+    """`name`'s owned rows (or their state under key `purpose`) in the parameter dtype:
+    stochastically, keyed by global element index, where the recipe says; else nearest."""
     if self.recipe.stochastic_rounding:
       box, shape = self.placement[name]
-      rows = self.rows[name].rows
-      box = (slice(box[0].start + rows.start, box[0].start + rows.stop),) + tuple(box[1:])
-      return precision.stochastic_round_at(m, box, shape, self.config.seed, 'sr', step, name)
-    return m.to(self.recipe.param_dtype)
+      owned = self.rows[name].rows
+      box = (slice(box[0].start + owned.start, box[0].start + owned.stop),) + tuple(box[1:])
+      return precision.stochastic_round_at(rows, box, shape, self.config.seed, 'sr', step, name, *purpose)
+    return rows.to(self.params[name].dtype)
 
   def _clear(self):
     self.main_grads = {}
@@ -162,7 +193,7 @@ class Updater:
 
   def has_master_copy(self, name):
     """Whether `name`'s master is a separate fp32 copy (checkpointed as `master.<name>`)."""
-    return self.params[name].dtype != torch.float32
+    return self.recipe.has_master(self.params[name].dtype)
 
   def named_state(self, state_keys=None):
     """This rank's owned rows of masters and optimizer state under checkpoint names:
@@ -183,7 +214,7 @@ class Updater:
       for array, value in arrays.items():
         kind, rest = array.split('.', 1)
         if kind == 'master':
-          if rest in self.master:
+          if rest in self.master and self.has_master_copy(rest):
             self.master[rest][:value.shape[0]].copy_(value)
           continue
         key, name = rest.split('.', 1)
@@ -192,7 +223,7 @@ class Updater:
         m = self.master[name]
         state = self.optimizer.state[m]
         if key not in state:
-          state[key] = torch.zeros_like(m, dtype=value.dtype)
+          state[key] = torch.zeros_like(m)      # the recipe's state dtype: the master's
         state[key][:value.shape[0]].copy_(value)
         # capturable optimizers (XLA) keep the step count on the parameter's device
         on = m.device if self.optimizer.defaults.get('capturable') else 'cpu'

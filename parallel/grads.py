@@ -21,24 +21,25 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallel import comm, tensor
 
-BUCKET_BYTES = 32 * 2**20
+BUCKET_BYTES = 32 * 2**20             # the default of `bucket_size_collectives` (MiB)
 
 
-def _all_reduce_bucketed(tensors, group, name):
-  """Sum `tensors` over `group` through flat buffers of at most BUCKET_BYTES."""
+def _all_reduce_bucketed(tensors, group, name, bucket_bytes=BUCKET_BYTES):
+  """Sum `tensors` over `group` through flat buffers of about `bucket_bytes`."""
   if group is None or not tensors:
     return
   sizes = [t.numel() * t.element_size() for t in tensors]
-  for indices in comm.buckets(range(len(tensors)), sizes, BUCKET_BYTES):
+  for indices in comm.buckets(range(len(tensors)), sizes, bucket_bytes):
     bucket = [tensors[i] for i in indices]
     flat = comm.all_reduce_(_flatten_dense_tensors(bucket), group, name=name)
     for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
       dst.copy_(src)
 
 
-def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True):
+def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True, bucket_bytes=BUCKET_BYTES):
   """Sum `grads` (name -> gradient of this rank's box) in place as described above; the DP
-  sum is skipped when ZeRO-1 reduce-scatters instead (`reduce_dp=False`)."""
+  sum is skipped when ZeRO-1 reduce-scatters instead (`reduce_dp=False`). The DP sum goes
+  through flat buckets of about `bucket_bytes` (NxD's `bucket_size_collectives`)."""
   partial = [g for n, g in grads.items() if tensor.is_tp_partial(n) or
              (sequence_parallel and tensor.is_sequence_parallel_replicated(n))]
   _all_reduce_bucketed(partial, mesh.tp_group, 'all_reduce(partial replicated grads over tp)')
@@ -48,7 +49,7 @@ def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True):
   if tied_embeddings and mesh.embed_group is not None and 'embed_tokens.weight' in grads:
     comm.all_reduce_(grads['embed_tokens.weight'], mesh.embed_group, name='all_reduce(tied embedding grads)')
   if reduce_dp:
-    _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)')
+    _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)', bucket_bytes)
 
 
 def counts_once(name, mesh):

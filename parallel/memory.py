@@ -156,8 +156,9 @@ def estimate(config, sizes=None, dp=1) -> dict:
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
       'grads': trained_base * recipe.grad_acc_dtype.itemsize + n['adapters'] * 4,
-      'master': trained_base * 4 // shards if param_bytes != 4 else 0,
-      'optimizer': n['trainable'] * 4 * ADAM_STATES.get(m.optim.name, 2) // shards,
+      'master': trained_base * 4 // shards if recipe.has_master(recipe.param_dtype) else 0,
+      'optimizer': ((trained_base * recipe.state_dtype(recipe.param_dtype).itemsize + n['adapters'] * 4)
+                    * ADAM_STATES.get(m.optim.name, 2) // shards),
       'activations': (math.ceil(m.num_layers / pp) * in_flight
                       * activation_bytes_per_layer(config, param_bytes, tp) + 2 * logits * 4),
   }
@@ -165,6 +166,12 @@ def estimate(config, sizes=None, dp=1) -> dict:
     out['reference'] = out['params']       # DPO's frozen copy of the starting model
   out['total'] = sum(out.values())
   return out
+
+
+def state_bytes_per_param(est, sizes) -> float:
+  """Bytes of parameters, gradients, masters and optimizer state per parameter held
+  (fp32 16, mixed_precision 18, bf16SR 8 with Adam; ZeRO-1 divides masters and state)."""
+  return sum(est[k] for k in ('params', 'grads', 'master', 'optimizer')) / max(1, sum(sizes.values()))
 
 
 def human_bytes(n: float) -> str:

@@ -37,7 +37,8 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
   if training:
     schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
-    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype)
+    pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype,
+                          config.distributed_strategy.deallocate_pipeline_outputs)
   else:
     pipeline.run_forward_only(len(batches), stage_fn, mesh, vp, shape, recipe.param_dtype)
 

@@ -67,14 +67,14 @@ def _peer(mesh, pp_rank):
   return mesh.rank_of(mesh.dp_rank, pp_rank, mesh.tp_rank)
 
 
-def _exchange(comm_action, mesh, outbox, inbox, buffer_shape, dtype):
+def _exchange(comm_action, mesh, outbox, inbox, buffers):
   ops = []
   for op in comm_action.ops:
     key = (op.tensor, op.microbatch, op.chunk)
     if op.kind == 'send':
       ops.append(dist.P2POp(dist.isend, outbox.pop(key).contiguous(), _peer(mesh, op.peer)))
     else:
-      inbox[key] = torch.empty(buffer_shape, dtype=dtype, device=mesh.device)
+      inbox[key] = buffers.take()
       ops.append(dist.P2POp(dist.irecv, inbox[key], _peer(mesh, op.peer)))
   try:
     for request in dist.batch_isend_irecv(ops):
@@ -83,16 +83,44 @@ def _exchange(comm_action, mesh, outbox, inbox, buffer_shape, dtype):
     raise RuntimeError(f'rank {mesh.rank}: pipeline exchange {comm_action.ops} failed: {e}') from e
 
 
-def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32):
+class _Buffers:
+  """Receive buffers of one shape, reused: a buffer goes back once its backward has run."""
+
+  def __init__(self, shape, dtype, device):
+    self.shape, self.dtype, self.device, self.free = shape, dtype, device, []
+
+  def take(self):
+    return self.free.pop() if self.free else torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+  def give(self, buffer):
+    self.free.append(buffer.detach().requires_grad_(False))
+
+
+def deallocate(output):
+  """Drop a sent stage output's values, keep its autograd node (Megatron's
+  deallocate_output_tensor): backward from it needs only its shape, so it becomes a view of
+  one element at that shape."""
+  if output.grad_fn is None:               # a leaf (an input passed through): nothing to free
+    return
+  output.data = torch.empty(1, dtype=output.dtype, device=output.device).expand(output.shape)
+
+
+def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32, deallocate_outputs=False):
   """Execute one rank's action list. `stage_fn(microbatch, chunk, x_or_None) -> tensor` runs
   a chunk (x is None on virtual stage 0); on the last virtual stage it returns the
-  microbatch's scaled loss. Returns the number of forwards run (for checks)."""
+  microbatch's scaled loss. `deallocate_outputs`: free each output's values once it is sent
+  (distributed_strategy.deallocate_pipeline_outputs). Returns the number of forwards run."""
   last_stage = mesh.pp * vp - 1
   inbox, outbox, kept = {}, {}, {}
+  buffers = _Buffers(buffer_shape, dtype, mesh.device)
   forwards = 0
   for action in schedule:
     if isinstance(action, schedules.Comm):
-      _exchange(action, mesh, outbox, inbox, buffer_shape, dtype)
+      _exchange(action, mesh, outbox, inbox, buffers)
+      if deallocate_outputs:
+        for op in action.ops:
+          if op.kind == 'send' and op.tensor == 'act':
+            deallocate(kept[(op.microbatch, op.chunk)][1])
       continue
     i, c = action.microbatch, action.chunk
     vs = c * mesh.pp + mesh.pp_rank
@@ -108,9 +136,13 @@ def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32
       if vs == last_stage:
         out.backward()
       else:
-        torch.autograd.backward(out, grad_tensors=inbox.pop(('grad', i, c)))
+        grad = inbox.pop(('grad', i, c))
+        torch.autograd.backward(out, grad_tensors=grad)
+        buffers.give(grad)
       if vs != 0:
         outbox[('grad', i, c)] = x.grad
+        x.grad = None
+        buffers.give(x)
   assert not kept and not inbox and not outbox, 'schedule left work undone'
   return forwards
 

@@ -5,7 +5,7 @@
 | type              | params | compute  | master   | grad acc | reduce | param rounding to bf16
 |-------------------|--------|----------|----------|----------|--------|----------------------------
 | fp32              | fp32   | fp32     | -        | fp32     | fp32   | -
-| bf16SR            | bf16   | bf16     | -        | bf16     | bf16   | stochastic, param + update
+| bf16SR            | bf16   | bf16     | - (7)    | bf16     | bf16   | stochastic, param + update
 | mixed_precision   | bf16   | bf16     | fp32 (1) | fp32     | fp32   | nearest, master -> param
 | mixed_precisionSR | bf16   | bf16     | fp32 (1) | fp32     | fp32   | stochastic, master -> param
 | autocast          | fp32   | bf16 (2) | -        | fp32     | fp32   | -
@@ -14,7 +14,9 @@
 (1) held by the optimizer, sharded over data parallel under ZeRO-1. (2) under
 torch.autocast(bf16): matmuls in bf16, params and grads stay fp32. (3) P =
 parameter_dtype. (4) fp32 if master_weights. (5) fp32 if fp32_grad_acc, else P.
-(6) stochastic if stochastic_rounding, else nearest.
+(6) stochastic if stochastic_rounding, else nearest. (7) the optimizer's moments are bf16
+too (NxD's bf16SR): widened to fp32 for the update, rounded back (stochastically) after it.
+Without master weights the state is kept in the parameter's dtype.
 
 Where parameters are bf16, an update is rounded to bf16 once per step: without master
 weights at `param.float() + update`, with master weights at the copy master -> param.
@@ -171,6 +173,15 @@ class Recipe:
   reduce_dtype: torch.dtype          # dtype of the data-parallel gradient reduction
   stochastic_rounding: bool          # fp32 -> bf16 parameter rounding is stochastic
   autocast: bool                     # forward runs under torch.autocast(compute_dtype)
+
+  def state_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype optimizer state (moments) is stored in for a parameter of `param_dtype`:
+    fp32 with master weights, else the parameter's own (bf16SR: bf16 moments, as NxD keeps them)."""
+    return torch.float32 if self.master_weights else param_dtype
+
+  def has_master(self, param_dtype: torch.dtype) -> bool:
+    """Whether a parameter of `param_dtype` gets a separate fp32 master copy."""
+    return self.master_weights and param_dtype != torch.float32
 
 
 _F32, _BF16 = torch.float32, torch.bfloat16

@@ -12,7 +12,7 @@ import torch
 
 from parallel import comm
 
-BUCKET_BYTES = 32 * 2**20
+BUCKET_BYTES = 32 * 2**20             # the default of `bucket_size_collectives` (MiB)
 
 
 def shard_rows(rows, parts, index):
@@ -33,14 +33,14 @@ def _pad_rows(tensor, rows):
   return padded
 
 
-def reduce_scatter_rows(gradients, owned, parts, group):
+def reduce_scatter_rows(gradients, owned, parts, group, bucket_bytes=BUCKET_BYTES):
   """name -> fp32 gradient of the rows this rank owns (`owned`: name -> (rows, per)), summed
-  over `group`'s ranks."""
+  over `group`'s ranks, in flat buffers of about `bucket_bytes`."""
   if group is None:
     return {n: g if g.dtype == torch.float32 else g.float() for n, g in gradients.items()}
   out = {}
   sizes = {n: owned[n].per * _row_size(g) * 4 for n, g in gradients.items()}
-  for bucket in comm.buckets(list(gradients), sizes, BUCKET_BYTES):
+  for bucket in comm.buckets(list(gradients), sizes, bucket_bytes):
     segments = [_pad_rows(gradients[n].float(), owned[n].per * parts).view(parts, -1) for n in bucket]
     flat = torch.cat(segments, dim=1)                   # [parts, per-rank bucket]
     mine = comm.reduce_scatter(flat.reshape(-1), group, 0, name='reduce_scatter(grads over dp, ZeRO-1)')
@@ -54,7 +54,7 @@ def reduce_scatter_rows(gradients, owned, parts, group):
   return out
 
 
-def all_gather_rows(values, params, owned, parts, group):
+def all_gather_rows(values, params, owned, parts, group, bucket_bytes=BUCKET_BYTES):
   """Write each rank's updated rows (`values`: name -> rows in the parameter dtype) into
   every rank's parameters."""
   with torch.no_grad():
@@ -63,7 +63,7 @@ def all_gather_rows(values, params, owned, parts, group):
         params[n].copy_(v)
       return
     sizes = {n: owned[n].per * _row_size(params[n]) * 4 for n in values}
-    for bucket in comm.buckets(list(values), sizes, BUCKET_BYTES):
+    for bucket in comm.buckets(list(values), sizes, bucket_bytes):
       segments = [_pad_rows(values[n], owned[n].per).reshape(-1) for n in bucket]
       full = comm.all_gather(torch.cat(segments), group, 0,
                              name='all_gather(params over dp, ZeRO-1)').view(parts, -1)

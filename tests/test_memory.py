@@ -94,6 +94,9 @@ def test_estimate_follows_the_recipe_and_zero1():
   c.distributed_strategy.zero1 = True
   mixed = memory.estimate(c, n, dp=2)
   assert (mixed['params'], mixed['grads'], mixed['master'], mixed['optimizer']) == (2000, 4000, 2000, 4000)
+  c.precision.type = 'bf16SR'             # NxD's: bf16 moments, no master
+  bf16 = memory.estimate(c, n, dp=2)
+  assert (bf16['params'], bf16['grads'], bf16['master'], bf16['optimizer']) == (2000, 2000, 0, 2000)
 
 
 def test_fitting_layouts_are_valid_fit_the_budget_and_come_smallest_first():

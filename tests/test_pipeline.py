@@ -1,9 +1,11 @@
 """Pipeline stages and the executor: every pipeline layout trains exactly like one device."""
+import numpy as np
 import pytest
+import torch
 
 from configs import validate
 from parallel import mesh as meshes, pipeline
-from tests import parity
+from tests import parity, world
 
 LAYOUTS = {
     'pp2': (2, {'pp': 2, 'layers': 4}),
@@ -60,3 +62,51 @@ def test_pipeline_config_errors():
   assert any('needs pipeline_model_parallel_size > 1' in p for p in validate.check(c, 1))
   c = parity.parity_config(pp=2, vp=2, layers=6)
   assert any('not divisible by pp x virtual = 4' in p for p in validate.check(c, 2))
+
+
+def test_a_deallocated_output_keeps_its_backward_and_drops_its_values():
+  x = torch.randn(4, 8, requires_grad=True)
+  w = torch.randn(8, 8)
+  y = torch.tanh(x @ w) + x                 # the stage's last op, like the residual add
+  grad = torch.randn(4, 8)
+  expected, = torch.autograd.grad(y, x, grad, retain_graph=True)
+  pipeline.deallocate(y)
+  assert y.shape == (4, 8) and y.untyped_storage().nbytes() == y.element_size()
+  torch.autograd.backward(y, grad_tensors=grad)
+  torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
+
+
+def _two_steps(layout, deallocate_outputs):
+  """This rank's parameters after two steps, and how many outputs were deallocated."""
+  import train  # pylint: disable=import-outside-toplevel
+  from data.loader import Loader  # pylint: disable=import-outside-toplevel
+  from optim import update  # pylint: disable=import-outside-toplevel
+  from parallel import tensor  # pylint: disable=import-outside-toplevel
+  config = parity.parity_config(**layout)
+  config.distributed_strategy.deallocate_pipeline_outputs = deallocate_outputs
+  mesh = meshes.init(config)
+  params = train.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh)
+  freed, real = [], pipeline.deallocate
+  pipeline.deallocate = lambda t: freed.append(t.shape) or real(t)
+  try:
+    for step in range(2):
+      batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
+      train.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+  finally:
+    pipeline.deallocate = real
+  return {n: p.detach().numpy() for n, p in params.items()}, len(freed)
+
+
+@pytest.mark.parametrize('layout', [{'pp': 2, 'layers': 4}, {'pp': 2, 'vp': 2, 'layers': 4}])
+def test_deallocate_pipeline_outputs_frees_every_sent_output_and_changes_no_value(layout):
+  kept = world.run(_two_steps, 2, layout, False)
+  freed = world.run(_two_steps, 2, layout, True)
+  microbatches = parity.parity_config(**layout).data.global_batch_size // parity.parity_config(**layout).data.micro_batch_size
+  chunks = layout.get('vp', 1)
+  # every forward output but the last virtual stage's is sent, then freed
+  assert [n for _, n in freed] == [2 * microbatches * chunks, 2 * microbatches * (chunks - 1)]
+  assert [n for _, n in kept] == [0, 0]
+  for (a, _), (b, _) in zip(kept, freed):
+    for name, value in a.items():
+      np.testing.assert_array_equal(b[name], value, err_msg=name)

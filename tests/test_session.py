@@ -42,6 +42,7 @@ def losses(workdir):
 @pytest.mark.parametrize('world_size,layout,dropout', [
     (1, {}, 0.0),
     (2, {'zero1': True}, 0.1),            # dropout keys and ZeRO-1 shards survive the restart
+    (2, {'zero1': True, 'precision': 'bf16SR'}, 0.0),   # bf16 moments, stochastic rounding keys
 ])
 def test_resume_is_bitwise_exact(tmp_path, world_size, layout, dropout):
   straight = world.run(_run, world_size, str(tmp_path / 'straight'), layout, 0, dropout)

@@ -34,10 +34,10 @@ def test_frozen_parameters_get_no_gradient_state_or_rows_and_stay_put():
 
 
 def test_named_state_round_trips_into_a_fresh_updater():
-  for precision_type in ('fp32', 'mixed_precision'):
+  for precision_type in ('fp32', 'mixed_precision', 'bf16SR'):
     params, _, updater, config = _stepped(precision_type=precision_type)
     state = {k: v.clone() for k, v in updater.named_state().items()}
-    assert any(k.startswith('master.') for k in state) == (precision_type != 'fp32')
+    assert any(k.startswith('master.') for k in state) == (precision_type == 'mixed_precision')
     fresh = update.Updater({n: p.detach().clone() for n, p in params.items()}, config, meshes.Mesh())
     fresh.load_named_state(state, updater.optimizer_step())
     assert fresh.optimizer_step() == updater.optimizer_step() == 1.0
@@ -71,3 +71,15 @@ def test_stochastic_rounding_is_the_same_at_every_zero1_layout():
     for got in world.run(_sr_step, 2, recipe, 2):
       for name, value in single.items():
         assert (got[name] == value).all(), (recipe, name)
+
+
+def test_bf16SR_keeps_bf16_moments_and_no_fp32_copy_between_steps():
+  params, before, updater, _ = _stepped(precision_type='bf16SR')
+  n = sum(p.numel() for p in params.values())
+  assert updater.state_bytes() == 2 * 2 * n                     # two bf16 moments, nothing else
+  assert all(m.dtype == torch.bfloat16 for m in updater.master.values())
+  for name, m in updater.master.items():                         # the rows are the parameter's again
+    assert m.data_ptr() == params[name].data_ptr(), name
+  state = updater.named_state()
+  assert state and all(v.dtype == torch.bfloat16 for v in state.values())
+  assert any(not torch.equal(p.detach(), before[n]) for n, p in params.items())

@@ -103,3 +103,32 @@ def test_bf16_recipes_train_like_one_device_within_bf16_rounding(layout, tmp_pat
   world_size, kwargs = PRECISION_LAYOUTS[layout]
   parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2,
                       norm_rtol=0.25)
+
+
+def _steps_with_buckets(bucket_mib, zero1):
+  """Two steps at dp2 with collectives cut into buckets of `bucket_mib`; this rank's parameters
+  and how many collectives a step issued."""
+  from parallel import comm  # pylint: disable=import-outside-toplevel
+  config = parity.parity_config(zero1=zero1)
+  config.bucket_size_collectives = bucket_mib
+  mesh = meshes.init(config)
+  params = train.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh)
+  calls, real = [], comm.buckets
+  comm.buckets = lambda *a: [calls.append(b) or b for b in real(*a)]
+  try:
+    for step in range(2):
+      batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
+      train.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+  finally:
+    comm.buckets = real
+  return {n: p.detach().numpy() for n, p in params.items()}, len(calls)
+
+
+@pytest.mark.parametrize('zero1', [False, True])
+def test_bucket_size_collectives_cuts_the_buckets_and_changes_no_value(zero1):
+  one, one_calls = world.run(_steps_with_buckets, 2, 32, zero1)[0]
+  tiny, tiny_calls = world.run(_steps_with_buckets, 2, 1e-6, zero1)[0]   # one tensor per bucket
+  assert tiny_calls > one_calls * 5, (tiny_calls, one_calls)
+  for name, value in one.items():
+    np.testing.assert_array_equal(tiny[name], value, err_msg=name)

@@ -11,6 +11,7 @@ process; MFU divides by peak x world size. Under torchrun every rank prints its 
         --config=configs/llama_tiny.py --config.distributed_strategy.tensor_model_parallel_size=2
 """
 import os
+import resource
 import statistics
 import sys
 import time
@@ -60,7 +61,8 @@ def bench(config, steps, warmup):
   return {'name': config.name, 'params': transformer.count_params(config.model), 'mesh': mesh.describe(),
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
-          'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads()}
+          'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads(),
+          'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def main(argv):
@@ -71,7 +73,7 @@ def main(argv):
   print(f"  step time (median of {_STEPS.value}) {r['step_time'] * 1e3:.1f} ms | "
         f"{r['tokens_per_sec']:,.0f} tokens/s | {r['flops'] / 1e9:.1f} GFLOP/s achieved")
   print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s per process ({r['peak_source']}) | "
-        f"MFU {100 * r['mfu']:.1f}% | {r['mesh']}")
+        f"MFU {100 * r['mfu']:.1f}% | {r['mesh']} | peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
 
 
 if __name__ == '__main__':

@@ -1,0 +1,79 @@
+"""Multi-rank efficiency: each 2-process layout against 1 process at equal total threads.
+
+    python tools/bench_layouts.py                      # dp2, tp2, pp2 (1F1B) and pp2 with deallocated outputs
+    python tools/bench_layouts.py --layouts=dp2,pp2 --steps=3
+
+Runs tools/bench.py once in one process with 2 threads, then under torchrun with 2
+processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
+peak RSS per rank, and for pipelines the measured bubble (1 - efficiency) beside the 1F1B
+formula (p - 1) / (m + p - 1) for p stages and m micro batches. Every process is killed
+(its process group) if the bench fails or times out.
+"""
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STRATEGY = '--config.distributed_strategy.'
+LAYOUTS = {
+    'dp2': [],
+    'dp2_zero1': [STRATEGY + 'zero1=True'],
+    'tp2': [STRATEGY + 'tensor_model_parallel_size=2'],
+    'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
+    'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
+    'pp2_dealloc': [STRATEGY + 'pipeline_model_parallel_size=2', STRATEGY + 'deallocate_pipeline_outputs=True'],
+}
+# A model big enough that per-step compute dominates process start-up noise, small enough for 2 cores.
+MODEL = ['--config.model.num_layers=4', '--config.model.hidden_size=256', '--config.model.ffn_hidden_size=688',
+         '--config.model.num_attention_heads=8', '--config.model.num_kv_heads=4', '--config.model.vocab_size=4096',
+         '--config.model.max_position_embeddings=256', '--config.data.seq_length=256',
+         '--config.data.micro_batch_size=2', '--config.data.global_batch_size=16']
+
+
+def _run(cmd, env, timeout):
+  proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  if proc.returncode:
+    raise RuntimeError(f'{" ".join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}')
+  tok = [float(x.replace(',', '')) for x in re.findall(r'\| ([\d,]+) tokens/s', out)]
+  rss = [float(x) for x in re.findall(r'peak RSS (\d+) MiB', out)]
+  return min(tok), max(rss)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--config', default='configs/llama_tiny.py')
+  parser.add_argument('--layouts', default='dp2,tp2,tp2_sp,pp2,pp2_dealloc')
+  parser.add_argument('--steps', type=int, default=5)
+  parser.add_argument('--warmup', type=int, default=2)
+  parser.add_argument('--timeout', type=int, default=900)
+  args = parser.parse_args()
+  flags = [f'--config={args.config}', f'--steps={args.steps}', f'--warmup={args.warmup}'] + MODEL
+  bench = os.path.join('tools', 'bench.py')
+  one, one_rss = _run([sys.executable, bench] + flags, dict(os.environ, OMP_NUM_THREADS='2'), args.timeout)
+  print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB')
+  print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | bubble measured | 1F1B formula |')
+  print('|---|---|---|---|---|---|')
+  micro = 16 // 2
+  for name in args.layouts.split(','):
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', bench]
+    tok, rss = _run(cmd + flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'), args.timeout)
+    bubble = ''
+    if name.startswith('pp2'):
+      bubble = f'| {1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%} '
+    else:
+      bubble = '| | '
+    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB {bubble}|', flush=True)
+
+
+if __name__ == '__main__':
+  main()
