@@ -258,10 +258,21 @@ def load(path) -> Mapped:
     config.model.model_config_overrides = tuple(
         k for k, v in model.items() if not isinstance(v, dict) and f'model.{k}' in known
         and k not in ('model_config', 'model_config_overrides') and isinstance(_get(config, f'model.{k}'), (int, float)))
+  report += _runtime_keys(config)
   if model.get('weight_init_only') and config.exp_manager.resume_from_checkpoint:
     config.exp_manager.init_from = config.exp_manager.resume_from_checkpoint
     config.exp_manager.resume_from_checkpoint = None
   return Mapped(config, report)
+
+
+def _runtime_keys(config):
+  """The Neuron compiler / runtime keys that do nothing on the device this config would run on
+  (parallel/xla.py decides; it reports them again at start-up)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from parallel import xla  # pylint: disable=import-outside-toplevel
+  device = config.device if config.device != 'auto' else ('cuda' if torch.cuda.is_available() else 'cpu')
+  return [(k, v, why.removeprefix('not applicable: ')) for k, v, why in xla.runtime_settings(config, device)
+          if why.startswith('not applicable')]
 
 
 def report_table(rows) -> str:

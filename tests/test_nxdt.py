@@ -175,3 +175,13 @@ def test_export_tool_writes_yaml_that_train_py_reads_back(tmp_path):
   expected.trainer.max_steps = 7
   assert nxdt.load(str(out)).config.to_dict() == expected.to_dict()
   assert 'encoder_seq_length: 4096' in out.read_text()
+
+
+def test_neuron_runtime_keys_are_reported_as_not_applicable_on_a_cpu_run(tmp_path):
+  text = ("device: cpu\ncompiler_flags: '--model-type transformer'\ncompiler_cache_url: /home/ubuntu/neuron_cache\n"
+          'neuron_rt_exec_timeout: 100\nbucket_size_collectives: 1024\n')
+  mapped = nxdt.load(write_yaml(tmp_path, text))
+  reasons = {k: why for k, _, why in mapped.not_honoured}
+  assert set(reasons) == {'compiler_flags', 'compiler_cache_url', 'neuron_rt_exec_timeout'}
+  assert 'NEURON_CC_FLAGS' in reasons['compiler_flags'] and 'cpu' in reasons['neuron_rt_exec_timeout']
+  assert mapped.config.bucket_size_collectives == 1024 and mapped.config.neuron_rt_exec_timeout == 100
