@@ -154,8 +154,8 @@ def test_each_example_trains_a_few_steps_on_the_tiny_model(tmp_path, name):
   if not name.startswith('megatron'):
     config_json, tok, data = _tiny_hf_dir(tmp_path)
     size += [f'--config.model.model_config={config_json}']
-    if 'SFT' in name:
-      size += [f'--config.data.train_dir={data}', f'--config.data.val_dir={data}',
+    if 'SFT' in name:                          # rows long enough for a whole chat (~70 tokens)
+      size += ['--config.data.seq_length=128',f'--config.data.train_dir={data}', f'--config.data.val_dir={data}',
                f'--config.data.tokenizer.model={tok}/tokenizer.json', '--config.exp_manager.init_from=',
                '--config.model.model_config_overrides=()']
   out = procs.run([sys.executable, 'train.py', f'--config=configs/nxdt.py:{fixture(name)}',
