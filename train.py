@@ -28,7 +28,8 @@ from parallel import device as devices, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: metrics.jsonl, TensorBoard, config.')
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: metrics.jsonl, TensorBoard, config (optional with '
+                                'exp_manager.explicit_log_dir or exp_dir).')
 _DEBUG = flags.DEFINE_bool('debug', False, 'Full tracebacks instead of one-line errors.')
 
 
@@ -79,21 +80,28 @@ def _check_skips(flags, skips, t):
   return skips
 
 
-@torch.no_grad()
-def evaluate(params, loader, config, mesh, ops, num_batches, reference=None):
-  """(mean loss, {metric: mean}) over `num_batches` global batches of `loader`, weighted by
-  each batch's count (tokens or pairs)."""
-  total, count, metrics = 0.0, 0.0, {}
-  for i in range(num_batches):
-    loss_sum, n, metric_sums = passes.forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
-                                                       config, mesh, ops, training=False, reference=reference)
-    loss, means = passes.global_loss(loss_sum, n, mesh, metric_sums)
-    total += (loss * n).item()
-    for name, value in means.items():
-      metrics[name] = metrics.get(name, 0.0) + (value * n).item()
-    count += n.item()
-  count = max(count, 1.0)
-  return total / count, {name: value / count for name, value in metrics.items()}
+def evaluate_and_log(prefix, params, loader, num_batches, config, mesh, ops, reference, log, step, consumed_samples):
+  """Evaluate `num_batches` global batches of `loader` (validation, test); print and record
+  them as {prefix}_loss and {prefix}_<metric>, which are returned."""
+  loss, metrics = passes.evaluate(params, loader, config, mesh, ops, num_batches, reference)
+  values = {f'{prefix}_loss': loss, **{f'{prefix}_{k}': v for k, v in metrics.items()}}
+  logging.info('step %d | %s', step, ' | '.join(f'{k} {v:.4f}' for k, v in values.items()))
+  log.write({'step': step, f'{prefix}_loss': loss, 'consumed_samples': consumed_samples, **values})
+  return values
+
+
+def validation_due(t, train_data, step, last, before, after):
+  """Whether to validate after `step` (consumed samples went from `before` to `after`): every
+  val_check_interval steps and at the end, and on the step completing every
+  check_val_every_n_epoch-th epoch."""
+  periodic = t.val_check_interval and (every(step, t.val_check_interval) or last)
+  epochs = t.check_val_every_n_epoch and train_data.crosses_epochs(before, after, t.check_val_every_n_epoch)
+  return bool(t.limit_val_batches and (periodic or epochs))
+
+
+def last_step(t, train_data):
+  """The run's length: trainer.max_steps, or earlier the step completing max_epochs passes."""
+  return min(t.max_steps, train_data.steps_for_epochs(t.max_epochs)) if t.max_epochs > 0 else t.max_steps
 
 
 def param_boxes(config, mesh):
@@ -160,7 +168,9 @@ def fmt_eta(seconds):
 
 def apply_hf_model_config(config):
   """model_source=hf: the architecture keys of model.model_config (an HF config.json) replace
-  the model section's; the rest (optimizer, dropout, recompute...) stays as configured."""
+  the model section's, except those named in model.model_config_overrides (NxD Training's YAML
+  sets num_layers, hidden_size... over config.json); the rest (optimizer, dropout, recompute...)
+  stays as configured."""
   try:
     hf_model = hf.read_config(config.model.model_config, config.model)
   except (ValueError, FileNotFoundError) as e:
@@ -171,7 +181,8 @@ def apply_hf_model_config(config):
         copy(value, dst[key])           # rope_scaling's keys (optim, peft... are the base's own)
       elif value != dst[key]:
         dst[key] = value
-  copy(hf_model, config.model)
+  keep = set(config.model.model_config_overrides)
+  copy({k: v for k, v in hf_model.items() if k not in keep}, config.model)
 
 
 def check_tokenizer(config):
@@ -184,21 +195,23 @@ def check_tokenizer(config):
 # ======================================================================================
 
 
-def run(config, workdir):
-  """Train `config` on this process's share of the mesh. Returns (last logged record, params)."""
+def run(config, workdir=None):
+  """Train `config` on this process's share of the mesh, in `workdir` (--workdir) or the
+  exp_manager's run directory (workdirs.resolve). Returns (last logged record, params)."""
   # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
   if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
     apply_hf_model_config(config)
   config_validation.validate(config, world_size)
+  workdir = workdirs.resolve(config, workdir)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)
   for key, value, effect in xla.configure(config, config.device):   # before the XLA runtime starts
     logging.info('%s=%s: %s', key, value, effect)
   mesh = meshes.init(config)
-  lead = mesh.rank == 0                    # the one rank that prints and writes files
-  if not lead:
-    logging.set_verbosity(logging.WARNING)
+  lead = mesh.rank == 0                    # the one rank that writes files (and prints, by default)
+  workdirs.configure_logging(mesh.rank, int(os.environ.get('LOCAL_RANK', '0')),
+                             config.exp_manager.log_local_rank_0_only)
   lock = comm.on_every_rank(lambda: workdirs.Lock(workdir) if lead else None, mesh.host_group,
                             'locking the workdir')
   log, checkpoints = None, None
@@ -214,11 +227,12 @@ def run(config, workdir):
     logging.info('MFU peak: %.3e FLOP/s per process (%s)', *peak)
 
     # --- data: each DP rank reads its slice of every global batch
-    train_data = Loader(config, 'train', mesh.dp_rank, mesh.dp)
-    valid_data = Loader(config, 'valid', mesh.dp_rank, mesh.dp)
-    for data in (train_data, valid_data):
-      if data.sft:
-        logging.info('%s', data.source.summary())
+    # (an empty test split fails here, naming data.splits_string or data.test_dir)
+    splits = ('train', 'valid') + (('test',) if config.trainer.limit_test_batches else ())
+    data = {split: Loader(config, split, mesh.dp_rank, mesh.dp) for split in splits}
+    for loader in data.values():
+      if loader.sft:
+        logging.info('%s', loader.source.summary())
 
     # --- init, then restore (or init_from): parameters, optimizer state and data position
     params = init_params(config, mesh)
@@ -228,14 +242,14 @@ def run(config, workdir):
     start_step, consumed_samples = checkpoints.restore_or_init()
     frozen_ref = None
     if objectives.for_config(config).reference is not None:
-      frozen_ref = references.setup(config, mesh, ops, params, (train_data, valid_data),
+      frozen_ref = references.setup(config, mesh, ops, params, tuple(data.values()),
                                     lambda: checkpoints.load_init_weights(init_params(config, mesh)))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
-                              resumed_at=start_step if start_step > 0 else None)
-    return _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log,
-                 train_data, valid_data, start_step, consumed_samples, frozen_ref), params
+                              resumed_at=start_step if start_step > 0 else None, name=config.name)
+    return _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data,
+                 start_step, consumed_samples, frozen_ref), params
   finally:
     if checkpoints is not None:
       checkpoints.close()
@@ -245,12 +259,13 @@ def run(config, workdir):
       lock.release()
 
 
-def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, train_data, valid_data,
-          start_step, consumed_samples, frozen_ref=None):
-  t = config.trainer
+def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data, start_step, consumed_samples,
+          frozen_ref=None):
+  t, train_data = config.trainer, data['train']
   reference = references.params(params, frozen_ref) if objectives.for_config(config).reference else None
   if t.num_sanity_val_steps:
-    sanity, sanity_metrics = evaluate(params, valid_data, config, mesh, ops, t.num_sanity_val_steps, reference)
+    sanity, sanity_metrics = passes.evaluate(params, data['valid'], config, mesh, ops, t.num_sanity_val_steps,
+                                             reference)
     logging.info('sanity validation: val_loss %.4f', sanity)
     if start_step == 0:                     # the model before training, e.g. a fine-tune's base
       log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples,
@@ -260,17 +275,18 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
   window_start, window_steps, record, skips, stopped = time.perf_counter(), 0, {}, 0, None
   lazy = mesh.device.type == 'xla'
   pending, compiled = [], None          # XLA: skip flags not yet read; graphs compiled after step 2
-  for step in range(start_step, t.max_steps):
+  total = last_step(t, train_data)
+  for step in range(start_step, total):
     out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
                      reference)
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
-    consumed_samples += config.data.global_batch_size
+    before, consumed_samples = consumed_samples, consumed_samples + config.data.global_batch_size
     window_steps += 1
     pending.append((step, out['skipped']))
-    last = step + 1 == t.max_steps
+    last = step + 1 == total
     logging_step = every(step + 1, t.log_every_n_steps) or last
     if not lazy or logging_step:
       flags = [f for _, f in pending]
@@ -299,32 +315,34 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, t
         if step >= start_step + 1:
           compiled = compiles
       logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
-                   '%.3f s/step | ETA %s', step + 1, t.max_steps, record['loss'], record['lr'],
+                   '%.3f s/step | ETA %s', step + 1, total, record['loss'], record['lr'],
                    record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
-                   fmt_eta(elapsed * (t.max_steps - step - 1)))
+                   fmt_eta(elapsed * (total - step - 1)))
       if out['metrics']:
         logging.info('step %d | %s', step + 1, ' | '.join(f'{k} {record[k]:.4f}' for k in out['metrics']))
       log.write(record)
       window_start, window_steps = time.perf_counter(), 0
-    if t.val_check_interval and (every(step + 1, t.val_check_interval) or last) and t.limit_val_batches:
-      val_loss, val_metrics = evaluate(params, valid_data, config, mesh, ops, t.limit_val_batches, reference)
-      val_metrics = {f'val_{k}': v for k, v in val_metrics.items()}
-      logging.info('step %d | val_loss %.4f%s', step + 1, val_loss,
-                   ''.join(f' | {k} {v:.4f}' for k, v in val_metrics.items()))
-      log.write({'step': step + 1, 'val_loss': val_loss, 'consumed_samples': consumed_samples, **val_metrics})
-      record.update(val_loss=val_loss, **val_metrics)
+    stopped = None if last else checkpoints.stop_reason(step + 1)
+    saving = checkpoints.due(step + 1, last, stopped is not None)
+    val = None                              # a validation metric as monitor: every save is validated
+    if validation_due(t, train_data, step + 1, last, before, consumed_samples) or (saving and checkpoints.needs_metrics):
+      val = evaluate_and_log('val', params, data['valid'], t.limit_val_batches, config, mesh, ops, reference, log,
+                             step + 1, consumed_samples)
+      record.update(val)
       window_start = time.perf_counter()    # validation time is not training throughput
       if lazy and compiled is not None:     # validation's own graph is not a training recompile
         compiled = xla.compiles()
-    stopped = None if last else checkpoints.stop_reason(step + 1)
-    checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None)
+    checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None, metrics=val)
     if stopped:
       checkpoints.close()                   # the save is committed before we say so
       logging.warning('stopped at step %d by %s; resume with --config.exp_manager.resume_if_exists=True',
                       step + 1, stopped)
       return record
-  logging.info('done: %d steps | metrics %s | TensorBoard %s', t.max_steps,
-               os.path.join(workdir, 'metrics.jsonl'), os.path.join(workdir, 'tensorboard'))
+  if t.limit_test_batches:                  # after training, not after a stop
+    record.update(evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh, ops,
+                                   reference, log, max(total, start_step), consumed_samples))
+  logging.info('done: %d steps | metrics %s | TensorBoard %s', total, os.path.join(workdir, 'metrics.jsonl'),
+               workdirs.tensorboard_dir(workdir, config.name))
   return record
 
 
@@ -335,15 +353,13 @@ def every(step, n):
 
 # Errors of the project's own kinds: one line and exit 2 (a full traceback with --debug).
 USER_ERRORS = (config_validation.ConfigError, store.CheckpointError, managers.IncompatibleCheckpoint,
-               workdirs.WorkdirInUse, comm.PeerError, data_errors.DataError, MemoryError,
+               workdirs.WorkdirInUse, workdirs.WorkdirError, comm.PeerError, data_errors.DataError, MemoryError,
                FloatingPointError, FileNotFoundError, PermissionError)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if _WORKDIR.value is None:
-    raise app.UsageError('--workdir is required (where metrics.jsonl and TensorBoard logs go)')
   try:
     run(_CONFIG.value, _WORKDIR.value)
   except USER_ERRORS as e:

@@ -89,7 +89,7 @@ def main():
   layout, mb = full_layout(arrays), nbytes / 2**20
   print(f'{len(arrays)} arrays, {mb:.0f} MiB, in {root}')
 
-  sync = manager.CheckpointManager(os.path.join(root, 'sync'), keep_last=1)
+  sync = manager.CheckpointManager(os.path.join(root, 'sync'), save_top_k=1)
   with PeakRss() as rss:
     start = time.perf_counter()
     sync.save(1, arrays, layout)
@@ -97,7 +97,7 @@ def main():
   print(f'sync save: {mb / save_s:.0f} MiB/s ({save_s:.2f} s blocking); '
         f'peak extra RSS {(rss.peak - rss.base) / 2**20:.0f} MiB')
 
-  asyn = manager.CheckpointManager(os.path.join(root, 'async'), keep_last=1, async_save=True)
+  asyn = manager.CheckpointManager(os.path.join(root, 'async'), save_top_k=1, async_save=True)
   with PeakRss() as rss:
     start = time.perf_counter()
     asyn.save(1, arrays, layout)

@@ -1,12 +1,14 @@
-"""Checkpoint steps: commit protocol, keep-last-K, async save, resume (NxD Training's
-exp_manager semantics).
+"""Checkpoint steps: commit protocol, keep the top K (save_top_k by monitor), async save,
+resume (NxD Training's exp_manager semantics).
 
-One step on disk (root: a local/shared directory, s3://... or gs://...):
+One step on disk (root: a local/shared directory, s3://... or gs://...; the directory name
+is step_00000100 or the `filename` template's, see steps.py):
 
     <root>/step_00000100/arrays/...      the arrays (store.py)
     <root>/step_00000100/metadata.json   format_version, step, the caller's metadata
-                                         (consumed_samples, config, layout), every array's
-                                         global shape, dtype and chunk shape
+                                         (consumed_samples, config, layout, the validation
+                                         `metrics` a monitor ranks by), every array's global
+                                         shape, dtype and chunk shape
     <root>/step_00000100/COMMITTED       the commit marker, written last by rank 0
 
 Commit protocol. A step exists iff its COMMITTED marker exists; there is no rename (object
@@ -16,8 +18,9 @@ stores have none), the directory is written in place:
   2. every rank writes the boxes it owns into its own database; all ranks agree that all
      succeeded (an all-reduce of failure flags: a barrier that also says who failed).
   3. rank 0 merges, verifies every expected array and chunk is there, writes metadata.json,
-     then COMMITTED; then prunes: committed steps beyond the newest `keep_last` lose their
-     marker first, then their files. All ranks agree again, so every rank raises on failure.
+     then COMMITTED; then prunes: committed steps outside the best `save_top_k` by `monitor`
+     (steps.py; the newest with save_last, the step just saved with pin) lose their marker
+     first, then their files. All ranks agree again, so every rank raises on failure.
 A crash anywhere before COMMITTED leaves a directory without marker, ignored by every query
 and deleted by the next save; a crash while pruning leaves a step without marker, likewise.
 The previous committed step is never touched before the new one is committed. A committed
@@ -42,12 +45,12 @@ import threading
 import torch
 import torch.distributed as dist
 
-from checkpoint import storage, store
+from checkpoint import steps as step_names, storage, store
 from parallel import device as devices
 
 FORMAT_VERSION = 1
 MARKER = 'COMMITTED'
-_STEP_DIR = re.compile(r'step_(\d{8,})')
+_REJECTED = re.compile(r'\.rejected\d*$')       # steps moved aside by `reject` keep their marker
 log = logging.getLogger(__name__)
 
 
@@ -57,7 +60,8 @@ class IncompatibleCheckpoint(ValueError):
 
 
 def step_dir(step: int) -> str:
-  return f'step_{step:08d}'
+  """The default directory name of a step (no filename template)."""
+  return step_names.Names().format(step)
 
 
 def read_metadata(step_path: str) -> dict:
@@ -71,13 +75,15 @@ def is_committed(step_path: str) -> bool:
   return storage.exists(step_path, MARKER)
 
 
-def _scan(root) -> dict:
-  """step -> whether it is committed, for every step directory under `root`."""
-  steps = {}
+def committed_dirs(root: str) -> dict:
+  """step -> directory name of every committed step under `root`, whatever its naming (the
+  marker records the step): for a root of another run, or a tool given a run's checkpoints."""
+  found = {}
   for name in storage.list_dir(root):
-    if match := _STEP_DIR.fullmatch(name):
-      steps[int(match.group(1))] = is_committed(storage.join(root, name))
-  return steps
+    text = None if _REJECTED.search(name) else storage.read_text(storage.join(root, name), MARKER)
+    if text:
+      found[json.loads(text)['step']] = name
+  return found
 
 
 class CheckpointManager:
@@ -86,28 +92,48 @@ class CheckpointManager:
   hook(phase, step), for tests and tracing, is called at: 'waiting' (a save or wait found
   `step` in flight), 'cleaned', 'written' (this rank's arrays are durable), and on rank 0
   'merged', 'metadata', 'committed', 'unmarked' (a pruned step lost its marker), 'pruned'.
-  keep_last: committed steps kept (the newest is never deleted); None or <= 0 keeps all.
+  save_top_k: committed steps kept, the best by `monitor` ('step' or a key of the saved
+  metadata's `metrics`) in `mode` (steps.to_keep); None or <= 0 keeps all. save_last: the
+  newest committed step is kept whatever its rank. filename: the step directory template.
   With async_save, call wait() before the program ends: it raises a failed save's error.
   """
 
-  def __init__(self, root, *, rank=0, world_size=1, group=None, keep_last=2, async_save=False,
-               hook=None):
+  def __init__(self, root, *, rank=0, world_size=1, group=None, save_top_k=2, monitor='step', mode='max',
+               save_last=True, filename=None, async_save=False, hook=None):
     if world_size > 1 and group is None:
       raise ValueError('world_size > 1 needs a process group for the checkpoint collectives')
     if group is not None and dist.get_world_size(group) != world_size:
       raise ValueError(f'the checkpoint group has {dist.get_world_size(group)} ranks, not {world_size}')
     self.root, self.rank, self.world_size, self._group = root, rank, world_size, group
-    self.keep_last, self.async_save = keep_last, async_save
+    self.save_top_k, self.monitor, self.mode, self.save_last = save_top_k, monitor, mode, save_last
+    self.names, self.async_save = step_names.Names(filename), async_save
+    self._values = {}       # step directory name -> its monitored value (metadata.json, read once)
     self._hook = hook or (lambda phase, step: None)
     self._thread, self._in_flight, self._error = None, None, None
 
   # ---- queries (local listings; no collectives) ----
 
-  def step_path(self, step: int) -> str:
-    return storage.join(self.root, step_dir(step))
+  def _scan(self, root=None) -> list:
+    """[(step, directory name, committed)] of the step directories under `root` (ours by default)."""
+    root = root or self.root
+    found = []
+    for name in storage.list_dir(root):
+      step = self.names.parse(name)
+      if step is not None:
+        found.append((step, name, is_committed(storage.join(root, name))))
+    return sorted(found)
+
+  def _committed(self, root=None) -> dict:
+    """step -> directory name of each committed step under `root`."""
+    return {step: name for step, name, committed in self._scan(root) if committed}
+
+  def step_path(self, step: int, consumed_samples: int = 0) -> str:
+    """The directory of committed step `step`, else the one saving it would write."""
+    name = self._committed().get(step) or self.names.format(step, consumed_samples)
+    return storage.join(self.root, name)
 
   def committed_steps(self) -> list:
-    return sorted(step for step, committed in _scan(self.root).items() if committed)
+    return sorted(self._committed())
 
   def latest_committed(self):
     steps = self.committed_steps()
@@ -123,15 +149,17 @@ class CheckpointManager:
 
   # ---- save ----
 
-  def save(self, step: int, arrays: dict, layout: dict, metadata: dict = None):
+  def save(self, step: int, arrays: dict, layout: dict, metadata: dict = None, pin: bool = False):
     """Save this rank's tensors ({name: local box}; layout: {name: store.ArrayLayout}, the
     same on every rank). Returns once the tensors are copied to host: the caller may then
     change them. Async: the write runs in a background thread; a failure is raised by the
-    next save() or wait()."""
+    next save() or wait(). pin: pruning keeps this step whatever its rank."""
     self.wait()
     for name, lay in layout.items():
       store.chunk_shape(lay, name)  # invalid layouts fail here, in the caller's thread
-    meta = json.dumps(self._metadata(step, layout, metadata or {}), indent=1)
+    metadata = metadata or {}
+    meta = json.dumps(self._metadata(step, layout, metadata), indent=1)
+    name = self.names.format(step, metadata.get('consumed_samples', 0))
     # Only what this rank writes goes to host (replicas written by another rank are skipped).
     # Async must own a copy; sync may read CPU tensors in place, saving host memory.
     mine = [name for name, lay in layout.items() if lay.box_of(self.rank) is not None]
@@ -139,10 +167,10 @@ class CheckpointManager:
       raise ValueError(f'rank {self.rank} writes {missing[:5]} (layout) but was not given them')
     host = devices.to_host({name: arrays[name] for name in mine}, copy=self.async_save)
     if not self.async_save:
-      self._write(step, host, layout, meta)
+      self._write(step, name, host, layout, meta, pin)
       return
     self._in_flight = step
-    self._thread = threading.Thread(target=self._write_catching, args=(step, host, layout, meta),
+    self._thread = threading.Thread(target=self._write_catching, args=(step, name, host, layout, meta, pin),
                                     name=f'checkpoint-save-{step}')
     self._thread.start()
 
@@ -170,13 +198,13 @@ class CheckpointManager:
     except BaseException as error:  # pylint: disable=broad-except  (re-raised by wait())
       self._error = error
 
-  def _write(self, step, host, layout, meta):
-    path, lead = self.step_path(step), self.rank == 0
+  def _write(self, step, name, host, layout, meta, pin):
+    path, lead = storage.join(self.root, name), self.rank == 0
 
     def phase(name):
       self._hook(name, step)
 
-    error, already = _attempt(lambda: self._prepare(path)) if lead else (None, False)
+    error, already = _attempt(lambda: self._prepare(step)) if lead else (None, False)
     failed, already = self._agree(error is not None, bool(already))
     _raise_if(failed, error, f'step {step}: rank 0 could not prepare the save')
     if already:
@@ -197,33 +225,47 @@ class CheckpointManager:
       phase('merged')
       store.verify(path, layout)
       storage.write_text(path, 'metadata.json', meta)
+      self._values.pop(name, None)          # a step written afresh (after a reject) is read anew
       phase('metadata')
       storage.write_text(path, MARKER, json.dumps({'step': step}))
       phase('committed')
-      self._prune()
+      self._prune(step if pin else None)
       phase('pruned')
     error = _attempt(commit)[0] if lead else None
     [failed] = self._agree(error is not None)
     _raise_if(failed, error, f'step {step}: rank 0 failed to commit or prune it')
 
-  def _prepare(self, path):
-    """Rank 0, before a save: delete stale uncommitted steps; whether `path` is committed."""
+  def _prepare(self, step):
+    """Rank 0, before a save: delete stale uncommitted steps; whether `step` is committed
+    (under any name: a step replayed after a resume is not saved twice)."""
     self._clean_uncommitted()
-    return is_committed(path)
+    return step in self._committed()
 
   def _clean_uncommitted(self):
-    for step, committed in _scan(self.root).items():
+    for _, name, committed in self._scan():
       if not committed:
-        log.info('deleting uncommitted checkpoint directory %s', self.step_path(step))
-        storage.delete_tree(self.root, step_dir(step) + '/')
+        log.info('deleting uncommitted checkpoint directory %s', storage.join(self.root, name))
+        storage.delete_tree(self.root, name + '/')
 
-  def _prune(self):
-    if not self.keep_last or self.keep_last <= 0:
+  def _prune(self, pinned=None):
+    if not self.save_top_k or self.save_top_k <= 0:
       return  # keep all (NxDT save_top_k = -1)
-    for step in self.committed_steps()[:-self.keep_last]:
-      storage.delete(self.step_path(step), MARKER)  # first: a half-deleted step is uncommitted
+    committed = self._committed()
+    keep = {pinned} if pinned is not None else set()
+    if self.save_last and committed:
+      keep.add(max(committed))
+    values = {step: step if self.monitor == 'step' else self._value(name) for step, name in committed.items()}
+    for step in sorted(set(committed) - step_names.to_keep(values, self.save_top_k, self.mode, keep)):
+      storage.delete(storage.join(self.root, committed[step]), MARKER)  # first: a half-deleted step is uncommitted
       self._hook('unmarked', step)
-      storage.delete_tree(self.root, step_dir(step) + '/')
+      storage.delete_tree(self.root, committed[step] + '/')
+
+  def _value(self, name):
+    """The monitored value recorded in a committed step's metadata (None when absent)."""
+    if name not in self._values:
+      metrics = read_metadata(storage.join(self.root, name)).get('metrics') or {}
+      self._values[name] = metrics.get(self.monitor)
+    return self._values[name]
 
   # ---- resume ----
 
@@ -294,21 +336,21 @@ class CheckpointManager:
       if resume_from_checkpoint:
         if is_committed(resume_from_checkpoint):
           return [resume_from_checkpoint]
-        steps = sorted((s for s, c in _scan(resume_from_checkpoint).items() if c), reverse=True)
+        steps = committed_dirs(resume_from_checkpoint)
         if not steps:
           raise FileNotFoundError(f'resume_from_checkpoint={resume_from_checkpoint!r} is neither a '
                                   'committed checkpoint step nor a directory holding one')
-        return [storage.join(resume_from_checkpoint, step_dir(s)) for s in steps]
+        return [storage.join(resume_from_checkpoint, steps[s]) for s in sorted(steps, reverse=True)]
       if not resume_if_exists:
         return []
-      steps = self.committed_steps()[::-1]
+      steps = self._committed()
       if not steps and not resume_ignore_no_checkpoint:
         raise FileNotFoundError(f'resume_if_exists: no committed checkpoint in {self.root}; to '
                                 'start fresh, set --config.exp_manager.resume_ignore_no_checkpoint=True '
                                 '(or resume_if_exists=False)')
       if not steps:
         log.warning('resume_if_exists: no committed checkpoint in %s; starting fresh', self.root)
-      return [self.step_path(s) for s in steps]
+      return [storage.join(self.root, steps[s]) for s in sorted(steps, reverse=True)]
     error, candidates = _attempt(lead) if self.rank == 0 else (None, None)
     error, candidates = self._share((error, candidates))
     if error is not None:

@@ -1,13 +1,17 @@
 """The training loop's view of checkpoints: restore or initialize, save on schedule, stop.
 
 Keys (exp_manager, NxD Training's names): create_checkpoint_callback,
-checkpoint_callback_params.{save_top_k, every_n_train_steps}, async_checkpointing,
-resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint, plus checkpoint_dir
-(default <workdir>/checkpoints; s3://... and gs://... work) and init_from (weights only, from
-a flatron checkpoint step or a Hugging Face Llama directory, to start fine-tuning).
+checkpoint_callback_params.{save_top_k, every_n_train_steps, monitor, mode, save_last,
+filename}, async_checkpointing, resume_if_exists, resume_ignore_no_checkpoint,
+resume_from_checkpoint, plus checkpoint_dir (default <workdir>/checkpoints; s3://... and
+gs://... work) and init_from (weights only, from a flatron checkpoint step or a Hugging Face
+Llama directory, to start fine-tuning).
 
 Stopping early (SIGTERM, the first Ctrl-C, trainer.exit_interval) always saves, even with
-periodic checkpoints off, so the run can be resumed.
+periodic checkpoints off, so the run can be resumed; that step is never pruned by its rank.
+With a validation metric as `monitor` the loop validates before every save (`needs_metrics`)
+and the record goes into the step's metadata.json, which pruning ranks by. The newest step is
+kept when save_last or resume_if_exists is set: resume starts from it.
 """
 import datetime
 import logging
@@ -67,9 +71,12 @@ class Session:
     # The manager's collectives run in its writer thread: they get their own gloo group.
     timeout = datetime.timedelta(seconds=mesh.timeout_s)
     self.group = dist.new_group(backend='gloo', timeout=timeout) if mesh.world_size > 1 else None
+    p = e.checkpoint_callback_params
+    self.needs_metrics = p.monitor != 'step'
     self.manager = managers.CheckpointManager(
-        self.root, rank=mesh.rank, world_size=mesh.world_size, group=self.group,
-        keep_last=e.checkpoint_callback_params.save_top_k, async_save=e.async_checkpointing)
+        self.root, rank=mesh.rank, world_size=mesh.world_size, group=self.group, save_top_k=p.save_top_k,
+        monitor=p.monitor, mode=p.mode, save_last=p.save_last or e.resume_if_exists, filename=p.filename,
+        async_save=e.async_checkpointing)
     self.signals = preemption.StopSignals(install=threading.current_thread() is threading.main_thread())
     self.last_saved = None
     if self.enabled or self.exit_interval:
@@ -199,15 +206,23 @@ class Session:
       return 'trainer.exit_interval'
     return None
 
-  def maybe_save(self, step, consumed_samples, last=False, stopping=False):
+  def due(self, step, last=False, stopping=False):
+    """Whether maybe_save(step, ...) with these flags will save."""
     due = stopping or (self.enabled and (last or (self.every and step % self.every == 0)))
-    if not due or self.last_saved == step:
+    return due and self.last_saved != step
+
+  def maybe_save(self, step, consumed_samples, last=False, stopping=False, metrics=None):
+    """Save `step` when due; `metrics` (the step's validation record) goes into metadata.json.
+    A stop's save is pinned: resume needs it whatever its rank."""
+    if not self.due(step, last, stopping):
       return
     layout = states.StateLayout(self.config, self.mesh, self.updater)
     extra = {'lora': {'stored': lora.checkpoint_kind(self.config.model)}} if lora.settings(self.config.model) else {}
+    if metrics:
+      extra['metrics'] = dict(metrics)
     meta = states.step_metadata(self.config, self.mesh, consumed_samples, layout.state_keys,
                                 self.updater.optimizer_step(), **extra)
-    self.manager.save(step, layout.local_tensors(), layout.layouts(), meta)
+    self.manager.save(step, layout.local_tensors(), layout.layouts(), meta, pin=stopping)
     self.last_saved = step
 
   def close(self):

@@ -15,7 +15,7 @@ import json
 from ml_collections import config_dict
 import torch
 
-from checkpoint import manager as managers, store
+from checkpoint import manager as managers, storage, store
 from model import hf, lora, transformer
 from parallel import device as devices, pipeline, tensor, zero
 
@@ -161,11 +161,11 @@ def resolve_step(path):
   newest committed step of a checkpoint directory."""
   if managers.is_committed(path) or hf.is_hf_dir(path):
     return path
-  newest = managers.CheckpointManager(path).latest_committed()
-  if newest is None:
+  steps = managers.committed_dirs(path)      # any naming (exp_manager.checkpoint_callback_params.filename)
+  if not steps:
     raise store.CheckpointError(f'{path} is neither an HF model directory, nor a committed checkpoint '
                                 'step, nor a directory holding committed steps')
-  return managers.CheckpointManager(path).step_path(newest)
+  return storage.join(path, steps[max(steps)])
 
 
 def read_model(path):

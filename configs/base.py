@@ -14,7 +14,7 @@ placeholder = config_dict.placeholder
 def get_config(arg=None):
   del arg
   c = config_dict.ConfigDict()
-  c.name = 'flatron'                 # run name, shown in logs and TensorBoard
+  c.name = 'flatron'                 # run name: logs, TensorBoard (<workdir>/tensorboard/<name>), exp_manager.exp_dir/<name>
   c.seed = 1234                      # root of every keyed random draw (init, data, dropout)
   c.device = 'auto'                  # auto | cpu | cuda | xla  (auto: cuda if present, else cpu)
   c.model_source = 'megatron'        # megatron | hf: with hf the model section comes from model.model_config
@@ -30,10 +30,13 @@ def get_config(arg=None):
   c.trainer = config_dict.ConfigDict()
   trainer = c.trainer
   trainer.max_steps = 100                  # optimizer steps to train (also the LR schedule length)
+  trainer.max_epochs = -1                  # N > 0: also stop after N passes over the train split (whichever first); -1 = max_steps alone
   trainer.log_every_n_steps = 1            # print + metrics.jsonl every N steps
   trainer.val_check_interval = 50          # validate every N steps; 0 disables
+  trainer.check_val_every_n_epoch = placeholder(int)  # also validate on the step completing every N-th epoch; None = off
   trainer.limit_val_batches = 2            # global batches per validation
   trainer.num_sanity_val_steps = 0         # global validation batches run once before training
+  trainer.limit_test_batches = 0           # after training, global batches of the test split to evaluate (test_loss); 0 = none
   trainer.gradient_clip_val = 1.0          # clip the global grad norm to this; 0 disables
   trainer.exit_interval = 0                 # Megatron's: checkpoint and exit after a step divisible by N (0 = off)
   trainer.nonfinite_policy = 'error'       # error | skip: on a NaN/inf loss or grad norm, stop or skip the update
@@ -42,7 +45,11 @@ def get_config(arg=None):
 
   c.exp_manager = config_dict.ConfigDict()
   exp_manager = c.exp_manager
-  exp_manager.create_tensorboard_logger = True   # TensorBoard events under <workdir>/tensorboard
+  exp_manager.explicit_log_dir = placeholder(str)  # the run directory, used as it is (wins over exp_dir; --workdir may then be left out)
+  exp_manager.exp_dir = placeholder(str)         # runs go to exp_dir/<exp_manager.name or name>; None = --workdir
+  exp_manager.name = placeholder(str)            # the run's directory under exp_dir; None = the top-level name
+  exp_manager.log_local_rank_0_only = True       # True: only global rank 0 prints; False: each host's local rank 0 too, as [rank N]
+  exp_manager.create_tensorboard_logger = True   # TensorBoard events under <workdir>/tensorboard/<name>
   exp_manager.log_parameter_norm = True          # add param_norm to every logged step
   exp_manager.create_checkpoint_callback = False  # save checkpoints (every_n_train_steps, at the end, on SIGTERM)
   exp_manager.checkpoint_dir = placeholder(str)   # where steps go; default <workdir>/checkpoints; s3://, gs:// work
@@ -52,8 +59,12 @@ def get_config(arg=None):
   exp_manager.resume_from_checkpoint = placeholder(str)  # explicit checkpoint path to resume from
   exp_manager.async_checkpointing = False        # write checkpoints in a background thread
   exp_manager.checkpoint_callback_params = config_dict.ConfigDict()
-  exp_manager.checkpoint_callback_params.save_top_k = 2           # keep the last K committed steps
+  exp_manager.checkpoint_callback_params.save_top_k = 2           # keep the K best committed steps by monitor (-1 = all)
   exp_manager.checkpoint_callback_params.every_n_train_steps = 0  # save every N steps; 0 = only at the end
+  exp_manager.checkpoint_callback_params.monitor = 'step'         # what save_top_k ranks by: step | val_loss | val_<metric> (validated before every save)
+  exp_manager.checkpoint_callback_params.mode = 'max'             # max | min: which values of monitor are best (step + max = the newest K)
+  exp_manager.checkpoint_callback_params.save_last = True         # keep the newest step whatever its rank (False: still kept under resume_if_exists)
+  exp_manager.checkpoint_callback_params.filename = placeholder(str)  # step directory template with {step} (and {consumed_samples}); None = step_00000100
 
   c.distributed_strategy = config_dict.ConfigDict()
   strategy = c.distributed_strategy
@@ -81,6 +92,7 @@ def get_config(arg=None):
   data.synthetic_vocab_size = 0           # tokens of the synthetic stream; 0 = the model's vocab_size
   data.train_dir = placeholder(str)       # SFT: records (.jsonl/.json/.arrow, a directory of them, or save_to_disk)
   data.val_dir = placeholder(str)         # SFT: validation records, same formats
+  data.test_dir = placeholder(str)        # SFT: test records (trainer.limit_test_batches), same formats
   data.dev_choose_samples = placeholder(int)  # SFT: use only the first N records of each split
   data.tokenizer = config_dict.ConfigDict()
   data.tokenizer.type = 'none'            # none | sentencepiece | huggingface | gpt2
@@ -95,6 +107,7 @@ def get_config(arg=None):
   model.objective = 'next_token'           # what the loss is (model/objectives.py): next_token | dpo | orpo
   model.model_config = placeholder(str)    # model_source=hf: an HF config.json (or its directory); its
                                            # architecture keys replace the ones below at start-up
+  model.model_config_overrides = ()        # model_source=hf: model keys kept as set here over config.json's (NxD: num_layers...)
   model.num_layers = 2                     # transformer blocks L
   model.hidden_size = 64                   # model width h
   model.ffn_hidden_size = 172              # MLP inner width f

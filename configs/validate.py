@@ -5,6 +5,8 @@ complete list instead of one error per attempt.
 """
 import math
 
+from checkpoint import steps as checkpoint_steps
+from data import errors as data_errors, gpt_dataset
 from model import lora, objectives
 from optim import optimizers, schedules
 from parallel import precision
@@ -46,6 +48,10 @@ def check(config, world_size=1) -> list:
   model, strategy, data, trainer = config.model, config.distributed_strategy, config.data, config.trainer
   _one_of(problems, 'device', config.device, DEVICES)
   _one_of(problems, 'model_source', config.model_source, MODEL_SOURCES)
+  for key in model.model_config_overrides:
+    if key not in model or isinstance(model[key], type(model)):
+      problems.append(f'model.model_config_overrides names {key!r}, which is not a model key; '
+                      'list keys of the model section, e.g. (\'num_layers\', \'hidden_size\')')
   if config.model_source == 'hf' and not model.model_config:
     problems.append('model_source=hf needs model.model_config: the path of an HF config.json '
                     '(or the model directory holding it)')
@@ -62,6 +68,7 @@ def check(config, world_size=1) -> list:
   _one_of(problems, 'trainer.nonfinite_policy', trainer.nonfinite_policy, NONFINITE_POLICIES)
   _positive(problems, 'trainer.max_consecutive_skips', trainer.max_consecutive_skips)
   _positive(problems, 'trainer.exit_interval', trainer.exit_interval, allow_zero=True)
+  problems += _check_epochs_and_test(config)
 
   # --- model
   _one_of(problems, 'model.architecture', model.architecture, ARCHITECTURES)
@@ -194,6 +201,64 @@ def check(config, world_size=1) -> list:
              'must be > 0 (steps kept) or -1 (keep all)')
   _positive(problems, 'exp_manager.checkpoint_callback_params.every_n_train_steps',
             e.checkpoint_callback_params.every_n_train_steps, allow_zero=True)
+  problems += _check_experiment(config)
+  return problems
+
+
+def _records(config) -> bool:
+  """Whether the data are SFT / preference records (else a corpus or the synthetic stream)."""
+  return bool(config.data.train_dir) or config.model.objective in ('dpo', 'orpo')
+
+
+def _check_epochs_and_test(config) -> list:
+  """trainer.max_epochs, check_val_every_n_epoch and limit_test_batches against the data."""
+  problems, t, data = [], config.trainer, config.data
+  if t.max_epochs != -1:
+    _positive(problems, 'trainer.max_epochs', t.max_epochs)
+  if t.check_val_every_n_epoch is not None:
+    _positive(problems, 'trainer.check_val_every_n_epoch', t.check_val_every_n_epoch)
+  synthetic = not data.data_prefix and not _records(config)
+  for key, value, off in (('max_epochs', t.max_epochs, '-1'),
+                          ('check_val_every_n_epoch', t.check_val_every_n_epoch, 'None')):
+    if synthetic and value is not None and value > 0:
+      problems.append(f'trainer.{key}={value} counts passes over the train split, but the synthetic stream '
+                      f'(data.data_prefix=()) has no epochs; set data.data_prefix or data.train_dir, or '
+                      f'trainer.{key}={off}')
+  _positive(problems, 'trainer.limit_test_batches', t.limit_test_batches, allow_zero=True)
+  if t.limit_test_batches > 0 and _records(config) and not data.test_dir:
+    problems.append(f'trainer.limit_test_batches={t.limit_test_batches} evaluates the test records: set '
+                    'data.test_dir (same formats as data.val_dir), or trainer.limit_test_batches=0')
+  elif t.limit_test_batches > 0 and data.data_prefix and not _records(config):
+    try:
+      if gpt_dataset.parse_splits(data.splits_string)[2] == 0:
+        problems.append(f'data.splits_string={data.splits_string!r} gives the test split no documents but '
+                        f'trainer.limit_test_batches={t.limit_test_batches}; give its third part a share '
+                        "(e.g. '980,10,10') or set trainer.limit_test_batches=0")
+    except data_errors.DataError as e:
+      problems.append(str(e))
+  return problems
+
+
+def _check_experiment(config) -> list:
+  """The run directory's names and how checkpoints are ranked and named."""
+  problems, e = [], config.exp_manager
+  p, key = e.checkpoint_callback_params, 'exp_manager.checkpoint_callback_params'
+  for name_key, name in (('name', config.name), ('exp_manager.name', e.name)):
+    if name is not None and (not name or '/' in name):
+      problems.append(f'{name_key}={name!r} names a directory (TensorBoard, exp_dir/<name>): use a '
+                      'non-empty name without "/"')
+  try:
+    metrics = objectives.for_config(config).metrics
+  except ValueError:
+    metrics = ()                        # an unknown objective is reported by _check_objective
+  monitors = ('step', 'val_loss') + tuple(f'val_{m}' for m in metrics)
+  _one_of(problems, f'{key}.monitor', p.monitor, monitors)
+  _one_of(problems, f'{key}.mode', p.mode, checkpoint_steps.MODES)
+  if p.monitor != 'step' and config.trainer.limit_val_batches <= 0:
+    problems.append(f'{key}.monitor={p.monitor!r} ranks steps by validation, but trainer.limit_val_batches='
+                    f'{config.trainer.limit_val_batches}; raise limit_val_batches or monitor \'step\'')
+  if p.filename is not None:
+    problems += checkpoint_steps.template_problems(p.filename, f'{key}.filename')
   return problems
 
 

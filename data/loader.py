@@ -15,7 +15,14 @@ padded row per sample, its own loss mask, positions and segments), from preferen
 model.objective is dpo or orpo (data/preference.py: one pair per row, two segments, and
 chosen_mask / rejected_mask beside loss_mask), from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
 split by `splits_string`), or from the synthetic stream when it is empty. Validation builds
-its own Loader(split='valid') and starts at consumed_samples 0 each time.
+its own Loader(split='valid') and starts at consumed_samples 0 each time; so does the test
+split (split='test': splits_string's third part, or data.test_dir).
+
+Epochs. `num_samples` is the split's samples per epoch: the rows SFT / preference data builds,
+one pass over a corpus split's documents (a blend: until its first dataset repeats), None for
+the endless synthetic stream. The sample stream runs on across epochs (each one reshuffled),
+so epoch boundaries fall inside global batches: `steps_for_epochs` and `crosses_epochs` count
+a pass as done on the step whose global batch completes it.
 """
 import numpy as np
 import torch
@@ -56,6 +63,23 @@ class Loader:
                       'documents by their end-of-document token: set data.tokenizer (type and '
                       'model), or turn those options off')
     return tokenizer.load_tokenizer(self.cfg.tokenizer).eod_id
+
+  def _epoch_samples(self):
+    if self.num_samples is None:
+      raise DataError('the synthetic stream (data.data_prefix=()) has no epochs; set data.data_prefix '
+                      'or data.train_dir, or leave trainer.max_epochs / check_val_every_n_epoch off')
+    return self.num_samples
+
+  def steps_for_epochs(self, epochs: int) -> int:
+    """Optimizer steps until `epochs` passes over the split are consumed (the last step's
+    global batch completes the last pass)."""
+    gbs = self.cfg.global_batch_size
+    return -(-epochs * self._epoch_samples() // gbs)
+
+  def crosses_epochs(self, before: int, after: int, every: int) -> bool:
+    """Whether consuming samples [before, after) completes a multiple of `every` epochs."""
+    period = every * self._epoch_samples()
+    return after // period > before // period
 
   def global_batch(self, consumed_samples: int) -> list:
     """This DP rank's micro batches of the global batch starting at `consumed_samples`."""

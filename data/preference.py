@@ -37,7 +37,7 @@ PAIR_FORMS = ('a preference record needs "prompt", "chosen" and "rejected" (all 
 
 
 def settings(config) -> dict:
-  """data.train_dir, val_dir, dev_choose_samples, seq_length, tokenizer; max_prompt_length and
+  """data.train_dir, val_dir, test_dir, dev_choose_samples, seq_length, tokenizer; max_prompt_length and
   truncation_mode from model_alignment_strategy.dpo or .orpo (by model.objective)."""
   objective, data = config.model.objective, config.data
   if objective not in OBJECTIVES:
@@ -50,7 +50,7 @@ def settings(config) -> dict:
                     f'{", ".join(TRUNCATION_MODES)}')
   if not isinstance(strategy.max_prompt_length, int) or strategy.max_prompt_length < 1:
     raise DataError(f'{key}.max_prompt_length must be a positive number of tokens')
-  return {'train_dir': data.train_dir, 'val_dir': data.val_dir, 'objective': objective,
+  return {'train_dir': data.train_dir, 'val_dir': data.val_dir, 'test_dir': data.test_dir, 'objective': objective,
           'dev_choose_samples': data.dev_choose_samples, 'seq_length': data.seq_length,
           'tokenizer': data.tokenizer, 'seed': config.seed,
           'max_prompt_length': strategy.max_prompt_length,

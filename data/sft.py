@@ -31,13 +31,14 @@ from data.errors import DataError
 from data.sft_records import Record, read_records, record_kind  # pylint: disable=unused-import  (the SFT API)
 from rng import key_to_seed  # the project's keyed RNG (one line to change if it moves)
 
-SPLIT_DIRS = {'train': 'train_dir', 'valid': 'val_dir', 'validation': 'val_dir', 'val': 'val_dir'}
+SPLIT_DIRS = {'train': 'train_dir', 'valid': 'val_dir', 'validation': 'val_dir', 'val': 'val_dir',
+              'test': 'test_dir'}
 
 
 def settings(config) -> dict:
-  """The SFT keys (data.train_dir, val_dir, dev_choose_samples; model_alignment_strategy.sft)."""
+  """The SFT keys (data.train_dir, val_dir, test_dir, dev_choose_samples; model_alignment_strategy.sft)."""
   data = config.data
-  return {'train_dir': data.train_dir, 'val_dir': data.val_dir,
+  return {'train_dir': data.train_dir, 'val_dir': data.val_dir, 'test_dir': data.test_dir,
           'dev_choose_samples': data.dev_choose_samples, 'seq_length': data.seq_length,
           'packing': config.model_alignment_strategy.sft.packing, 'tokenizer': data.tokenizer,
           'seed': config.seed}

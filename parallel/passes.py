@@ -88,6 +88,23 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   return loss_sum, count, {name: sums.get(name, zero) for name in objective.metrics}
 
 
+@torch.no_grad()
+def evaluate(params, loader, config, mesh, ops, num_batches, reference=None):
+  """(mean loss, {metric: mean}) over `num_batches` global batches of `loader` from its start,
+  weighted by each batch's count (tokens or pairs)."""
+  total, count, metrics = 0.0, 0.0, {}
+  for i in range(num_batches):
+    loss_sum, n, metric_sums = forward_backward(params, loader.global_batch(i * config.data.global_batch_size),
+                                                config, mesh, ops, training=False, reference=reference)
+    loss, means = global_loss(loss_sum, n, mesh, metric_sums)
+    total += (loss * n).item()
+    for name, value in means.items():
+      metrics[name] = metrics.get(name, 0.0) + (value * n).item()
+    count += n.item()
+  count = max(count, 1.0)
+  return total / count, {name: value / count for name, value in metrics.items()}
+
+
 def global_loss(loss_sum, count, mesh, metric_sums=None):
   """The global batch's mean loss on every rank (only last-stage ranks hold loss sums), and
   with `metric_sums` (name -> this rank's sum) the global means of the metrics too."""

@@ -1,6 +1,7 @@
 """checkpoint/manager.py: commit protocol under SIGKILL, keep-last-K, stale cleanup, async
 overlap and ordering, resume semantics (NxDT exp_manager), corruption fallback agreed by all
-ranks, S3 through moto."""
+ranks, S3 through moto; steps named by a filename template, kept by a monitored metric, pinned
+by save_last and by a stop."""
 import datetime
 import json
 import logging
@@ -44,7 +45,7 @@ def dirs(root):
 
 def _save_until_killed(root, phase, phase_step, reached):
   """Commit steps 1, 2, then save step 3 and stop forever at (phase, phase_step)."""
-  m = manager.CheckpointManager(root, keep_last=2)
+  m = manager.CheckpointManager(root, save_top_k=2)
   save(m, 1)
   save(m, 2)
 
@@ -53,7 +54,7 @@ def _save_until_killed(root, phase, phase_step, reached):
       reached.set()
       threading.Event().wait()  # never set: the parent kills this process here
 
-  save(manager.CheckpointManager(root, keep_last=2, hook=hook), 3)
+  save(manager.CheckpointManager(root, save_top_k=2, hook=hook), 3)
 
 
 # phase -> committed steps after a SIGKILL there
@@ -80,7 +81,7 @@ def test_sigkill_anywhere_in_a_save_leaves_the_last_commit_loadable(tmp_path):
       if proc.is_alive():
         proc.kill()
   for i, expected in enumerate(KILL_POINTS.values()):
-    m = manager.CheckpointManager(str(tmp_path / str(i)), keep_last=2)
+    m = manager.CheckpointManager(str(tmp_path / str(i)), save_top_k=2)
     assert m.committed_steps() == expected
     assert m.latest_committed() == expected[-1] and loads_as_saved(m, expected[-1])
     assert len(dirs(m.root)) == 3           # the killed save's (or pruned step's) leftovers
@@ -92,7 +93,7 @@ def test_sigkill_anywhere_in_a_save_leaves_the_last_commit_loadable(tmp_path):
 
 def test_keep_last_k_deletes_older_steps_never_the_newest(tmp_path):
   for keep, expected in ((2, [3, 4]), (1, [4]), (0, [1, 2, 3, 4])):
-    m = manager.CheckpointManager(str(tmp_path / str(keep)), keep_last=keep)
+    m = manager.CheckpointManager(str(tmp_path / str(keep)), save_top_k=keep)
     for step in (1, 2, 3, 4):
       save(m, step)
     assert m.committed_steps() == expected
@@ -101,7 +102,7 @@ def test_keep_last_k_deletes_older_steps_never_the_newest(tmp_path):
 
 
 def test_a_step_without_marker_is_ignored_then_cleaned(tmp_path):
-  m = manager.CheckpointManager(str(tmp_path), keep_last=5)
+  m = manager.CheckpointManager(str(tmp_path), save_top_k=5)
   save(m, 1)
   save(m, 2)
   os.remove(os.path.join(m.step_path(2), manager.MARKER))
@@ -128,6 +129,64 @@ def test_saving_an_already_committed_step_again_is_skipped(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     m.save(1, {'w': torch.zeros(64, 32)}, LAYOUT)
   assert 'already committed' in caplog.text and loads_as_saved(m, 1)
+
+
+# ---- filename template, monitor / mode, save_last, pin ----
+
+TEMPLATE = 'megatron_llama--{step}-{consumed_samples}'
+
+
+def test_a_filename_template_names_finds_cleans_prunes_and_resumes_steps(tmp_path):
+  m = manager.CheckpointManager(str(tmp_path / 'run'), save_top_k=2, filename=TEMPLATE)
+  for step in (1, 2, 3):
+    save(m, step)
+  assert dirs(m.root) == ['megatron_llama--2-16', 'megatron_llama--3-24']
+  assert m.committed_steps() == [2, 3] and loads_as_saved(m, 3)
+  os.remove(os.path.join(m.step_path(3), manager.MARKER))        # a save of step 3 that crashed...
+  assert resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)[0] == 2
+  save(m, 4)                                                     # ...is cleaned by the next one
+  assert dirs(m.root) == ['megatron_llama--2-16', 'megatron_llama--4-32']
+  # another run (its own naming) resuming from this root finds the steps by their markers
+  other = manager.CheckpointManager(str(tmp_path / 'other'))
+  assert other.resolve_resume(False, False, m.root) == os.path.join(m.root, 'megatron_llama--4-32')
+  assert manager.committed_dirs(m.root) == {2: 'megatron_llama--2-16', 4: 'megatron_llama--4-32'}
+  # a run that changes its naming still finds, resumes from and prunes its earlier steps
+  mixed = str(tmp_path / 'mixed')
+  save(manager.CheckpointManager(mixed), 1)
+  m = manager.CheckpointManager(mixed, save_top_k=2, filename=TEMPLATE)
+  assert resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)[0] == 1
+  save(m, 2)
+  save(m, 3)
+  assert dirs(mixed) == ['megatron_llama--2-16', 'megatron_llama--3-24']
+
+
+def save_scored(m, step, val_loss, pin=False):
+  m.save(step, {'w': weights(step)}, LAYOUT, {'consumed_samples': 8 * step, 'metrics': {'val_loss': val_loss}},
+         pin=pin)
+
+
+VAL_LOSSES = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5}
+
+
+@pytest.mark.parametrize('save_last,expected', [(True, [2, 4]), (False, [2])])
+def test_top_k_by_val_loss_keeps_the_best_and_with_save_last_the_newest(tmp_path, save_last, expected):
+  m = manager.CheckpointManager(str(tmp_path), save_top_k=1, monitor='val_loss', mode='min', save_last=save_last)
+  for step, loss in VAL_LOSSES.items():
+    save_scored(m, step, loss)
+  assert m.committed_steps() == expected
+  assert manager.read_metadata(m.step_path(2))['metrics'] == {'val_loss': 1.0}
+  assert resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)[0] == expected[-1]   # the newest
+
+
+def test_mode_max_keeps_the_highest_a_stop_is_pinned_and_a_step_without_the_metric_ranks_last(tmp_path):
+  m = manager.CheckpointManager(str(tmp_path), save_top_k=2, monitor='val_loss', mode='max', save_last=False)
+  for step, loss in VAL_LOSSES.items():
+    save_scored(m, step, loss)
+  assert m.committed_steps() == [1, 4]
+  save_scored(m, 5, 0.5, pin=True)          # a stop's save: kept although it ranks last
+  assert m.committed_steps() == [1, 4, 5]
+  save(m, 6)                                # no metrics: ranks below every scored step
+  assert m.committed_steps() == [1, 4]
 
 
 # ---- async ----
@@ -218,7 +277,7 @@ def test_resume_follows_nxdt_exp_manager_semantics(tmp_path, caplog):
 
 
 def test_a_corrupt_newest_step_falls_back_to_the_previous_with_a_warning(tmp_path, caplog):
-  m = manager.CheckpointManager(str(tmp_path), keep_last=3)
+  m = manager.CheckpointManager(str(tmp_path), save_top_k=3)
   for step in (1, 2):
     save(m, step)
   flip_byte_of(m.step_path(2), weights(2)[5].numpy().tobytes())
@@ -229,6 +288,7 @@ def test_a_corrupt_newest_step_falls_back_to_the_previous_with_a_warning(tmp_pat
   # the rejected step is moved aside (kept for inspection), so the resumed run writes it afresh
   assert f'moved it aside to {m.step_path(2)}.rejected' in caplog.text
   assert m.committed_steps() == [1] and os.path.isdir(m.step_path(2) + '.rejected')
+  assert manager.committed_dirs(m.root) == {1: manager.step_dir(1)}     # moved aside, marker and all
   save(m, 2)
   assert m.committed_steps() == [1, 2] and loads_as_saved(m, 2)
   flip_byte_of(m.step_path(2), weights(2)[5].numpy().tobytes())
@@ -281,7 +341,7 @@ def test_s3_root_saves_prunes_and_resumes(monkeypatch):
     monkeypatch.setenv('AWS_DEFAULT_REGION', 'us-east-1')
     s3 = boto3.client('s3')
     s3.create_bucket(Bucket='ckpt')
-    m = manager.CheckpointManager('s3://ckpt/runs/a', keep_last=1)
+    m = manager.CheckpointManager('s3://ckpt/runs/a', save_top_k=1)
     for step in (1, 2):
       save(m, step)
     s3.put_object(Bucket='ckpt', Key='runs/a/step_00000003/arrays/junk', Body=b'x')  # a crashed save

@@ -179,3 +179,60 @@ def test_save_top_k_keeps_all_with_minus_one_and_rejects_zero():
   assert not validate.check(c)
   c.exp_manager.checkpoint_callback_params.save_top_k = 0
   assert any('save_top_k=0' in p for p in validate.check(c))
+
+
+def test_epochs_and_the_test_split_need_finite_data_naming_the_fix():
+  c = base.get_config()                     # the synthetic stream
+  c.trainer.max_epochs, c.trainer.check_val_every_n_epoch = 2, 1
+  text = '\n'.join(validate.check(c))
+  assert ('trainer.max_epochs=2 counts passes over the train split, but the synthetic stream (data.data_prefix=()) '
+          'has no epochs; set data.data_prefix or data.train_dir, or trainer.max_epochs=-1') in text
+  assert 'trainer.check_val_every_n_epoch=1 counts passes' in text and 'check_val_every_n_epoch=None' in text
+  c.data.data_prefix = ('corpus',)
+  assert not validate.check(c)
+  c.trainer.max_epochs, c.trainer.check_val_every_n_epoch, c.trainer.limit_test_batches = 0, 0, -1
+  text = '\n'.join(validate.check(c))
+  for needle in ('trainer.max_epochs=0 must be > 0', 'trainer.check_val_every_n_epoch=0 must be > 0',
+                 'trainer.limit_test_batches=-1 must be >= 0'):
+    assert needle in text
+  c = base.get_config()
+  c.trainer.limit_test_batches = 2
+  assert not validate.check(c)              # the synthetic stream has a test split
+  c.data.data_prefix, c.data.splits_string = ('corpus',), '98,2,0'
+  assert ["data.splits_string='98,2,0' gives the test split no documents but trainer.limit_test_batches=2; give "
+          "its third part a share (e.g. '980,10,10') or set trainer.limit_test_batches=0"] == validate.check(c)
+  c.data.train_dir = 'sft.jsonl'
+  assert ['trainer.limit_test_batches=2 evaluates the test records: set data.test_dir (same formats as '
+          'data.val_dir), or trainer.limit_test_batches=0'] == validate.check(c)
+  c.data.test_dir = 'test.jsonl'
+  assert not validate.check(c)
+
+
+def test_checkpoint_ranking_naming_and_run_names_are_checked_naming_the_fix():
+  c = base.get_config()
+  p = c.exp_manager.checkpoint_callback_params
+  p.monitor, p.mode, p.filename = 'val_acc', 'best', 'ckpt-{consumed_samples}'
+  c.exp_manager.name = 'a/b'
+  text = '\n'.join(validate.check(c))
+  for needle in ("checkpoint_callback_params.monitor='val_acc' is unknown; valid: step, val_loss",
+                 "checkpoint_callback_params.mode='best' is unknown; valid: min, max",
+                 "checkpoint_callback_params.filename='ckpt-{consumed_samples}' must hold {step} exactly once",
+                 "exp_manager.name='a/b' names a directory"):
+    assert needle in text
+  p.monitor, p.mode, p.filename, c.exp_manager.name = 'val_loss', 'min', 'ckpt-{step}-{consumed_samples}', 'trial'
+  assert not validate.check(c)
+  c.trainer.limit_val_batches = 0
+  assert any("monitor='val_loss' ranks steps by validation, but trainer.limit_val_batches=0" in p
+             for p in validate.check(c))
+  c = base.get_config()
+  c.model.objective, c.data.train_dir = 'dpo', 'pairs.jsonl'
+  c.exp_manager.checkpoint_callback_params.monitor = 'val_rewards/accuracies'   # an objective's metric
+  assert not validate.check(c)
+
+
+def test_model_config_overrides_must_name_model_keys():
+  c = base.get_config()
+  c.model.model_config_overrides = ('num_layers', 'num_layerz', 'optim')
+  problems = validate.check(c)
+  assert sum('model_config_overrides' in p for p in problems) == 2
+  assert any("'num_layerz'" in p for p in problems) and any("'optim'" in p for p in problems)

@@ -1,5 +1,5 @@
 """Loader over indexed data: resume at any consumed_samples and DP degree, DP slicing,
-per-document options, validation split, blends, and clear errors."""
+per-document options, validation and test splits, epochs, blends, and clear errors."""
 import numpy as np
 import pytest
 import torch
@@ -162,3 +162,23 @@ def test_synthetic_stream_when_no_prefix(corpus):
   ld = loader.Loader(c)
   assert ld.num_samples is None
   assert ld.global_batch(0)[0]['tokens'].shape == (2, 16)
+  with pytest.raises(DataError, match='the synthetic stream .* has no epochs'):
+    ld.steps_for_epochs(1)
+
+
+def test_an_epoch_is_one_pass_over_the_split_and_ends_on_the_step_completing_it(corpus):
+  train = loader.Loader(make_config(corpus), 'train')
+  n = train.num_samples
+  assert n == train.source.samples_per_epoch and n % 8      # epochs end inside global batches
+  ends = [-(-e * n // 8) for e in (1, 2, 3)]                 # the steps whose batches complete them
+  assert [train.steps_for_epochs(e) for e in (1, 2, 3)] == ends
+  steps = range(1, ends[-1] + 1)
+  assert [k for k in steps if train.crosses_epochs((k - 1) * 8, k * 8, 1)] == ends
+  assert [k for k in steps if train.crosses_epochs((k - 1) * 8, k * 8, 2)] == ends[1:2]
+
+
+def test_the_test_split_is_the_third_part_and_an_empty_one_is_an_error(corpus):
+  test = loader.Loader(make_config(corpus), 'test')
+  assert test.source.doc_range == (380, 400) and test.num_samples > 0
+  with pytest.raises(DataError, match=r"the test split \(splits_string '90,10,0'\) holds 0 of 400 documents"):
+    loader.Loader(make_config(corpus, splits_string='90,10,0'), 'test')

@@ -1,5 +1,6 @@
 """Checkpoints in the training loop: bitwise resume, resume at another layout, preemption,
-weights-only init from Hugging Face."""
+weights-only init from Hugging Face, steps kept by a validation metric under a filename
+template."""
 import json
 import os
 import shutil
@@ -192,6 +193,30 @@ def _saved_run(workdir, steps=(5, 8), **model):
   c.model.update(model)
   train.run(c, str(workdir))
   return c
+
+
+def test_steps_kept_by_val_loss_are_validated_at_each_save_and_resume_takes_the_newest(tmp_path, caplog):
+  """monitor=val_loss, mode=max (the worst is kept, so the kept step is not simply the newest),
+  save_top_k=1, a save every 2 steps and no periodic validation: every save validates first."""
+  import train  # pylint: disable=import-outside-toplevel
+  c = checkpointed({}, max_steps=6)
+  p = c.exp_manager.checkpoint_callback_params
+  p.every_n_train_steps, p.save_top_k, p.monitor, p.mode = 2, 1, 'val_loss', 'max'
+  p.filename = 'tiny--{step}-{consumed_samples}'
+  c.trainer.limit_val_batches = 1
+  train.run(c, str(tmp_path))
+  val = {r['step']: r['val_loss'] for r in map(json.loads, open(tmp_path / 'metrics.jsonl')) if 'val_loss' in r}
+  assert sorted(val) == [2, 4, 6]
+  worst = max(val, key=val.get)
+  assert worst != 6
+  kept = {worst, 6}                         # the best by the monitor, and the newest (resume_if_exists)
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == sorted(f'tiny--{s}-{8 * s}' for s in kept)
+  meta = managers.read_metadata(str(tmp_path / 'checkpoints' / f'tiny--{worst}-{8 * worst}'))
+  assert meta['metrics'] == {'val_loss': val[worst]} and meta['step'] == worst
+  c.trainer.max_steps = 7
+  with caplog.at_level('INFO'):
+    train.run(c, str(tmp_path))
+  assert 'checkpoints/tiny--6-48: step 6, consumed_samples 48' in caplog.text
 
 
 def test_resume_with_another_model_shape_refuses_and_keeps_every_step(tmp_path):

@@ -1,4 +1,5 @@
-"""The training loop end to end: metrics, invariance to the micro batch split, errors, CLI."""
+"""The training loop end to end: metrics, TensorBoard, epochs, the test split, invariance to
+the micro batch split, errors, CLI, which ranks print."""
 import json
 import os
 import sys
@@ -13,7 +14,7 @@ from optim import update
 from model import transformer
 from model.layers import LOCAL_OPS
 from parallel import grads, memory, mesh as meshes
-from tests import procs
+from tests import procs, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,9 +32,10 @@ def read_metrics(workdir):
 
 
 def test_training_writes_metrics_and_the_loss_falls(tmp_path):
-  c = tiny_config(max_steps=30, val_check_interval=15, limit_val_batches=1, num_sanity_val_steps=1)
+  c = tiny_config(max_steps=30, val_check_interval=15, limit_val_batches=1, num_sanity_val_steps=1,
+                  limit_test_batches=1)
   c.exp_manager.create_tensorboard_logger = True
-  train.run(c, str(tmp_path))
+  last = train.run(c, str(tmp_path))[0]
   records = read_metrics(tmp_path)
   steps = [r for r in records if 'loss' in r]
   vals = [r for r in records if 'val_loss' in r]
@@ -43,8 +45,44 @@ def test_training_writes_metrics_and_the_loss_falls(tmp_path):
   assert steps[-1]['consumed_samples'] == 30 * 8
   assert steps[-1]['loss'] < steps[0]['loss'] - 1.0
   assert [r['step'] for r in vals] == [15, 30] and vals[1]['val_loss'] < vals[0]['val_loss']
-  assert any(name.startswith('events.out.tfevents') for name in os.listdir(tmp_path / 'tensorboard'))
+  assert records[-1] == {'step': 30, 'test_loss': last['test_loss'], 'consumed_samples': 240}
+  assert last['test_loss'] != vals[1]['val_loss']              # the test split's own samples
+  # TensorBoard: <workdir>/tensorboard/<name>, the run name also as text
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=import-outside-toplevel
+  events = event_accumulator.EventAccumulator(str(tmp_path / 'tensorboard' / 'llama_tiny'))
+  events.Reload()
+  assert {'loss', 'val_loss', 'test_loss'} <= set(events.Tags()['scalars'])
+  assert events.Tensors('run_name/text_summary')[0].tensor_proto.string_val == [b'llama_tiny']
   assert json.load(open(tmp_path / 'config.json'))['model']['hidden_size'] == 32
+
+
+def write_records(path, n, first=0):
+  """n pre-tokenized SFT records (a prompt of 4 tokens, then 6 or more trained on)."""
+  with open(path, 'w') as f:
+    for i in range(first, first + n):
+      f.write(json.dumps({'input_ids': [3 + (i + t) % 40 for t in range(10 + i % 5)],
+                          'loss_mask': [0] * 4 + [1] * (6 + i % 5)}) + '\n')
+  return str(path)
+
+
+def test_max_epochs_stops_validates_every_epoch_and_tests_the_test_records(tmp_path, caplog):
+  """20 rows per epoch, global batch 8: two epochs end on step ceil(40 / 8) = 5, long before
+  max_steps; the epochs complete on steps 3 (24 samples) and 5 (40)."""
+  c = tiny_config(max_steps=100, max_epochs=2, val_check_interval=0, check_val_every_n_epoch=1,
+                  limit_val_batches=1, limit_test_batches=1)
+  c.model_alignment_strategy.sft.packing = False            # one record per row: 20 rows
+  c.data.train_dir = write_records(tmp_path / 'train.jsonl', 20)
+  c.data.val_dir = write_records(tmp_path / 'val.jsonl', 8, first=20)
+  c.data.test_dir = write_records(tmp_path / 'test.jsonl', 8, first=40)
+  with caplog.at_level('INFO'):
+    last, _ = train.run(c, str(tmp_path / 'run'))
+  records = read_metrics(tmp_path / 'run')
+  assert [r['step'] for r in records if 'loss' in r] == [1, 2, 3, 4, 5]
+  assert [(r['step'], r['consumed_samples']) for r in records if 'val_loss' in r] == [(3, 24), (5, 40)]
+  assert records[-1] == {'step': 5, 'test_loss': last['test_loss'], 'consumed_samples': 40}
+  assert f'step 5 | test_loss {last["test_loss"]:.4f}' in caplog.text and 'step 5/5 |' in caplog.text
+  c.trainer.max_steps = 4                                    # whichever comes first
+  assert train.last_step(c.trainer, Loader(c)) == 4
 
 
 def run_losses(config, workdir):
@@ -138,12 +176,16 @@ def cli(*args):
 
 
 def test_cli_overrides_and_parse_time_errors(tmp_path):
-  ok = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.trainer.max_steps=3',
-           '--config.model.optim.sched.warmup_steps=2',
+  """Also: the run directory from exp_manager.exp_dir/<exp_manager.name>, with no --workdir."""
+  ok = cli('--config=configs/llama_tiny.py:test', f'--config.exp_manager.exp_dir={tmp_path}',
+           '--config.exp_manager.name=cli', '--config.trainer.max_steps=3', '--config.model.optim.sched.warmup_steps=2',
            '--config.exp_manager.create_tensorboard_logger=False', '--config.model.optim.lr=0.01')
   assert ok.returncode == 0, ok.stderr
-  assert [r['step'] for r in read_metrics(tmp_path) if 'loss' in r] == [1, 2, 3]
-  assert read_metrics(tmp_path)[0]['lr'] > 0
+  assert [r['step'] for r in read_metrics(tmp_path / 'cli') if 'loss' in r] == [1, 2, 3]
+  assert read_metrics(tmp_path / 'cli')[0]['lr'] > 0
+  nowhere = cli('--config=configs/llama_tiny.py:test')
+  assert nowhere.returncode == 2 and 'Traceback' not in nowhere.stderr
+  assert all(key in nowhere.stderr for key in ('--workdir', 'exp_manager.explicit_log_dir', 'exp_manager.exp_dir'))
   typo = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.trainer.max_stepz=3')
   assert typo.returncode != 0 and 'max_stepz' in typo.stderr
   bad = cli('--config=configs/llama_tiny.py:test', f'--workdir={tmp_path}', '--config.model.activation=relu',
@@ -168,6 +210,27 @@ def test_command_line_mistakes_are_one_line(tmp_path, args, message):
   assert out.returncode == 2, out.stderr[-2000:]
   assert message in out.stderr and 'Traceback' not in out.stderr
   assert out.stderr.strip().splitlines()[-1].startswith('error: ')
+
+
+def _train_as_two_hosts(workdir, rank_0_only):
+  """Rank 1 plays the local rank 0 of a second host. -> what this rank printed."""
+  import io, logging  # pylint: disable=import-outside-toplevel,multiple-imports
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+  os.environ['LOCAL_RANK'] = '0'
+  stream = io.StringIO()
+  logging.getLogger().addHandler(logging.StreamHandler(stream))
+  absl_logging.set_verbosity(absl_logging.INFO)
+  c = tiny_config(max_steps=2, val_check_interval=0)
+  c.model.optim.sched.warmup_steps = 1
+  c.exp_manager.log_local_rank_0_only = rank_0_only
+  train.run(c, workdir)
+  return stream.getvalue()
+
+
+def test_log_local_rank_0_only_false_prints_each_hosts_local_rank_0_with_its_rank(tmp_path):
+  first, second = world.run(_train_as_two_hosts, 2, str(tmp_path), False)
+  assert 'step 2/2 | loss' in first and '[rank' not in first
+  assert '[rank 1] step 2/2 | loss' in second and '[rank 1] \nflatron | llama_tiny' in second
 
 
 def test_an_oversized_model_is_refused_naming_both_figures_and_a_way_out(tmp_path):

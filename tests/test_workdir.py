@@ -1,15 +1,58 @@
-"""checkpoint/workdir.py: the exclusive workdir lock, metrics records (null for non-finite,
-no duplicates after a resume)."""
+"""checkpoint/workdir.py: where the run directory is (explicit_log_dir, exp_dir/name,
+--workdir), the exclusive workdir lock, metrics records (null for non-finite, no duplicates
+after a resume), which ranks print and with what prefix."""
 import json
 import os
 import socket
 import subprocess
 import sys
 
+from absl import logging as absl_logging
 import pytest
 
 from checkpoint import workdir
+from configs import base
 from tests import procs
+
+
+def named(explicit=None, exp_dir=None, exp_name=None):
+  c = base.get_config()
+  c.name = 'run7'
+  c.exp_manager.explicit_log_dir, c.exp_manager.exp_dir, c.exp_manager.name = explicit, exp_dir, exp_name
+  return c
+
+
+def test_the_run_directory_is_explicit_log_dir_else_exp_dir_and_name_else_workdir():
+  assert workdir.resolve(named(), 'runs/a') == 'runs/a'
+  assert workdir.resolve(named(exp_dir='exps'), None) == os.path.join('exps', 'run7')     # the top-level name
+  assert workdir.resolve(named(exp_dir='exps', exp_name='trial'), None) == os.path.join('exps', 'trial')
+  assert workdir.resolve(named(explicit='logs/x', exp_dir='exps'), None) == 'logs/x'     # used exactly
+  assert workdir.resolve(named(explicit='logs/x'), 'logs/x/') == 'logs/x'                # the same directory
+  with pytest.raises(workdir.WorkdirError, match='pass --workdir, or set --config.exp_manager.explicit_log_dir '
+                     r'\(used as it is\) or --config.exp_manager.exp_dir'):
+    workdir.resolve(named(), None)
+  with pytest.raises(workdir.WorkdirError, match='--workdir=runs/a differs from exp_manager.explicit_log_dir = logs/x'):
+    workdir.resolve(named(explicit='logs/x'), 'runs/a')
+  with pytest.raises(workdir.WorkdirError, match=r'differs from exp_manager.exp_dir \(\+ name\) = exps/run7'):
+    workdir.resolve(named(exp_dir='exps'), 'runs/a')
+
+
+@pytest.mark.parametrize('rank,local_rank,rank_0_only,info', [
+    (0, 0, True, True), (2, 0, True, False), (2, 0, False, True), (3, 1, False, False)])
+def test_info_lines_on_rank_0_or_every_local_rank_0_and_other_ranks_prefixed(caplog, rank, local_rank, rank_0_only,
+                                                                            info):
+  level = absl_logging.get_absl_logger().level      # restored as it was (set_verbosity would pin it)
+  try:
+    absl_logging.set_verbosity(absl_logging.INFO)
+    workdir.configure_logging(rank, local_rank, rank_0_only)
+    with caplog.at_level('INFO'):
+      absl_logging.info('step %d/%d', 1, 2)
+      absl_logging.warning('careful')
+  finally:
+    workdir.configure_logging(0, 0, True)
+    absl_logging.get_absl_logger().setLevel(level)
+  prefix = f'[rank {rank}] ' if rank else ''
+  assert caplog.messages == [prefix + 'step 1/2'] * info + [prefix + 'careful']
 
 
 def test_a_second_run_on_a_workdir_fails_naming_the_holder(tmp_path):
