@@ -7,6 +7,8 @@ import numpy as np
 
 import train
 from configs import llama_tiny
+from data.loader import Loader
+from optim import update
 from parallel import mesh as meshes, tensor
 from tests import world
 
@@ -63,6 +65,17 @@ def apply_family(model, family):
     model.head_dim, model.query_pre_attn_scalar = 16, 12
     model.layer_types = ('sliding_attention', 'full_attention') * (model.num_layers // 2)
     model.rope_theta, model.rope_local_theta = 1e6, 1e4
+
+
+def steps_on_rank(config, steps):
+  """`steps` training steps of `config` on this rank (no loop, no files); its parameters."""
+  mesh = meshes.init(config)
+  params = train.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh)
+  for step in range(steps):
+    batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
+    train.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+  return {n: p.detach().numpy() for n, p in params.items()}
 
 
 def train_on_rank(workdir, layout):

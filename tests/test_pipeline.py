@@ -76,37 +76,36 @@ def test_a_deallocated_output_keeps_its_backward_and_drops_its_values():
   torch.testing.assert_close(x.grad, expected, rtol=0, atol=0)
 
 
-def _two_steps(layout, deallocate_outputs):
-  """This rank's parameters after two steps, and how many outputs were deallocated."""
-  import train  # pylint: disable=import-outside-toplevel
-  from data.loader import Loader  # pylint: disable=import-outside-toplevel
-  from optim import update  # pylint: disable=import-outside-toplevel
-  from parallel import tensor  # pylint: disable=import-outside-toplevel
-  config = parity.parity_config(**layout)
-  config.distributed_strategy.deallocate_pipeline_outputs = deallocate_outputs
-  mesh = meshes.init(config)
-  params = train.init_params(config, mesh)
-  updater = update.Updater(params, config, mesh)
-  freed, real = [], pipeline.deallocate
-  pipeline.deallocate = lambda t: freed.append(t.shape) or real(t)
+DEALLOCATED_LAYOUTS = ({'pp': 2, 'layers': 4}, {'pp': 2, 'vp': 2, 'layers': 4})
+
+
+def _two_steps():
+  """For each layout, with and without deallocation: this rank's parameters after two steps
+  and how many outputs were deallocated."""
+  out, real = [], pipeline.deallocate
   try:
-    for step in range(2):
-      batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
-      train.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+    for layout in DEALLOCATED_LAYOUTS:
+      for deallocate_outputs in (False, True):
+        config = parity.parity_config(**layout)
+        config.distributed_strategy.deallocate_pipeline_outputs = deallocate_outputs
+        freed = []
+        pipeline.deallocate = lambda t, freed=freed: freed.append(t.shape) or real(t)
+        out.append((parity.steps_on_rank(config, 2), len(freed)))
   finally:
     pipeline.deallocate = real
-  return {n: p.detach().numpy() for n, p in params.items()}, len(freed)
+  return out
 
 
-@pytest.mark.parametrize('layout', [{'pp': 2, 'layers': 4}, {'pp': 2, 'vp': 2, 'layers': 4}])
-def test_deallocate_pipeline_outputs_frees_every_sent_output_and_changes_no_value(layout):
-  kept = world.run(_two_steps, 2, layout, False)
-  freed = world.run(_two_steps, 2, layout, True)
-  microbatches = parity.parity_config(**layout).data.global_batch_size // parity.parity_config(**layout).data.micro_batch_size
-  chunks = layout.get('vp', 1)
-  # every forward output but the last virtual stage's is sent, then freed
-  assert [n for _, n in freed] == [2 * microbatches * chunks, 2 * microbatches * (chunks - 1)]
-  assert [n for _, n in kept] == [0, 0]
-  for (a, _), (b, _) in zip(kept, freed):
-    for name, value in a.items():
-      np.testing.assert_array_equal(b[name], value, err_msg=name)
+def test_deallocate_pipeline_outputs_frees_every_sent_output_and_changes_no_value():
+  ranks = world.run(_two_steps, 2)
+  for i, layout in enumerate(DEALLOCATED_LAYOUTS):
+    config = parity.parity_config(**layout)
+    microbatches, chunks = config.data.global_batch_size // config.data.micro_batch_size, layout.get('vp', 1)
+    kept = [r[2 * i] for r in ranks]
+    freed = [r[2 * i + 1] for r in ranks]
+    # every forward output but the last virtual stage's is sent, then freed
+    assert [n for _, n in freed] == [2 * microbatches * chunks, 2 * microbatches * (chunks - 1)], layout
+    assert [n for _, n in kept] == [0, 0]
+    for (a, _), (b, _) in zip(kept, freed):
+      for name, value in a.items():
+        np.testing.assert_array_equal(b[name], value, err_msg=f'{name} {layout}')

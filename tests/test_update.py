@@ -64,13 +64,18 @@ def _sr_step(recipe, world_size):
   return {n: p.detach().float().numpy() for n, p in params.items()}
 
 
+def _sr_steps(recipes, world_size):
+  return {recipe: _sr_step(recipe, world_size) for recipe in recipes}
+
+
 def test_stochastic_rounding_is_the_same_at_every_zero1_layout():
   from tests import world  # pylint: disable=import-outside-toplevel
-  for recipe in ('bf16SR', 'mixed_precisionSR'):
-    single = world.run(_sr_step, 1, recipe, 1)[0]
-    for got in world.run(_sr_step, 2, recipe, 2):
-      for name, value in single.items():
-        assert (got[name] == value).all(), (recipe, name)
+  recipes = ('bf16SR', 'mixed_precisionSR')
+  single = world.run(_sr_steps, 1, recipes, 1)[0]
+  for got in world.run(_sr_steps, 2, recipes, 2):
+    for recipe in recipes:
+      for name, value in single[recipe].items():
+        assert (got[recipe][name] == value).all(), (recipe, name)
 
 
 def test_bf16SR_keeps_bf16_moments_and_no_fp32_copy_between_steps():

@@ -49,15 +49,19 @@ def _state_bytes(zero1, precision_type):
   return updater.state_bytes()
 
 
-@pytest.mark.parametrize('precision_type', ['fp32', 'mixed_precision'])
-def test_optimizer_and_master_bytes_divide_by_dp(precision_type):
-  single = _state_bytes(False, precision_type) if precision_type == 'fp32' else None
-  full = world.run(_state_bytes, 1, True, precision_type)[0]     # one shard: everything
-  if single is not None:
-    assert full == single            # fp32 parameters are their own master: no extra copy
-  halves = world.run(_state_bytes, 2, True, precision_type)
-  for got in halves:
-    assert full / 2 <= got <= full / 2 * 1.01, (got, full)
+def _state_bytes_by_recipe(zero1, recipes):
+  return {r: _state_bytes(zero1, r) for r in recipes}
+
+
+def test_optimizer_and_master_bytes_divide_by_dp():
+  recipes = ('fp32', 'mixed_precision', 'bf16SR')
+  single = _state_bytes(False, 'fp32')
+  full = world.run(_state_bytes_by_recipe, 1, True, recipes)[0]     # one shard: everything
+  assert full['fp32'] == single            # fp32 parameters are their own master: no extra copy
+  assert full['bf16SR'] * 2 == full['fp32']     # bf16 moments, no master: half of fp32's moments
+  for got in world.run(_state_bytes_by_recipe, 2, True, recipes):
+    for recipe in recipes:
+      assert full[recipe] / 2 <= got[recipe] <= full[recipe] / 2 * 1.01, (recipe, got, full)
 
 
 def _precision_losses(precision_type):
@@ -105,30 +109,28 @@ def test_bf16_recipes_train_like_one_device_within_bf16_rounding(layout, tmp_pat
                       norm_rtol=0.25)
 
 
-def _steps_with_buckets(bucket_mib, zero1):
-  """Two steps at dp2 with collectives cut into buckets of `bucket_mib`; this rank's parameters
-  and how many collectives a step issued."""
+def _steps_with_buckets():
+  """Two steps at dp2, with and without ZeRO-1, with collectives cut into buckets of 32 MiB and
+  of 1e-6 MiB (one tensor each): (zero1, MiB) -> (this rank's parameters, buckets issued)."""
   from parallel import comm  # pylint: disable=import-outside-toplevel
-  config = parity.parity_config(zero1=zero1)
-  config.bucket_size_collectives = bucket_mib
-  mesh = meshes.init(config)
-  params = train.init_params(config, mesh)
-  updater = update.Updater(params, config, mesh)
-  calls, real = [], comm.buckets
-  comm.buckets = lambda *a: [calls.append(b) or b for b in real(*a)]
+  out, real = {}, comm.buckets
   try:
-    for step in range(2):
-      batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
-      train.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+    for zero1 in (False, True):
+      for bucket_mib in (32, 1e-6):
+        config = parity.parity_config(zero1=zero1)
+        config.bucket_size_collectives = bucket_mib
+        calls = []
+        comm.buckets = lambda *a, calls=calls: [calls.append(b) or b for b in real(*a)]
+        out[(zero1, bucket_mib)] = parity.steps_on_rank(config, 2), len(calls)
   finally:
     comm.buckets = real
-  return {n: p.detach().numpy() for n, p in params.items()}, len(calls)
+  return out
 
 
-@pytest.mark.parametrize('zero1', [False, True])
-def test_bucket_size_collectives_cuts_the_buckets_and_changes_no_value(zero1):
-  one, one_calls = world.run(_steps_with_buckets, 2, 32, zero1)[0]
-  tiny, tiny_calls = world.run(_steps_with_buckets, 2, 1e-6, zero1)[0]   # one tensor per bucket
-  assert tiny_calls > one_calls * 5, (tiny_calls, one_calls)
-  for name, value in one.items():
-    np.testing.assert_array_equal(tiny[name], value, err_msg=name)
+def test_bucket_size_collectives_cuts_the_buckets_and_changes_no_value():
+  got = world.run(_steps_with_buckets, 2)[0]
+  for zero1 in (False, True):
+    (one, one_calls), (tiny, tiny_calls) = got[(zero1, 32)], got[(zero1, 1e-6)]
+    assert tiny_calls > one_calls * 5, (zero1, tiny_calls, one_calls)
+    for name, value in one.items():
+      np.testing.assert_array_equal(tiny[name], value, err_msg=f'{name} zero1={zero1}')
