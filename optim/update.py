@@ -22,7 +22,7 @@ import typing
 import torch
 
 from optim import optimizers
-from parallel import grads as grad_ops, precision, zero
+from parallel import comm, grads as grad_ops, precision, zero
 
 
 class Rows(typing.NamedTuple):
@@ -120,10 +120,19 @@ class Updater:
         for t in self._state_tensors():      # state made by this step falls back to zeros
           old = before.get(id(t))
           t.copy_(torch.where(keep_if_not, t, old if old is not None else torch.zeros_like(t)))
-    # Without ZeRO-1 an fp32 master is the parameter itself (a view of all its rows): no copy back.
-    rounded = {n: self._rounded(n, step) for n, m in self.master.items()
-               if self.group is not None or m.dtype != self.params[n].dtype}
-    self._narrow(narrow, step)
+    # Rows (and, widened for this step, moments) go back to the parameter dtype, all rounded
+    # in one pass. Without ZeRO-1 an fp32 master is the parameter itself: no copy back.
+    rows = [(n, m, ()) for n, m in self.master.items() if m.dtype != self.params[n].dtype]
+    moments = [(n, value, (key,)) for n in narrow for key, value in self.optimizer.state[self.master[n]].items()
+               if torch.is_tensor(value) and value.shape == self.master[n].shape]
+    results = self._round_all(rows + moments, step)
+    rounded = {n: r for (n, _, _), r in zip(rows, results)}
+    for (n, _, (key,)), r in zip(moments, results[len(rows):]):
+      self.optimizer.state[self.master[n]][key] = r
+    for n in narrow:
+      self.master[n].data = self._owned(n)         # a view of the parameter's rows again
+    if self.group is not None:
+      rounded.update({n: m for n, m in self.master.items() if n not in rounded})
     zero.all_gather_rows(rounded, self.params, self.rows, self.parts, self.group, self.bucket_bytes)
 
   def _widen(self):
@@ -139,15 +148,6 @@ class Updater:
       m.data = m.float()
     return narrow
 
-  def _narrow(self, names, step):
-    """Back to the parameter's dtype: state rounded (as the parameters are), rows a view again."""
-    for n in names:
-      m = self.master[n]
-      state = self.optimizer.state[m]
-      for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == m.shape:
-          state[key] = self._round(value, n, step, key)
-      m.data = self._owned(n)
 
   def _state_tensors(self):
     """Masters and every optimizer state tensor on the masters' device."""
@@ -156,21 +156,23 @@ class Updater:
       out += [v for v in state.values() if torch.is_tensor(v) and v.device == out[0].device]
     return out
 
-  def _rounded(self, name, step):
-    m = self.master[name]
-    if m.dtype == self.params[name].dtype:
-      return m
-    return self._round(m, name, step)
-
-  def _round(self, rows, name, step, *purpose):
-    """`name`'s owned rows (or their state under key `purpose`) in the parameter dtype:
-    stochastically, keyed by global element index, where the recipe says; else nearest."""
-    if self.recipe.stochastic_rounding:
-      box, shape = self.placement[name]
-      owned = self.rows[name].rows
+  def _round_all(self, items, step):
+    """[(name, fp32 owned rows of name or their state, purpose)] in the parameter dtype:
+    stochastically, keyed by (seed, step, name, purpose) and global element index, where the
+    recipe says, else nearest. Rounded in buckets of bucket_bytes (on XLA one graph cut per
+    bucket, not per tensor)."""
+    if not self.recipe.stochastic_rounding:
+      return [rows.to(self.params[n].dtype) for n, rows, _ in items]
+    keyed = []
+    for n, rows, purpose in items:
+      box, shape = self.placement[n]
+      owned = self.rows[n].rows
       box = (slice(box[0].start + owned.start, box[0].start + owned.stop),) + tuple(box[1:])
-      return precision.stochastic_round_at(rows, box, shape, self.config.seed, 'sr', step, name, *purpose)
-    return rows.to(self.params[name].dtype)
+      keyed.append((rows, box, shape, (self.config.seed, 'sr', step, n, *purpose)))
+    out = []
+    for bucket in comm.buckets(range(len(keyed)), [k[0].numel() * 4 for k in keyed], self.bucket_bytes):
+      out += precision.stochastic_round_many([keyed[i] for i in bucket])
+    return out
 
   def _clear(self):
     self.main_grads = {}

@@ -155,6 +155,22 @@ def stochastic_round_at(x: torch.Tensor, box, global_shape, *key) -> torch.Tenso
   return stochastic_round(x, keyed_noise(box, global_shape, *key, device=x.device))
 
 
+def stochastic_round_many(items) -> list:
+  """[stochastic_round_at(x, box, global_shape, *key) for (x, box, global_shape, key) in items],
+  bit for bit, with one rounding over all of them: on XLA the int32 views of the bits run as a
+  CPU fallback that cuts the graph, so one call per bucket compiles far fewer graphs than one
+  per tensor."""
+  if not items:
+    return []
+  flat = torch.cat([x.reshape(-1).float() for x, _, _, _ in items])
+  noise = torch.cat([keyed_noise(box, shape, *key, device=x.device).reshape(-1) for x, box, shape, key in items])
+  rounded, out, offset = stochastic_round(flat, noise), [], 0
+  for x, _, _, _ in items:
+    out.append(rounded[offset:offset + x.numel()].view(x.shape))
+    offset += x.numel()
+  return out
+
+
 def add_stochastic(param: torch.Tensor, update: torch.Tensor, *key) -> torch.Tensor:
   """bf16 of param + update, summed in fp32 and rounded stochastically (bf16SR updates)."""
   return stochastic_round_keyed(param.float() + update.float(), *key)

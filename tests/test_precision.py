@@ -352,3 +352,13 @@ def test_compute_context_autocasts_only_the_autocast_recipe():
     assert (a @ b).dtype == torch.bfloat16
   with precision.compute_context(precision.recipe(_cfg(type='fp32')), 'cpu'):
     assert (a @ b).dtype == torch.float32
+
+
+def test_rounding_many_tensors_at_once_is_bitwise_the_rounding_of_each():
+  g = torch.Generator().manual_seed(0)
+  items = [(torch.randn(5, 3, generator=g), (slice(2, 7), slice(0, 3)), (9, 3), (7, 'sr', 1, 'a')),
+           (torch.randn(4, generator=g) * 1e3, (slice(0, 4),), (4,), (7, 'sr', 1, 'b', 'exp_avg'))]
+  for got, (x, box, shape, key) in zip(precision.stochastic_round_many(items), items):
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert torch.equal(got, precision.stochastic_round_at(x, box, shape, *key))
+  assert precision.stochastic_round_many([]) == []
