@@ -148,7 +148,6 @@ class Updater:
       m.data = m.float()
     return narrow
 
-
   def _state_tensors(self):
     """Masters and every optimizer state tensor on the masters' device."""
     out = list(self.master.values())
