@@ -123,8 +123,8 @@ class Updater:
     # Rows (and, widened for this step, moments) go back to the parameter dtype, all rounded
     # in one pass. Without ZeRO-1 an fp32 master is the parameter itself: no copy back.
     rows = [(n, m, ()) for n, m in self.master.items() if m.dtype != self.params[n].dtype]
-    moments = [(n, value, (key,)) for n in narrow for key, value in self.optimizer.state[self.master[n]].items()
-               if torch.is_tensor(value) and value.shape == self.master[n].shape]
+    moments = [(n, self.optimizer.state[self.master[n]][key], (key,)) for n in narrow
+               for key in self._shaped_state(self.master[n])]
     results = self._round_all(rows + moments, step)
     rounded = {n: r for (n, _, _), r in zip(rows, results)}
     for (n, _, (key,)), r in zip(moments, results[len(rows):]):
@@ -141,10 +141,8 @@ class Updater:
     narrow = [n for n, m in self.master.items() if m.dtype != torch.float32]
     for n in narrow:
       m = self.master[n]
-      state = self.optimizer.state.get(m, {})
-      for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == m.shape:
-          state[key] = value.float()
+      for key in self._shaped_state(m):
+        self.optimizer.state[m][key] = self.optimizer.state[m][key].float()
       m.data = m.float()
     return narrow
 
@@ -184,8 +182,12 @@ class Updater:
   def state_keys(self):
     """Optimizer state tensors shaped like their parameter (Adam moments, momentum buffers);
     factored state (Adafactor's row/column moments) is not checkpointed and restarts on resume."""
-    master, state = next(iter(self.optimizer.state.items()), (None, {}))
-    return sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == master.shape)
+    return sorted(self._shaped_state(next(iter(self.optimizer.state), None)))
+
+  def _shaped_state(self, master):
+    """Keys of `master`'s optimizer state tensors shaped like it (moments, momentum buffers)."""
+    state = self.optimizer.state.get(master, {}) if master is not None else {}
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape == master.shape]
 
   def optimizer_step(self):
     state = next(iter(self.optimizer.state.values()), {})
