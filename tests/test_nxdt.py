@@ -185,3 +185,8 @@ def test_neuron_runtime_keys_are_reported_as_not_applicable_on_a_cpu_run(tmp_pat
   assert set(reasons) == {'compiler_flags', 'compiler_cache_url', 'neuron_rt_exec_timeout'}
   assert 'NEURON_CC_FLAGS' in reasons['compiler_flags'] and 'cpu' in reasons['neuron_rt_exec_timeout']
   assert mapped.config.bucket_size_collectives == 1024 and mapped.config.neuron_rt_exec_timeout == 100
+
+
+def test_an_unknown_tokenizer_key_is_named_too(tmp_path):
+  with pytest.raises(ValueError, match='data.tokenizer.modle'):
+    nxdt.load(write_yaml(tmp_path, 'data:\n  tokenizer:\n    library: huggingface\n    modle: /x\n'))
