@@ -63,16 +63,12 @@ def main():
   print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB')
   print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | bubble measured | 1F1B formula |')
   print('|---|---|---|---|---|---|')
-  micro = 16 // 2
+  micro = 16 // 2                  # MODEL's global batch / micro batch: the pipeline's m
   for name in args.layouts.split(','):
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', bench]
     tok, rss = _run(cmd + flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'), args.timeout)
-    bubble = ''
-    if name.startswith('pp2'):
-      bubble = f'| {1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%} '
-    else:
-      bubble = '| | '
-    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB {bubble}|', flush=True)
+    bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
+    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | {bubble} |', flush=True)
 
 
 if __name__ == '__main__':
