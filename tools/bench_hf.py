@@ -9,12 +9,13 @@ flatron's loop step), from the same weights, on the same token batches, steps in
   fp32   HF fp32                      vs flatron precision.type=fp32
   mixed  HF fp32 under torch.autocast(bf16) vs flatron mixed_precision (bf16 weights, fp32 masters)
   bf16   HF .to(bfloat16)             vs flatron bf16SR (bf16 weights, stochastic rounding)
-It prints tok/s, the ratio, MFU (against a measured matmul peak) and the bytes of parameters +
-gradients + optimizer state each side holds, then the ceiling: the step's GEMMs and attention
+It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
+gradients + optimizer state each side holds and the process's peak RSS (both sides together), then the ceiling: the step's GEMMs and attention
 alone (forward and backward, timed one by one), and the fraction of it each side reaches.
 """
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -167,8 +168,8 @@ def main():
   peak = devices.measured_matmul_flops(torch.device('cpu'), n=2048)
   print(f'{args.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s', flush=True)
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
-        ' ceiling tok/s (GEMM + attention) | flatron / ceiling |')
-  print('|---|---|---|---|---|---|---|---|---|---|')
+        ' ceiling tok/s (GEMM + attention) | flatron / ceiling | process peak RSS MiB |')
+  print('|---|---|---|---|---|---|---|---|---|---|---|')
   for precision in args.precisions.split(','):
     r = run(precision, args.steps, args.warmup)
     config = r['config']
@@ -180,7 +181,9 @@ def main():
           f"{100 * r['hf'] * flops / peak:.1f}% | {100 * r['flatron'] * flops / peak:.1f}% | "
           f"{r['hf_bytes'] / 2**20:.0f} | {r['flatron_bytes'] / 2**20:.0f} | "
           f"{tokens / ceiling:,.0f} (GEMMs {gemm * 1e3:.0f} ms, attention {attention * 1e3:.0f} ms) | "
-          f"{r['flatron'] * ceiling / tokens:.0%} |", flush=True)
+          f"{r['flatron'] * ceiling / tokens:.0%} | "
+          # both sides live in this process: the peak so far, not either side's own
+          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} |", flush=True)
   meshes.shutdown()
 
 
