@@ -152,7 +152,11 @@ def summary(config, mesh, sizes, est):
   peft = lora.settings(m)
   if peft is not None:
     trained = transformer.count_params(m, trainable_only=True)
-    lines.append(f'LoRA r={peft.lora_rank} alpha={peft.lora_alpha:g} on {", ".join(lora.target_modules(peft))}: '
+    patterns = ' with rank/alpha patterns' if peft.get('rank_pattern') or peft.get('alpha_pattern') else ''
+    lines.append(f'LoRA r={peft.lora_rank} alpha={lora.option(peft, "lora_alpha"):g}'
+                 f'{" (rsLoRA)" if lora.option(peft, "use_rslora") else ""}{patterns} on '
+                 f'{len(lora.plan(m, transformer.param_specs(m, adapters=False)))} linears '
+                 f'({", ".join(lora.target_modules(peft))}): '
                  f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
                  f'{memory.param_counts(config, sizes)["trainable"]:,} on this rank; optimizer state '
                  f'{memory.human_bytes(est["optimizer"] + est["master"])} per rank; the base is frozen')
@@ -202,6 +206,7 @@ def run(config, workdir=None):
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
   if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
     apply_hf_model_config(config)
+  session.resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
   config_validation.validate(config, world_size)
   workdir = workdirs.resolve(config, workdir)
   for warning in config_validation.warnings(config):

@@ -184,17 +184,24 @@ def get_config(arg=None):
   dpo.max_prompt_length = 64              # a pair that does not fit a row has its prompt cut to this many tokens first
   dpo.precompute_ref_log_probs = False    # compute the reference log-probs once, before training
   dpo.truncation_mode = 'keep_end'        # keep_end | keep_start: which end of a cut prompt is kept (trl's)
+  dpo.reference_model = 'start'           # start: the starting model (with LoRA: base + the starting adapter, as trl) | base: with LoRA, the base with adapters off
   c.model_alignment_strategy.orpo = orpo = config_dict.ConfigDict()  # model.objective=orpo: preference pairs, no reference model
   orpo.beta = 0.1                         # lambda: weight of the odds-ratio term beside the chosen NLL
+  orpo.nll_reduction = 'pair'             # pair: mean over pairs of each chosen response's mean token NLL (NxD Training, the paper) | token: mean over the global batch's chosen tokens (trl)
   orpo.max_prompt_length = 64             # a pair that does not fit a row has its prompt cut to this many tokens first
   orpo.truncation_mode = 'keep_end'       # keep_end | keep_start: which end of a cut prompt is kept (trl's)
   c.model_alignment_strategy.peft = peft = config_dict.ConfigDict()   # LoRA (model/lora.py); off while lora_rank = 0
   peft.lora_rank = 0                      # r: adapter rank; 0 = no LoRA (full fine-tuning)
-  peft.lora_alpha = 16.0                  # scaling alpha / r (alpha / sqrt(r) with use_rslora)
-  peft.use_rslora = False                 # rank-stabilized scaling alpha / sqrt(r)
-  peft.lora_dropout = 0.0                 # dropout on the adapter's input (keyed like every dropout)
-  peft.lora_bias = 'none'                 # none | all | lora_only: which biases train with the adapters (peft's `bias`)
-  peft.target_modules = ('qkv_proj',)     # among qkv_proj, o_proj, gate_up_proj, down_proj or peft's q/k/v/o/gate/up/down_proj (or all-linear)
+  # alpha, rsLoRA, dropout and bias: None = unset, i.e. the loaded adapter's (load_lora_from_ckpt), else
+  # the default in the comment; a value set here that differs from the loaded adapter's is an error.
+  peft.lora_alpha = placeholder(float)    # scaling alpha / r (alpha / sqrt(r) with use_rslora); unset: 16
+  peft.use_rslora = placeholder(bool)     # rank-stabilized scaling alpha / sqrt(r); unset: False
+  peft.lora_dropout = placeholder(float)  # dropout on the adapter's input (keyed like every dropout); unset: 0
+  peft.lora_bias = placeholder(str)       # none | all | lora_only: which biases train with the adapters (peft's `bias`); unset: none
+  peft.target_modules = ('qkv_proj',)     # among qkv_proj, o_proj, gate_up_proj, down_proj or peft's q/k/v/o/gate/up/down_proj (or all-linear); module paths ending in one; or one regular expression (a string) matched against model.layers.N.<...>.<proj>, as peft does
+  peft.layers_to_transform = ()           # layer indices to adapt (peft's); () = all
+  peft.rank_pattern = ()                  # ((pattern, r), ...): per-module ranks, peft's rank_pattern (the first pattern matching the end of the module path wins)
+  peft.alpha_pattern = ()                 # ((pattern, alpha), ...): per-module alphas, peft's alpha_pattern
   peft.save_lora_base = False             # checkpoints also hold the frozen base (else adapters + their optimizer state only)
   peft.merge_lora = False                 # checkpoints hold the merged model W + scale B A (a full model; no adapters to resume)
   peft.load_lora_from_ckpt = False        # start the adapters from lora_save_dir/lora_load_tag (a flatron step or a peft dir)

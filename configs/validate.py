@@ -4,6 +4,7 @@ Runs before any process group or tensor exists, so a bad launch fails in a secon
 complete list instead of one error per attempt.
 """
 import math
+import re
 
 from checkpoint import steps as checkpoint_steps
 from data import errors as data_errors, gpt_dataset
@@ -288,15 +289,27 @@ def _check_peft(peft) -> list:
   _positive(problems, f'{key}.lora_rank', peft.lora_rank, allow_zero=True)
   if peft.lora_rank <= 0:
     return problems
-  _positive(problems, f'{key}.lora_alpha', peft.lora_alpha)
-  if not 0.0 <= peft.lora_dropout < 1.0:
-    problems.append(f'{key}.lora_dropout={peft.lora_dropout} must be in [0, 1)')
-  _one_of(problems, f'{key}.lora_bias', peft.lora_bias, lora.BIASES)
+  _positive(problems, f'{key}.lora_alpha', lora.option(peft, 'lora_alpha'))
+  dropout = lora.option(peft, 'lora_dropout')
+  if not 0.0 <= dropout < 1.0:
+    problems.append(f'{key}.lora_dropout={dropout} must be in [0, 1)')
+  _one_of(problems, f'{key}.lora_bias', lora.option(peft, 'lora_bias'), lora.BIASES)
   try:
     if not lora.target_modules(peft):
       problems.append(f'{key}.target_modules is empty; name the projections to adapt, e.g. (\'qkv_proj\',)')
   except ValueError as e:
     problems.append(str(e))
+  for name in ('rank_pattern', 'alpha_pattern'):
+    pairs = peft.get(name) or ()
+    if any(not isinstance(p, (tuple, list)) or len(p) != 2 or not isinstance(p[1], (int, float)) or p[1] <= 0
+           for p in pairs):
+      problems.append(f'{key}.{name}={tuple(pairs)!r}: give (pattern, positive number) pairs, e.g. '
+                      "(('q_proj', 8),)")
+    for p in pairs:
+      try:
+        re.compile(str(p[0]))
+      except (re.error, IndexError, TypeError) as e:
+        problems.append(f'{key}.{name}: {p!r} is not a valid (regular expression, value) pair ({e})')
   if peft.merge_lora and peft.save_lora_base:
     problems.append(f'{key}: merge_lora and save_lora_base both set; a merged checkpoint already holds '
                     'the whole model, choose one')

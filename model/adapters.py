@@ -9,6 +9,7 @@ model_alignment_strategy.peft, its tensors the `lora_A` / `lora_B` parameters. K
 import json
 import os
 
+from ml_collections import config_dict
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -32,16 +33,36 @@ def is_peft_dir(path) -> bool:
   return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
+def _peft_targets(peft):
+  """target_modules as peft reads them: NxD's fused names written out, a regex kept as is."""
+  if lora.is_regex(peft):
+    return peft.target_modules
+  entries = (peft.target_modules,) if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
+  out = []
+  for name in entries:
+    for t in lora.TARGET_GROUPS.get(name, (name,)):
+      if t not in out:
+        out.append(t)
+  return out
+
+
+def _pairs(value) -> dict:
+  return {str(k): v for k, v in (value.items() if hasattr(value, 'items') else value or ())}
+
+
 def peft_config(peft, base_model_name_or_path=None) -> dict:
   """adapter_config.json for our settings (peft's LoraConfig fields)."""
+  layers = peft.get('layers_to_transform') or None
   return {
       'peft_type': 'LORA', 'task_type': 'CAUSAL_LM', 'auto_mapping': None,
       'base_model_name_or_path': base_model_name_or_path, 'inference_mode': True,
-      'r': int(peft.lora_rank), 'lora_alpha': peft.lora_alpha, 'lora_dropout': peft.lora_dropout,
-      'use_rslora': bool(peft.use_rslora), 'bias': peft.lora_bias,
-      'target_modules': list(lora.target_modules(peft)), 'fan_in_fan_out': False,
+      'r': int(peft.lora_rank), 'lora_alpha': lora.option(peft, 'lora_alpha'),
+      'lora_dropout': lora.option(peft, 'lora_dropout'), 'use_rslora': bool(lora.option(peft, 'use_rslora')),
+      'bias': lora.option(peft, 'lora_bias'), 'target_modules': _peft_targets(peft), 'fan_in_fan_out': False,
       'init_lora_weights': True, 'modules_to_save': None, 'use_dora': False, 'lora_bias': False,
-      'layers_to_transform': None, 'layers_pattern': None, 'rank_pattern': {}, 'alpha_pattern': {},
+      'layers_to_transform': list(layers) if layers else None, 'layers_pattern': None,
+      'rank_pattern': {k: int(v) for k, v in _pairs(peft.get('rank_pattern')).items()},
+      'alpha_pattern': {k: float(v) for k, v in _pairs(peft.get('alpha_pattern')).items()},
   }
 
 
@@ -58,30 +79,46 @@ def save_peft(path, model_cfg, params, base_model_name_or_path=None):
     json.dump(peft_config(peft, base_model_name_or_path), f, indent=2, sort_keys=True)
 
 
+# adapter_config.json fields that change what the adapter computes and that flatron does not
+# implement: refused by name when set (their value when unset).
+UNSUPPORTED = {'use_dora': False, 'lora_bias': False, 'fan_in_fan_out': False, 'modules_to_save': None,
+               'exclude_modules': None, 'layer_replication': None, 'target_parameters': None,
+               'trainable_token_indices': None, 'use_qalora': False, 'alora_invocation_tokens': None,
+               'arrow_config': None, 'use_bdlora': None}
+
+
 def read_settings(path) -> dict:
-  """model_alignment_strategy.peft values from a peft directory's adapter_config.json."""
+  """model_alignment_strategy.peft values from a peft directory's adapter_config.json; every
+  field that changes the adapter's math is honoured or refused by name."""
   config_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (a peft adapter directory needs one)')
   with open(config_path) as f:
     c = json.load(f)
-  unsupported = [f'{k}={c[k]!r}' for k, ok in (('peft_type', 'LORA'), ('use_dora', False), ('lora_bias', False),
-                                               ('fan_in_fan_out', False))
-                 if c.get(k, ok) != ok]
-  unsupported += [f'{k}={c[k]!r}' for k in ('rank_pattern', 'alpha_pattern', 'modules_to_save',
-                                            'layers_to_transform') if c.get(k)]
-  if isinstance(c.get('target_modules'), str) and c['target_modules'] not in lora.TARGET_GROUPS:
-    unsupported.append(f'target_modules={c["target_modules"]!r} (a regular expression; name the modules)')
+  unsupported = [f'peft_type={c.get("peft_type")!r}'] if c.get('peft_type', 'LORA') != 'LORA' else []
+  unsupported += [f'{k}={c[k]!r}' for k, off in UNSUPPORTED.items() if c.get(k) not in (off, None, [], {}, False)]
+  layers_pattern = c.get('layers_pattern')
+  if layers_pattern not in (None, '', [], 'layers', ['layers']):
+    unsupported.append(f'layers_pattern={layers_pattern!r} (a Llama\'s layers are model.layers.N)')
   if unsupported:
-    raise ValueError(f'{config_path}: not supported here: {", ".join(unsupported)}')
-  targets = c['target_modules']
-  if not isinstance(targets, str):   # peft matches entries as suffixes of module paths, and writes
-    # `all-linear` out as full paths (model.layers.0.self_attn.q_proj, ...): keep the projection
-    targets = tuple(dict.fromkeys(t.rsplit('.', 1)[-1] for t in targets))
-  return {'lora_rank': int(c['r']), 'lora_alpha': float(c['lora_alpha']),
-          'lora_dropout': float(c.get('lora_dropout') or 0.0), 'use_rslora': bool(c.get('use_rslora')),
-          'lora_bias': c.get('bias') or 'none',
-          'target_modules': (targets,) if isinstance(targets, str) else targets}
+    raise ValueError(f'{config_path}: not supported here: {", ".join(unsupported)}; these change what the '
+                     'adapter computes, so it cannot be loaded faithfully')
+  targets = c.get('target_modules')
+  if not targets:
+    raise ValueError(f'{config_path}: target_modules is empty')
+  layers = c.get('layers_to_transform')
+  settings = {'lora_rank': int(c['r']), 'lora_alpha': float(c.get('lora_alpha', 8)),
+              'lora_dropout': float(c.get('lora_dropout') or 0.0), 'use_rslora': bool(c.get('use_rslora')),
+              'lora_bias': c.get('bias') or 'none',
+              'target_modules': targets if isinstance(targets, str) else tuple(targets),
+              'layers_to_transform': (layers,) if isinstance(layers, int) else tuple(layers or ()),
+              'rank_pattern': tuple((k, int(v)) for k, v in (c.get('rank_pattern') or {}).items()),
+              'alpha_pattern': tuple((k, float(v)) for k, v in (c.get('alpha_pattern') or {}).items())}
+  try:
+    lora.target_modules(config_dict.ConfigDict(settings))
+  except ValueError as e:
+    raise ValueError(f'{config_path}: {e}') from None
+  return settings
 
 
 def read_boxes(path, requests) -> dict:
@@ -105,7 +142,7 @@ def load_peft(path, model_cfg, params):
   """(model section with the adapter's LoRA settings, `params` plus its whole adapter
   tensors): a peft directory applied to a whole model of this process."""
   model_cfg = model_cfg.copy_and_resolve_references()
-  model_cfg.peft.update(read_settings(path))
+  model_cfg.peft = config_dict.ConfigDict(dict(model_cfg.peft.to_dict(), **read_settings(path)))
   specs = transformer.param_specs(model_cfg)
   wanted = {n: tuple(slice(0, k) for k in specs[n].shape) for n in lora.trainable(model_cfg, specs)}
   return model_cfg, dict(params, **read_boxes(path, wanted))

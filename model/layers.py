@@ -96,7 +96,7 @@ def norm(params, prefix, x_bsh, cfg):
 
 def has_dropout(cfg) -> bool:
   peft = lora.settings(cfg)
-  return max(cfg.hidden_dropout, cfg.attention_dropout, cfg.ffn_dropout, peft.lora_dropout if peft else 0) > 0
+  return max(cfg.hidden_dropout, cfg.attention_dropout, cfg.ffn_dropout, lora.option(peft, 'lora_dropout') if peft else 0) > 0
 
 
 def head_dim(cfg) -> int:

@@ -8,12 +8,22 @@ as peft names them, `<prefix>.<module>.lora_A.weight` [r, in] and `.lora_B.weigh
 A starts as peft's kaiming-uniform (uniform in +-1/sqrt(in)), B at zero, so step 0 is the base
 model. The base is frozen; adapters are fp32 parameters whatever the recipe (the base may be
 bf16) and compute in the activations' dtype. Settings come from `cfg.peft`, the
-model_alignment_strategy.peft section. Nothing here knows about parallelism: parallel/tensor.py
-decides which box of A and B a rank holds (Megatron's way: A replicated and B split for
-column-parallel targets, A split and B replicated for row-parallel ones) and the adapter's
-partial output of a row-parallel target joins the base layer's own reduction (`layers.linear`).
+model_alignment_strategy.peft section. Which linears are adapted, and each one's r and alpha,
+follow peft's own rules on the HF module path (`model.layers.3.self_attn.q_proj`):
+`target_modules` (names matched as path suffixes, NxD's fused names, `all-linear`, or one
+regular expression matched against the whole path), `layers_to_transform`, and
+`rank_pattern` / `alpha_pattern` ((pattern, value) pairs, the first whose pattern matches
+the end of the path wins). alpha, rsLoRA, dropout and bias left unset (None) mean "the
+loaded adapter's" (checkpoint/session.py resolves them), else `DEFAULTS`.
+
+Nothing here knows about parallelism: parallel/tensor.py decides which box of A and B a rank
+holds (Megatron's way: A replicated and B split for column-parallel targets, A split and B
+replicated for row-parallel ones) and the adapter's partial output of a row-parallel target
+joins the base layer's own reduction (`layers.linear`). A's rows are never split, so a
+linear's rank is the first dimension of its A.
 """
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +34,8 @@ TARGET_GROUPS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('g
 MODULES = TARGET_GROUPS['all-linear']
 BIASES = ('none', 'all', 'lora_only')
 FACTORS = ('lora_A', 'lora_B')
+# What an unset (None) setting means when no loaded adapter supplies it.
+DEFAULTS = {'lora_alpha': 16.0, 'use_rslora': False, 'lora_dropout': 0.0, 'lora_bias': 'none'}
 
 
 def settings(cfg):
@@ -32,24 +44,106 @@ def settings(cfg):
   return peft if peft is not None and peft.get('lora_rank', 0) > 0 else None
 
 
+def option(peft, key):
+  """peft.<key> (lora_alpha, use_rslora, lora_dropout, lora_bias), its default when unset."""
+  value = peft.get(key) if hasattr(peft, 'get') else getattr(peft, key, None)
+  return DEFAULTS[key] if value is None else value
+
+
+def _get(peft, key, default=()):
+  value = peft.get(key) if hasattr(peft, 'get') else getattr(peft, key, None)
+  return default if value is None else value
+
+
+def _target_entries(peft) -> tuple:
+  t = peft.target_modules
+  return (t,) if isinstance(t, str) else tuple(t)
+
+
+def is_regex(peft) -> bool:
+  """peft reads a target_modules string that names no module as a regular expression."""
+  t = peft.target_modules
+  return isinstance(t, str) and t not in TARGET_GROUPS and t not in MODULES
+
+
 def target_modules(peft) -> tuple:
-  """The projections (q_proj, ..., down_proj) the adapters target; unknown names raise."""
-  names = (peft.target_modules,) if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
+  """The projections (q_proj, ..., down_proj) the adapters may target, in model order;
+  unknown names raise. Entries may be NxD's fused names, peft's names, or module paths
+  ending in one; a regular expression may target any."""
+  if is_regex(peft):
+    try:
+      re.compile(peft.target_modules)
+    except re.error as e:
+      raise ValueError(f'model_alignment_strategy.peft.target_modules: {peft.target_modules!r} is neither a '
+                       f'module name nor a valid regular expression ({e})') from None
+    return MODULES
   out = []
-  for name in names:
-    expanded = TARGET_GROUPS.get(name, (name,))
+  for name in _target_entries(peft):
+    last = name.rsplit('.', 1)[-1]
+    expanded = TARGET_GROUPS.get(name, TARGET_GROUPS.get(last, (last,)))
     for module in expanded:
       if module not in MODULES:
         valid = ', '.join(list(TARGET_GROUPS) + list(MODULES))
-        raise ValueError(f'model_alignment_strategy.peft.target_modules: {name!r} is unknown; valid: {valid}')
+        raise ValueError(f'model_alignment_strategy.peft.target_modules: {name!r} is unknown; valid: {valid} '
+                         '(or a module path ending in one, or a regular expression)')
       if module not in out:
         out.append(module)
   return tuple(m for m in MODULES if m in out)
 
 
-def scaling(peft) -> float:
-  r = peft.lora_rank
-  return peft.lora_alpha / (math.sqrt(r) if peft.use_rslora else r)
+def module_path(linear) -> str:
+  """'layers.3.self_attn.q_proj' -> peft's key of that module in a Llama, 'model.layers.3.self_attn.q_proj'."""
+  return 'model.' + linear
+
+
+def is_target(peft, linear) -> bool:
+  """Whether linear `linear` ('layers.3.self_attn.q_proj') gets an adapter, by peft's rules."""
+  path, proj = module_path(linear), linear.rsplit('.', 1)[-1]
+  if proj not in MODULES:
+    return False
+  if is_regex(peft):
+    hit = re.fullmatch(peft.target_modules, path) is not None
+  else:
+    hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))
+  layers = _get(peft, 'layers_to_transform')
+  if hit and layers != () and layers != []:
+    layers = (layers,) if isinstance(layers, int) else tuple(layers)
+    hit = int(linear.split('.')[1]) in layers
+  return hit
+
+
+def _pattern_value(pairs, path):
+  """peft's get_pattern_key: the value of the first pattern matching the end of `path`."""
+  for pattern, value in (pairs.items() if hasattr(pairs, 'items') else pairs):
+    if re.match(rf'(.*\.)?({pattern})$', path):
+      return value
+  return None
+
+
+def rank_of(peft, linear) -> int:
+  r = _pattern_value(_get(peft, 'rank_pattern'), module_path(linear))
+  return int(peft.lora_rank if r is None else r)
+
+
+def alpha_of(peft, linear) -> float:
+  alpha = _pattern_value(_get(peft, 'alpha_pattern'), module_path(linear))
+  return float(option(peft, 'lora_alpha') if alpha is None else alpha)
+
+
+def scaling(peft, linear=None, rank=None) -> float:
+  """alpha / r (alpha / sqrt(r) with rsLoRA) of `linear` (any linear without patterns)."""
+  r = rank if rank is not None else (rank_of(peft, linear) if linear else peft.lora_rank)
+  alpha = alpha_of(peft, linear) if linear else float(option(peft, 'lora_alpha'))
+  return alpha / (math.sqrt(r) if option(peft, 'use_rslora') else r)
+
+
+def plan(cfg, names) -> dict:
+  """linear -> (rank, alpha) of every adapted linear among weight names `names`."""
+  peft = settings(cfg)
+  if peft is None:
+    return {}
+  linears = [n[:-len('.weight')] for n in names if n.startswith('layers.') and n.endswith('.weight')]
+  return {lin: (rank_of(peft, lin), alpha_of(peft, lin)) for lin in linears if is_target(peft, lin)}
 
 
 def split_name(name):
@@ -66,18 +160,11 @@ def is_adapter(name) -> bool:
 
 def adapter_specs(cfg, base_specs, spec_type) -> dict:
   """name -> spec of every adapter factor, for the targeted linear weights in `base_specs`."""
-  peft = settings(cfg)
-  if peft is None:
-    return {}
-  targets = target_modules(peft)
   out = {}
-  for name, spec in base_specs.items():
-    parts = name.split('.')
-    if name.startswith('layers.') and parts[-1] == 'weight' and parts[-2] in targets:
-      linear = name[:-len('.weight')]
-      out_dim, in_dim = spec.shape
-      out[f'{linear}.lora_A.weight'] = spec_type((peft.lora_rank, in_dim), 'uniform', 1.0 / math.sqrt(in_dim))
-      out[f'{linear}.lora_B.weight'] = spec_type((out_dim, peft.lora_rank), 'zeros')
+  for linear, (rank, _) in plan(cfg, base_specs).items():
+    out_dim, in_dim = base_specs[linear + '.weight'].shape
+    out[f'{linear}.lora_A.weight'] = spec_type((rank, in_dim), 'uniform', 1.0 / math.sqrt(in_dim))
+    out[f'{linear}.lora_B.weight'] = spec_type((out_dim, rank), 'zeros')
   return out
 
 
@@ -92,8 +179,8 @@ def trainable(cfg, names) -> list:
   for n in names:
     if is_adapter(n):
       keep.append(n)
-    elif n.endswith('.bias') and (peft.lora_bias == 'all' or
-                                  (peft.lora_bias == 'lora_only' and n[:-len('.bias')] in adapted)):
+    elif n.endswith('.bias') and (option(peft, 'lora_bias') == 'all' or
+                                  (option(peft, 'lora_bias') == 'lora_only' and n[:-len('.bias')] in adapted)):
       keep.append(n)
   return keep
 
@@ -105,9 +192,9 @@ def delta(params, linear, x, cfg, dropout):
   if a is None:
     return None
   peft = cfg.peft
-  x = dropout(x, peft.lora_dropout)
+  x = dropout(x, option(peft, 'lora_dropout'))
   b = params[linear + '.lora_B.weight']
-  return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling(peft)
+  return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling(peft, linear, rank=a.shape[0])
 
 
 def merged(params, cfg) -> dict:
@@ -117,12 +204,12 @@ def merged(params, cfg) -> dict:
   out = {n: p for n, p in params.items() if not is_adapter(n)}
   if peft is None:
     return out
-  s = scaling(peft)
   for name in params:
     split = split_name(name)
     if split and split[1] == 'lora_A':
-      w = params[split[0] + '.weight']
-      product = params[split[0] + '.lora_B.weight'].double() @ params[name].double()
+      w, a = params[split[0] + '.weight'], params[name]
+      product = params[split[0] + '.lora_B.weight'].double() @ a.double()
+      s = scaling(peft, split[0], rank=a.shape[0])
       out[split[0] + '.weight'] = (w.double() + s * product).to(w.dtype)
   return out
 
