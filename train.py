@@ -247,8 +247,11 @@ def run(config, workdir=None):
     start_step, consumed_samples = checkpoints.restore_or_init()
     frozen_ref = None
     if objectives.for_config(config).reference is not None:
-      frozen_ref = references.setup(config, mesh, ops, params, tuple(data.values()),
-                                    lambda: checkpoints.load_init_weights(init_params(config, mesh)))
+      frozen_ref = references.setup(
+          config, mesh, ops, params, tuple(data.values()),
+          lambda: checkpoints.load_init_weights(init_params(config, mesh)),
+          lambda: checkpoints.starting_adapters({n: p for n, p in init_params(config, mesh).items()
+                                                 if lora.is_adapter(n)}))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,

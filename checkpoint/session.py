@@ -59,7 +59,7 @@ def check_shapes(path, meta, layout):
         'workdir / checkpoint; nothing was loaded or deleted.')
 
 
-RESOLVED_KEYS = ('lora_alpha', 'use_rslora', 'lora_dropout', 'lora_bias')
+RESOLVED_KEYS = ('lora_alpha', 'use_rslora', 'lora_dropout', 'lora_bias', 'target_modules')
 PATTERN_KEYS = ('rank_pattern', 'alpha_pattern', 'layers_to_transform')
 
 
@@ -109,7 +109,7 @@ def resolve_adapter_settings(config):
       mine, value = peft.get(key), theirs.get(key, lora.DEFAULTS.get(key, ()))
       if mine is None or (key in PATTERN_KEYS and not mine):
         peft[key] = _canonical(key, value) if key in PATTERN_KEYS else value
-      elif _canonical(key, mine) != _canonical(key, value):
+      elif key != 'target_modules' and _canonical(key, mine) != _canonical(key, value):   # (targets: by plan)
         differ.append(f'{key}: this run {mine!r}, the adapter {value!r}')
     if differ:
       raise managers.IncompatibleCheckpoint(
@@ -194,8 +194,15 @@ class Session:
       self._load_adapters(adapter_source(peft))
     return 0, 0
 
-  def _load_adapters(self, path):
-    """load_lora_from_ckpt: the adapters (weights only) of a peft directory or a flatron step."""
+  def starting_adapters(self, params):
+    """`params` (fresh adapter boxes of this rank) with load_lora_from_ckpt's adapters loaded
+    into them: the adapters the run started from (DPO's reference), also on resume."""
+    self._load_adapters(adapter_source(lora.settings(self.config.model)), params)
+    return {n: p.detach().requires_grad_(False) for n, p in params.items()}
+
+  def _load_adapters(self, path, params=None):
+    """load_lora_from_ckpt: the adapters (weights only) of a peft directory or a flatron step,
+    into the updater's parameters or `params`."""
     specs = transformer.param_specs(self.config.model, self.mesh.tp)
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=lora.trainable(self.config.model, specs),
                                 weights_only=True)
@@ -206,7 +213,7 @@ class Session:
     else:
       check_shapes(path, managers.read_metadata(path), layout)
       arrays, _ = self.manager.load(path, requests)
-    layout.restore(arrays, 0, weights_only=True)
+    layout.restore(arrays, 0, weights_only=True, params=params)
     logging.info('loaded LoRA adapters from %s', path)
 
   def _resume_names(self, path, meta):

@@ -192,13 +192,13 @@ def get_config(arg=None):
   orpo.truncation_mode = 'keep_end'       # keep_end | keep_start: which end of a cut prompt is kept (trl's)
   c.model_alignment_strategy.peft = peft = config_dict.ConfigDict()   # LoRA (model/lora.py); off while lora_rank = 0
   peft.lora_rank = 0                      # r: adapter rank; 0 = no LoRA (full fine-tuning)
-  # alpha, rsLoRA, dropout and bias: None = unset, i.e. the loaded adapter's (load_lora_from_ckpt), else
+  # alpha, rsLoRA, dropout, bias and target_modules: None = unset, i.e. the loaded adapter's (load_lora_from_ckpt), else
   # the default in the comment; a value set here that differs from the loaded adapter's is an error.
   peft.lora_alpha = placeholder(float)    # scaling alpha / r (alpha / sqrt(r) with use_rslora); unset: 16
   peft.use_rslora = placeholder(bool)     # rank-stabilized scaling alpha / sqrt(r); unset: False
   peft.lora_dropout = placeholder(float)  # dropout on the adapter's input (keyed like every dropout); unset: 0
   peft.lora_bias = placeholder(str)       # none | all | lora_only: which biases train with the adapters (peft's `bias`); unset: none
-  peft.target_modules = ('qkv_proj',)     # among qkv_proj, o_proj, gate_up_proj, down_proj or peft's q/k/v/o/gate/up/down_proj (or all-linear); module paths ending in one; or one regular expression (a string) matched against model.layers.N.<...>.<proj>, as peft does
+  peft.target_modules = placeholder(object)  # unset: ('qkv_proj',). Among qkv_proj, o_proj, gate_up_proj, down_proj or peft's q/k/v/o/gate/up/down_proj (or all-linear); module paths ending in one; or one regular expression (a string) matched against model.layers.N.<...>.<proj>, as peft does
   peft.layers_to_transform = ()           # layer indices to adapt (peft's); () = all
   peft.rank_pattern = ()                  # ((pattern, r), ...): per-module ranks, peft's rank_pattern (the first pattern matching the end of the module path wins)
   peft.alpha_pattern = ()                 # ((pattern, alpha), ...): per-module alphas, peft's alpha_pattern

@@ -18,6 +18,7 @@ def get_config(arg=None):
   peft.lora_rank = 16
   peft.lora_alpha = 32.0
   peft.lora_dropout = 0.05
+  peft.lora_bias = 'none'
   peft.target_modules = ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj')
   c.model.optim.lr = 1e-3                  # adapters start at zero: LoRA takes a larger step
   c.model.optim.sched.min_lr = 1e-4

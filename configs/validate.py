@@ -274,8 +274,15 @@ def _check_objective(config) -> list:
     if not 0.0 <= strategy.dpo.label_smoothing < 0.5:
       problems.append(f'model_alignment_strategy.dpo.label_smoothing={strategy.dpo.label_smoothing} '
                       'must be in [0, 0.5)')
+    _one_of(problems, 'model_alignment_strategy.dpo.reference_model', strategy.dpo.reference_model,
+            objectives.REFERENCE_MODELS)
+    if strategy.dpo.reference_model == 'base' and not lora.settings(config.model):
+      problems.append('model_alignment_strategy.dpo.reference_model=base needs LoRA (the base with the adapters '
+                      'off); without LoRA the reference is the starting model: set it to start')
   if objective == 'orpo':
     _positive(problems, 'model_alignment_strategy.orpo.beta', strategy.orpo.beta)
+    _one_of(problems, 'model_alignment_strategy.orpo.nll_reduction', strategy.orpo.nll_reduction,
+            objectives.NLL_REDUCTIONS)
   if objective in ('dpo', 'orpo') and not config.data.train_dir:
     problems.append(f'model.objective={objective} trains on preference pairs: set data.train_dir '
                     '(and data.val_dir) to (prompt, chosen, rejected) records')

@@ -35,9 +35,10 @@ def is_peft_dir(path) -> bool:
 
 def _peft_targets(peft):
   """target_modules as peft reads them: NxD's fused names written out, a regex kept as is."""
+  targets = lora.option(peft, 'target_modules')
   if lora.is_regex(peft):
-    return peft.target_modules
-  entries = (peft.target_modules,) if isinstance(peft.target_modules, str) else tuple(peft.target_modules)
+    return targets
+  entries = (targets,) if isinstance(targets, str) else tuple(targets)
   out = []
   for name in entries:
     for t in lora.TARGET_GROUPS.get(name, (name,)):

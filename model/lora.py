@@ -35,7 +35,8 @@ MODULES = TARGET_GROUPS['all-linear']
 BIASES = ('none', 'all', 'lora_only')
 FACTORS = ('lora_A', 'lora_B')
 # What an unset (None) setting means when no loaded adapter supplies it.
-DEFAULTS = {'lora_alpha': 16.0, 'use_rslora': False, 'lora_dropout': 0.0, 'lora_bias': 'none'}
+DEFAULTS = {'lora_alpha': 16.0, 'use_rslora': False, 'lora_dropout': 0.0, 'lora_bias': 'none',
+            'target_modules': ('qkv_proj',)}
 
 
 def settings(cfg):
@@ -56,13 +57,13 @@ def _get(peft, key, default=()):
 
 
 def _target_entries(peft) -> tuple:
-  t = peft.target_modules
+  t = option(peft, 'target_modules')
   return (t,) if isinstance(t, str) else tuple(t)
 
 
 def is_regex(peft) -> bool:
   """peft reads a target_modules string that names no module as a regular expression."""
-  t = peft.target_modules
+  t = option(peft, 'target_modules')
   return isinstance(t, str) and t not in TARGET_GROUPS and t not in MODULES
 
 
@@ -77,6 +78,9 @@ def target_modules(peft) -> tuple:
       raise ValueError(f'model_alignment_strategy.peft.target_modules: {peft.target_modules!r} is neither a '
                        f'module name nor a valid regular expression ({e})') from None
     return MODULES
+  if not all(isinstance(t, str) for t in _target_entries(peft)):
+    raise ValueError(f'model_alignment_strategy.peft.target_modules={option(peft, "target_modules")!r}: give '
+                     "module names, e.g. ('q_proj', 'v_proj'), or one regular expression as a string")
   out = []
   for name in _target_entries(peft):
     last = name.rsplit('.', 1)[-1]
@@ -102,7 +106,7 @@ def is_target(peft, linear) -> bool:
   if proj not in MODULES:
     return False
   if is_regex(peft):
-    hit = re.fullmatch(peft.target_modules, path) is not None
+    hit = re.fullmatch(option(peft, 'target_modules'), path) is not None
   else:
     hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))
   layers = _get(peft, 'layers_to_transform')

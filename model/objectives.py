@@ -17,7 +17,9 @@ are sums over those tokens (DPO) or their means (IPO, ORPO), as trl computes the
   IPO   (h - 1 / (2 beta))^2 on mean log-probs (Azar et al. 2023)
   ORPO  -mean_t log p(chosen) - beta log sigmoid(log odds(c) - log odds(r)),
         odds(p) = p / (1 - p) on mean log-probs (Hong et al. 2024); the NLL is each pair's
-        mean over its chosen tokens, as in the paper (trl averages over the batch's tokens).
+        mean over its chosen tokens averaged over pairs (orpo.nll_reduction=pair: the paper and
+        NxD Training's base_orpo.py), or the mean over the global batch's chosen tokens
+        (nll_reduction=token: trl's ORPOTrainer).
 Reference log-probs (DPO, IPO) come in the batch as `ref_logps` [b, 2] (the loop computes
 them: train.py). Metrics are trl's: rewards/{chosen,rejected,accuracies,margins}, logps/*.
 """
@@ -27,12 +29,17 @@ import typing
 import torch
 import torch.nn.functional as F
 
+from model import lora
+
 
 class Objective(typing.NamedTuple):
   count: typing.Callable
   loss: typing.Callable
   metrics: tuple = ()              # names of the metric sums loss() returns
   reference: typing.Any = None     # the Objective giving reference log-probs, when one is needed
+  # A second normaliser, summed over the global batch like `count`; loss() then finds both
+  # global totals in batch['global_count'] and batch['global_extra'] (ORPO's token-mean NLL).
+  extra_count: typing.Callable = None
 
 
 def _loss_mask_count(batch):
@@ -41,6 +48,10 @@ def _loss_mask_count(batch):
 
 def _pair_count(batch):
   return torch.tensor(float(batch['chosen_mask'].shape[0]))
+
+
+def _chosen_token_count(batch):
+  return batch['chosen_mask'].sum().float()
 
 
 def _next_token_loss(logits_bsv, batch, cfg, ops):
@@ -92,7 +103,11 @@ def _orpo_loss(logits_bsv, batch, cfg, ops, *, settings):
   chosen, rejected = logps.unbind(-1)
   log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
   ratio = F.logsigmoid(log_odds)
-  nll = -chosen
+  if settings.nll_reduction == 'token':   # trl: over the global batch's chosen tokens, not per pair
+    chosen_sum = pair_logps(logits_bsv, batch, cfg, ops)[:, 0]
+    nll = -chosen_sum * (batch['global_count'] / batch['global_extra'].clamp(min=1))
+  else:                                   # NxD Training and the paper: each pair's mean, averaged
+    nll = -chosen
   losses = nll - settings.beta * ratio
   metrics = _metrics(settings.beta * logps, logps)
   metrics.update({'nll_loss': nll.detach().sum(), 'log_odds_ratio': ratio.detach().sum(),
@@ -105,6 +120,8 @@ PREFERENCE_METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies'
                       'logps/chosen', 'logps/rejected')
 NAMES = ('next_token', 'dpo', 'orpo')
 LOSS_TYPES = ('sigmoid', 'ipo')
+REFERENCE_MODELS = ('start', 'base')
+NLL_REDUCTIONS = ('pair', 'token')
 
 
 def for_config(config) -> Objective:
@@ -118,6 +135,18 @@ def for_config(config) -> Objective:
     reference = Objective(_pair_count, lambda logits, batch, cfg, ops: (pair_logps(logits, batch, cfg, ops, mean), {}))
     return Objective(_pair_count, functools.partial(_dpo_loss, settings=settings), PREFERENCE_METRICS, reference)
   if name == 'orpo':
-    return Objective(_pair_count, functools.partial(_orpo_loss, settings=config.model_alignment_strategy.orpo),
-                     PREFERENCE_METRICS + ('nll_loss', 'log_odds_ratio', 'log_odds_chosen'))
+    settings = config.model_alignment_strategy.orpo
+    return Objective(_pair_count, functools.partial(_orpo_loss, settings=settings),
+                     PREFERENCE_METRICS + ('nll_loss', 'log_odds_ratio', 'log_odds_chosen'),
+                     extra_count=_chosen_token_count if settings.nll_reduction == 'token' else None)
   raise ValueError(f'model.objective={name!r} is unknown; valid: {", ".join(NAMES)}')
+
+
+def reference_copy(config) -> str:
+  """What the reference needs besides the policy's tensors: 'model' (a copy of the starting
+  model), 'adapters' (a copy of the starting adapters) or 'none' (the base alone)."""
+  peft = lora.settings(config.model)
+  if peft is None:
+    return 'model'
+  start = config.model_alignment_strategy.dpo.reference_model == 'start'
+  return 'adapters' if start and peft.load_lora_from_ckpt else 'none'

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from model import layers, lora, transformer
+from model import layers, lora, objectives, transformer
 from parallel import mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -162,8 +162,10 @@ def estimate(config, sizes=None, dp=1) -> dict:
       'activations': (math.ceil(m.num_layers / pp) * in_flight
                       * activation_bytes_per_layer(config, param_bytes, tp) + 2 * logits * 4),
   }
-  if m.objective == 'dpo' and lora.settings(m) is None and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
-    out['reference'] = out['params']       # DPO's frozen copy of the starting model
+  if m.objective == 'dpo' and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
+    part = objectives.reference_copy(config)   # DPO's frozen copy of the starting model or adapters
+    if part != 'none':
+      out['reference'] = out['params'] if part == 'model' else n['adapters'] * 4
   out['total'] = sum(out.values())
   return out
 

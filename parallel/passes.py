@@ -64,12 +64,20 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   m = config.model
   objective = objectives.for_config(config)
   count = sum(objective.count(mb) for mb in micro_batches).to(mesh.device)
-  count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
+  extra = objective.extra_count and sum(objective.extra_count(mb) for mb in micro_batches).to(mesh.device)
+  if extra is not None:       # one collective for both totals
+    count, extra = comm.all_reduce_(torch.stack([count, extra]), mesh.dp_group,
+                                    name='all_reduce(loss counts over dp)').unbind()
+  else:
+    count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
   dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
   ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
                               m.activations_checkpoint_recompute) if training else (ops, None)
   sums = {'loss': torch.zeros((), device=mesh.device)}
   batches = [to_device(mb, mesh.device) for mb in micro_batches]
+  if extra is not None:
+    for batch in batches:
+      batch.update(global_count=count, global_extra=extra)
   recipe = recipe or precision.recipe(config.precision)
   if objective.reference is not None and 'ref_logps' not in batches[0]:
     refs = forward_outputs(reference, batches, config, mesh, ops, objective.reference, recipe)

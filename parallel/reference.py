@@ -1,10 +1,13 @@
 """DPO's reference model on the mesh: which parameters it is, and its log-probs of each pair,
 computed through the same pipeline (forward only) as the policy.
 
-The reference is the starting model. With LoRA it is the policy's own base with the adapters
-switched off (the same tensors: no memory); without, a frozen copy sharded like the policy,
-or (dpo.precompute_ref_log_probs) that copy's log-probs of every row of a split, computed
-once before training and looked up per batch (8 bytes per pair instead of a model).
+The reference is the starting model (dpo.reference_model=start). With LoRA it is the
+policy's own base (the same tensors: no memory) with the adapters the run started from: a
+frozen copy of load_lora_from_ckpt's adapters (as trl keeps a copy of a loaded adapter), or
+none when the adapters start at B = 0. dpo.reference_model=base takes the base with the
+adapters off even then. Without LoRA it is a frozen copy sharded like the policy. With
+dpo.precompute_ref_log_probs, the reference's log-probs of every row of a split are computed
+once before training and looked up per batch (8 bytes per pair; the copy is then dropped).
 """
 import logging
 
@@ -15,15 +18,16 @@ from model import lora, objectives
 from parallel import comm, memory, passes, precision
 
 
-def setup(config, mesh, ops, policy, loaders, starting_model):
-  """The frozen copy the steps use as reference, or None. With LoRA the reference is the
-  base (adapters off: no memory); else `starting_model()` (the init_from weights, also on
-  resume), or with dpo.precompute_ref_log_probs that copy's log-probs of every pair of the
-  loaders' splits, attached to their batches, the copy then dropped."""
-  copy = starting_model() if lora.settings(config.model) is None else None
+def setup(config, mesh, ops, policy, loaders, starting_model, starting_adapters):
+  """The frozen copy the steps use as reference (objectives.reference_copy), or None: `starting_model()`
+  (the init_from weights) or `starting_adapters()` (load_lora_from_ckpt's), read again on
+  resume; with dpo.precompute_ref_log_probs the reference's log-probs of every pair of the
+  loaders' splits are attached to their batches instead, and the copy dropped."""
+  part = objectives.reference_copy(config)
+  copy = starting_model() if part == 'model' else starting_adapters() if part == 'adapters' else None
   if not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
     if copy is not None:
-      logging.info('DPO reference: a frozen copy of the starting model, %s on this rank',
+      logging.info('DPO reference: a frozen copy of the starting %s, %s on this rank', part,
                    memory.human_bytes(sum(p.numel() * p.element_size() for p in copy.values())))
     return copy
   for loader in loaders:
@@ -34,10 +38,11 @@ def setup(config, mesh, ops, policy, loaders, starting_model):
 
 
 def params(policy, frozen_copy):
-  """The reference model's parameters on this rank."""
-  if frozen_copy is not None:
+  """The reference model's parameters on this rank: the frozen copy, or the policy's base
+  with the frozen copy's adapters (or none)."""
+  if frozen_copy is not None and not all(lora.is_adapter(n) for n in frozen_copy):
     return frozen_copy
-  return {n: p for n, p in policy.items() if not lora.is_adapter(n)}
+  return dict({n: p for n, p in policy.items() if not lora.is_adapter(n)}, **(frozen_copy or {}))
 
 
 def precompute(loader, ref_params, config, mesh, ops):
