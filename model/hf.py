@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from configs import base as base_config
 from model import transformer
 from model.hf_config import FAMILIES, GEMMA_KEYS, config_from_hf, config_to_hf  # pylint: disable=unused-import
 
@@ -68,8 +69,11 @@ def _weight_map(path):
   raise FileNotFoundError(f'{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE} found{hint}')
 
 
-def read_config(path, base_model):
-  """The model section for an HF `config.json` (or a directory holding one)."""
+def read_config(path, base_model=None):
+  """The model section for an HF `config.json` (or a directory holding one); `base_model`
+  supplies the keys HF does not set (default: configs/base.py's model section)."""
+  if base_model is None:
+    base_model = base_config.get_config().model
   config_path = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (an HF model directory needs one)')
@@ -123,11 +127,11 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
   return out
 
 
-def load_hf(path, base_model, dtype=torch.float32):
+def load_hf(path, base_model=None, dtype=torch.float32):
   """(model config section, params) from an HF model directory; vocab rows zero-padded as ours.
 
-  `base_model` supplies the keys HF does not set (see config_from_hf). dtype=None keeps each
-  tensor's stored dtype.
+  `base_model` supplies the keys HF does not set (see config_from_hf; default: configs/base.py's
+  model section). dtype=None keeps each tensor's stored dtype.
   """
   model_cfg = read_config(path, base_model)
   specs = transformer.param_specs(model_cfg, adapters=False)

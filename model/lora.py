@@ -105,10 +105,9 @@ def is_target(peft, linear) -> bool:
   path, proj = module_path(linear), linear.rsplit('.', 1)[-1]
   if proj not in MODULES:
     return False
-  if is_regex(peft):
-    hit = re.fullmatch(option(peft, 'target_modules'), path) is not None
-  else:
-    hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))
+  if is_regex(peft):        # peft applies layers_to_transform to listed names only, not to a regex
+    return re.fullmatch(option(peft, 'target_modules'), path) is not None
+  hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))
   layers = _get(peft, 'layers_to_transform')
   if hit and layers != () and layers != []:
     layers = (layers,) if isinstance(layers, int) else tuple(layers)
