@@ -139,6 +139,65 @@ def load_tokenizer(cfg):
                    '.merge_file)')
 
 
+# The files a Hugging Face model directory holds for its tokenizer (AutoTokenizer reads them).
+HF_TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'special_tokens_map.json', 'tokenizer.model',
+                      'vocab.json', 'merges.txt', 'added_tokens.json', 'chat_template.jinja', 'chat_template.json')
+
+
+def hf_directory(cfg):
+  """The directory whose tokenizer files `config.data.tokenizer` names (huggingface type), or None."""
+  if _field(cfg, 'type') == 'huggingface' and _field(cfg, 'model'):
+    return os.path.dirname(os.path.abspath(_field(cfg, 'model')))
+  return None
+
+
+def from_directory(directory):
+  """The tokenizer of an HF model directory: tokenizer.json, else a SentencePiece tokenizer.model,
+  else GPT-2's vocab.json + merges.txt."""
+  path = lambda name: os.path.join(directory, name)
+  if os.path.isfile(path('tokenizer.json')):
+    return HuggingFaceTokenizer(path('tokenizer.json'))
+  if os.path.isfile(path('tokenizer.model')):
+    return SentencePieceTokenizer(path('tokenizer.model'))
+  if os.path.isfile(path('vocab.json')) and os.path.isfile(path('merges.txt')):
+    return gpt2_bpe(path('vocab.json'), path('merges.txt'))
+  raise FileNotFoundError(f'{directory} holds no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + '
+                          'merges.txt); pass --tokenizer=<HF directory>')
+
+
+def write_hf_files(cfg, directory):
+  """Write the tokenizer `config.data.tokenizer` names into `directory` as AutoTokenizer reads it
+  (an HF tokenizer's own files; a SentencePiece model as tokenizer.model with Llama's
+  tokenizer_config.json; GPT-2 BPE as a tokenizer.json). Returns the loaded tokenizer."""
+  import shutil
+  tok = load_tokenizer(cfg)
+  os.makedirs(directory, exist_ok=True)
+  if _field(cfg, 'type') == 'huggingface':
+    source = hf_directory(cfg)
+    for name in HF_TOKENIZER_FILES:
+      if os.path.isfile(os.path.join(source, name)):
+        shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+    if os.path.basename(tok.path) != 'tokenizer.json':
+      shutil.copyfile(tok.path, os.path.join(directory, 'tokenizer.json'))
+    if os.path.isfile(os.path.join(source, 'tokenizer_config.json')):
+      return tok
+    config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+  elif _field(cfg, 'type') == 'sentencepiece':
+    shutil.copyfile(tok.path, os.path.join(directory, 'tokenizer.model'))
+    config = {'tokenizer_class': 'LlamaTokenizer', 'add_bos_token': tok.bos_id is not None, 'add_eos_token': False,
+              'legacy': False, 'unk_token': tok.sp.id_to_piece(tok.sp.unk_id())}
+  else:                                      # gpt2: the tokenizer built from its two files
+    tok.tok.save(os.path.join(directory, 'tokenizer.json'))
+    config = {'tokenizer_class': 'PreTrainedTokenizerFast'}
+  piece = (lambda i: tok.sp.id_to_piece(i)) if hasattr(tok, 'sp') else tok.tok.id_to_token
+  for key, i in (('bos_token', tok.bos_id), ('eos_token', tok.eos_id), ('pad_token', tok.pad_id)):
+    if i is not None:
+      config[key] = piece(i)
+  with open(os.path.join(directory, 'tokenizer_config.json'), 'w') as f:
+    json.dump(config, f, indent=2)
+  return tok
+
+
 def check_vocab(tokenizer, model_cfg):
   """The model's embedding must have a row for every token id the tokenizer can emit."""
   if model_cfg.vocab_size < tokenizer.vocab_size:

@@ -216,6 +216,36 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
     json.dump(hf_config, f, indent=2, sort_keys=True)
 
 
+TOKEN_ID_KEYS = ('bos_token_id', 'eos_token_id', 'pad_token_id')
+GENERATION_FILE = 'generation_config.json'
+
+
+def token_ids(path) -> dict:
+  """The special token ids an HF directory's config.json names (those it sets)."""
+  config_path = os.path.join(path, CONFIG_FILE)
+  if not os.path.isfile(config_path):
+    return {}
+  with open(config_path) as f:
+    config = json.load(f)
+  return {k: config[k] for k in TOKEN_ID_KEYS if config.get(k) is not None}
+
+
+def write_generation_files(path, ids, generation_config=None):
+  """Put special token ids `ids` into the config.json at `path`, and write generation_config.json:
+  `generation_config` (a source model's, as a dict) or one made from the ids, so transformers'
+  generate stops at end-of-text."""
+  config_path = os.path.join(path, CONFIG_FILE)
+  with open(config_path) as f:
+    config = json.load(f)
+  config.update({k: v for k, v in ids.items() if v is not None})
+  with open(config_path, 'w') as f:
+    json.dump(config, f, indent=2, sort_keys=True)
+  generation = dict(generation_config) if generation_config else {
+      '_from_model_config': True, **{k: v for k, v in ids.items() if v is not None}}
+  with open(os.path.join(path, GENERATION_FILE), 'w') as f:
+    json.dump(generation, f, indent=2, sort_keys=True)
+
+
 def is_hf_dir(path) -> bool:
   """Whether `path` (a local directory) holds an HF model's config.json."""
   return os.path.isfile(os.path.join(path, CONFIG_FILE))

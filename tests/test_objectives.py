@@ -98,6 +98,33 @@ def test_orpo_equals_the_paper_and_trl():
   torch.testing.assert_close(chosen_rewards.sum(), metrics['rewards/chosen'].float(), rtol=1e-6, atol=1e-6)
 
 
+def _with_totals(objective, batch, pairs, tokens):
+  return dict(batch, global_count=torch.tensor(float(pairs)), global_extra=torch.tensor(float(tokens)))
+
+
+def test_orpo_token_reduction_equals_trl_and_splits_like_the_global_batch():
+  """nll_reduction=token: trl's NLL, the mean cross-entropy over the batch's chosen tokens
+  (labels -100 elsewhere), whatever the micro batch split; pair (the default) is NxD's."""
+  logits, batch, _ = _pair_batch()
+  batch['chosen_mask'] = batch['loss_mask'] = batch['chosen_mask'].clone()
+  batch['chosen_mask'][0, 2:4] = 0                    # chosen responses of 1, 3 and 3 tokens
+  beta = 0.25
+  config = _config('orpo', beta=beta, nll_reduction='token')
+  objective = objectives.for_config(config)
+  tokens = objective.extra_count(batch)
+  loss, metrics = _loss(config, logits, _with_totals(objective, batch, 3, tokens))
+  labels = batch['labels'].masked_fill(batch['chosen_mask'] == 0, -100)
+  trl_nll = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)   # trl's cross_entropy_loss
+  assert metrics['nll_loss'].item() / 3 == pytest.approx(trl_nll.item(), rel=1e-6)
+  pair_loss, pair_metrics = _loss(_config('orpo', beta=beta), logits, batch)
+  assert (loss - metrics['nll_loss']).item() == pytest.approx((pair_loss - pair_metrics['nll_loss']).item(), rel=1e-6)
+  assert metrics['nll_loss'].item() != pytest.approx(pair_metrics['nll_loss'].item(), rel=1e-3)  # they differ here
+  pieces = [{k: v[rows] for k, v in batch.items()} for rows in (slice(0, 1), slice(1, 3))]
+  split = sum(_loss(config, logits[rows], _with_totals(objective, piece, 3, tokens))[0]
+              for rows, piece in zip((slice(0, 1), slice(1, 3)), pieces))
+  assert split.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
 def test_next_token_and_counts():
   logits, batch, token_logp = _pair_batch()
   loss, _ = objectives.NEXT_TOKEN.loss(logits, batch, types.SimpleNamespace(vocab_size=VOCAB), LOCAL_OPS)

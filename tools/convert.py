@@ -12,7 +12,9 @@ a LoRA step writes the merged model (W + scaling B A; the base comes from the ru
 export-peft writes its adapters as a peft directory (`PeftModel.from_pretrained` loads it);
 merge-peft folds any peft LoRA directory into its HF base.
 """
+import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,6 +23,7 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 
 from checkpoint import manager as managers, state as states  # pylint: disable=wrong-import-position
 from configs import base as base_config  # pylint: disable=wrong-import-position
+from data import tokenizer as tokenizers  # pylint: disable=wrong-import-position
 from model import adapters, hf, lora  # pylint: disable=wrong-import-position
 from optim import update  # pylint: disable=wrong-import-position
 from parallel import mesh as meshes  # pylint: disable=wrong-import-position
@@ -44,23 +47,74 @@ def hf_to_flatron(src, dst):
   return manager.step_path(0)
 
 
+def provenance(step):
+  """(the HF directory checkpoint step `step`'s weights came from or None, the tokenizer section
+  its run used or None), following init_from through flatron steps."""
+  step = states.resolve_step(step)
+  meta = managers.read_metadata(step)
+  config = meta['config']
+  tokenizer = config['data']['tokenizer'] if config['data']['tokenizer'].get('type', 'none') != 'none' else None
+  source = meta.get('converted_from') or config['exp_manager'].get('init_from')
+  if source and not hf.is_hf_dir(source) and managers.is_committed(source):
+    source, inherited = provenance(source)
+    tokenizer = tokenizer or inherited
+  return (source if source and hf.is_hf_dir(source) else None), tokenizer
+
+
+def carry_tokenizer(dst, source_dir=None, tokenizer_cfg=None, model_files=True):
+  """Make the HF (or peft) directory `dst` self-contained: the tokenizer files of the run's
+  tokenizer (or of the source model), and with `model_files` the special token ids in its
+  config.json and a generation_config.json (the source model's when its tokenizer is the one
+  carried). Returns what was carried, for the user."""
+  has_files = lambda d: d and any(os.path.isfile(os.path.join(d, n)) for n in tokenizers.HF_TOKENIZER_FILES)
+  same = tokenizer_cfg is None or (source_dir and tokenizers.hf_directory(tokenizer_cfg) == os.path.abspath(source_dir))
+  generation = None
+  if tokenizer_cfg is not None and not (same and has_files(source_dir)):
+    tok = tokenizers.write_hf_files(tokenizer_cfg, dst)
+    ids, carried = {'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id}, 'the run\'s tokenizer'
+  elif has_files(source_dir):
+    os.makedirs(dst, exist_ok=True)
+    for name in tokenizers.HF_TOKENIZER_FILES:
+      if os.path.isfile(os.path.join(source_dir, name)):
+        shutil.copyfile(os.path.join(source_dir, name), os.path.join(dst, name))
+    tok = tokenizers.from_directory(source_dir)
+    ids = dict({'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id},
+               **hf.token_ids(source_dir))
+    generation_file = os.path.join(source_dir, hf.GENERATION_FILE)
+    if os.path.isfile(generation_file):
+      with open(generation_file) as f:
+        generation = json.load(f)
+    carried = f'the tokenizer of {source_dir}'
+  else:
+    ids, carried = (hf.token_ids(source_dir) if source_dir else {}), 'no tokenizer (none is known)'
+  if model_files:
+    hf.write_generation_files(dst, ids, generation)
+  return carried
+
+
 def flatron_to_hf(src, dst):
-  """Write checkpoint step `src` as a Hugging Face Llama directory (LoRA merged in)."""
+  """Write checkpoint step `src` as a Hugging Face directory (LoRA merged in), with its
+  tokenizer, special token ids and generation config."""
   config, params = states.read_model(src)
   hf.save_hf(dst, config.model, lora.merged(params, config.model))
+  return carry_tokenizer(dst, *provenance(src))
 
 
 def export_peft(src, dst):
-  """Write the LoRA adapters of checkpoint step `src` as a peft directory."""
+  """Write the LoRA adapters of checkpoint step `src` as a peft directory (with the tokenizer's
+  files, as trainers save them)."""
   config, params = states.read_model(src)
   adapters.save_peft(dst, config.model, params, base_model_name_or_path=config.exp_manager.init_from)
+  return carry_tokenizer(dst, *provenance(src), model_files=False)
 
 
 def merge_peft(src, base, dst):
-  """Fold the peft adapter directory `src` into the HF model `base`; write an HF directory."""
+  """Fold the peft adapter directory `src` into the HF model `base`; write an HF directory with
+  the base's tokenizer, special token ids and generation config."""
   model_cfg, params = hf.load_hf(base, base_config.get_config().model)
   model_cfg, params = adapters.load_peft(src, model_cfg, params)
   hf.save_hf(dst, model_cfg, lora.merged(params, model_cfg))
+  return carry_tokenizer(dst, base)
 
 
 def main(argv):
@@ -71,10 +125,10 @@ def main(argv):
     print(hf_to_flatron(_SRC.value, _DST.value))
     return
   if argv[1] == 'merge-peft':
-    merge_peft(_SRC.value, _BASE.value, _DST.value)
+    carried = merge_peft(_SRC.value, _BASE.value, _DST.value)
   else:
-    {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[argv[1]](_SRC.value, _DST.value)
-  print(_DST.value)
+    carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[argv[1]](_SRC.value, _DST.value)
+  print(f'{_DST.value} (with {carried})')
 
 
 if __name__ == '__main__':

@@ -52,7 +52,7 @@ def load_model(path):
 
 def load_tokenizer(tokenizer_dir, tokenizer_cfg):
   if tokenizer_dir:
-    return tokenizers.load_tokenizer({'type': 'huggingface', 'model': os.path.join(tokenizer_dir, 'tokenizer.json')})
+    return tokenizers.from_directory(tokenizer_dir)
   if tokenizer_cfg is None or tokenizer_cfg.type == 'none':
     raise SystemExit('error: this model names no tokenizer; pass --tokenizer=<HF directory>')
   return tokenizers.load_tokenizer(tokenizer_cfg)
