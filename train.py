@@ -153,8 +153,10 @@ def summary(config, mesh, sizes, est):
   if peft is not None:
     trained = transformer.count_params(m, trainable_only=True)
     patterns = ' with rank/alpha patterns' if peft.get('rank_pattern') or peft.get('alpha_pattern') else ''
+    source = f' (from {session.adapter_source(peft)})' if peft.load_lora_from_ckpt else ''
     lines.append(f'LoRA r={peft.lora_rank} alpha={lora.option(peft, "lora_alpha"):g}'
-                 f'{" (rsLoRA)" if lora.option(peft, "use_rslora") else ""}{patterns} on '
+                 f'{" (rsLoRA)" if lora.option(peft, "use_rslora") else ""}{patterns} dropout='
+                 f'{lora.option(peft, "lora_dropout"):g} bias={lora.option(peft, "lora_bias")}{source} on '
                  f'{len(lora.plan(m, transformer.param_specs(m, adapters=False)))} linears '
                  f'({", ".join(lora.target_modules(peft))}): '
                  f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
