@@ -253,7 +253,7 @@ def run(config, workdir=None):
           config, mesh, ops, params, tuple(data.values()),
           lambda: checkpoints.load_init_weights(init_params(config, mesh)),
           lambda: checkpoints.starting_adapters({n: p for n, p in init_params(config, mesh).items()
-                                                 if lora.is_adapter(n)}))
+                                                 if n in set(updater.trainable)}))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,

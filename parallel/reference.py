@@ -38,9 +38,9 @@ def setup(config, mesh, ops, policy, loaders, starting_model, starting_adapters)
 
 
 def params(policy, frozen_copy):
-  """The reference model's parameters on this rank: the frozen copy, or the policy's base
-  with the frozen copy's adapters (or none)."""
-  if frozen_copy is not None and not all(lora.is_adapter(n) for n in frozen_copy):
+  """The reference model's parameters on this rank: the frozen copy of the whole model, or the
+  policy's base with the frozen copy of the starting adapters (and trained biases), or none."""
+  if frozen_copy is not None and frozen_copy.keys() == policy.keys():
     return frozen_copy
   return dict({n: p for n, p in policy.items() if not lora.is_adapter(n)}, **(frozen_copy or {}))
 
