@@ -13,7 +13,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from configs import base as base_config
 from model import transformer
 from model.hf_config import FAMILIES, GEMMA_KEYS, config_from_hf, config_to_hf  # pylint: disable=unused-import
 
@@ -72,7 +71,8 @@ def _weight_map(path):
 def read_config(path, base_model=None):
   """The model section for an HF `config.json` (or a directory holding one); `base_model`
   supplies the keys HF does not set (default: configs/base.py's model section)."""
-  if base_model is None:
+  if base_model is None:     # imported here: model/ depends on no config module
+    from configs import base as base_config  # pylint: disable=import-outside-toplevel
     base_model = base_config.get_config().model
   config_path = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
   if not os.path.isfile(config_path):
