@@ -213,7 +213,7 @@ def run(config, workdir=None):
   workdir = workdirs.resolve(config, workdir)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)
-  for key, value, effect in xla.configure(config, config.device):   # before the XLA runtime starts
+  for key, value, effect in xla.configure(config, devices.kind(config.device)):   # before the XLA runtime starts
     logging.info('%s=%s: %s', key, value, effect)
   mesh = meshes.init(config)
   lead = mesh.rank == 0                    # the one rank that writes files (and prints, by default)

@@ -66,8 +66,10 @@ def step_dir(step: int) -> str:
 
 def read_metadata(step_path: str) -> dict:
   text = storage.read_text(step_path, 'metadata.json')
+  if text is None and not storage.is_remote(step_path) and not os.path.isdir(step_path):
+    raise store.CheckpointError(f'{step_path} does not exist')
   if text is None:
-    raise store.CheckpointError(f'{step_path} has no metadata.json')
+    raise store.CheckpointError(f'{step_path} has no metadata.json (not a flatron checkpoint step)')
   return json.loads(text)
 
 

@@ -21,7 +21,7 @@ import threading
 from ml_collections import config_dict
 import torch.distributed as dist
 
-from checkpoint import manager as managers, preemption, state as states, storage
+from checkpoint import manager as managers, preemption, state as states, storage, store
 from model import adapters, hf, lora, transformer
 from parallel import comm
 
@@ -265,7 +265,13 @@ class Session:
       self._check_same_model(hf_model)
       arrays = hf.read_boxes(path, hf_model, requests)   # this rank's boxes only
     else:
-      check_shapes(path, managers.read_metadata(path), layout)
+      try:
+        meta = managers.read_metadata(path)
+      except store.CheckpointError as e:
+        raise store.CheckpointError(
+            f'exp_manager.init_from (NxD: resume_from_checkpoint with weight_init_only): {e}; point it at an HF '
+            'model directory or a committed flatron checkpoint step') from None
+      check_shapes(path, meta, layout)
       arrays, _ = self.manager.load(path, requests)
     layout.restore(arrays, 0, weights_only=True, params=params)
     logging.info('initialized weights from %s', path)

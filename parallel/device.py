@@ -14,9 +14,15 @@ CUDA_PEAK_BF16 = (('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('L40S',
                   ('A10G', 125e12), ('L4', 121e12), ('V100', 125e12))
 
 
-def resolve(name: str, local_rank: int = 0) -> torch.device:
+def kind(name: str) -> str:
+  """The device kind config.device names: `auto` is cuda where it is available, else cpu."""
   if name == 'auto':
-    name = 'cuda' if torch.cuda.is_available() else 'cpu'
+    return 'cuda' if torch.cuda.is_available() else 'cpu'
+  return name
+
+
+def resolve(name: str, local_rank: int = 0) -> torch.device:
+  name = kind(name)
   if name == 'cuda':
     if not torch.cuda.is_available():
       raise RuntimeError('device=cuda but torch.cuda.is_available() is False; use --config.device=cpu')

@@ -243,6 +243,14 @@ def test_resume_without_a_checkpoint_is_an_error_saying_how_to_start_fresh(tmp_p
     train.run(c, str(tmp_path))
 
 
+def test_a_missing_init_from_names_the_key_and_says_it_does_not_exist(tmp_path):
+  import train  # pylint: disable=import-outside-toplevel
+  c = checkpointed({})
+  c.exp_manager.init_from = str(tmp_path / 'nowhere')
+  with pytest.raises(store.CheckpointError, match=r'exp_manager.init_from .*nowhere does not exist'):
+    train.run(c, str(tmp_path / 'run'))
+
+
 def test_metrics_after_a_crash_and_resume_hold_each_step_once(tmp_path):
   import train  # pylint: disable=import-outside-toplevel
   c = _saved_run(tmp_path)

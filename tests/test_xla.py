@@ -38,6 +38,9 @@ def test_runtime_keys_are_reported_not_applicable_off_neuron(monkeypatch):
   assert 'NEURON_CC_FLAGS' in on_xla['compiler_flags'] and 'xla (CPU)' in on_xla['compiler_flags']
   assert on_xla['compiler_cache_url'].startswith('persistent compilation cache')
   assert xla.runtime_settings(base.get_config(), 'xla') == []       # unset keys say nothing
+  from parallel import device  # pylint: disable=import-outside-toplevel
+  auto = {key: effect for key, _, effect in xla.runtime_settings(c, device.kind('auto'))}
+  assert 'auto' not in auto['compiler_flags'] and auto['compiler_flags'].endswith(device.kind('auto'))  # the device chosen
 
 
 def test_runtime_keys_set_the_neuron_environment(monkeypatch):
