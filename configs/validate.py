@@ -307,16 +307,14 @@ def _check_peft(peft) -> list:
   except ValueError as e:
     problems.append(str(e))
   for name in ('rank_pattern', 'alpha_pattern'):
-    pairs = peft.get(name) or ()
-    if any(not isinstance(p, (tuple, list)) or len(p) != 2 or not isinstance(p[1], (int, float)) or p[1] <= 0
-           for p in pairs):
-      problems.append(f'{key}.{name}={tuple(pairs)!r}: give (pattern, positive number) pairs, e.g. '
-                      "(('q_proj', 8),)")
-    for p in pairs:
+    for pair in lora.option(peft, name):
+      if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[1], (int, float)) or pair[1] <= 0:
+        problems.append(f'{key}.{name}: {pair!r} is not a (pattern, positive number) pair, e.g. (\'q_proj\', 8)')
+        continue
       try:
-        re.compile(str(p[0]))
-      except (re.error, IndexError, TypeError) as e:
-        problems.append(f'{key}.{name}: {p!r} is not a valid (regular expression, value) pair ({e})')
+        re.compile(str(pair[0]))
+      except re.error as e:
+        problems.append(f'{key}.{name}: {pair[0]!r} is not a valid regular expression ({e})')
   if peft.merge_lora and peft.save_lora_base:
     problems.append(f'{key}: merge_lora and save_lora_base both set; a merged checkpoint already holds '
                     'the whole model, choose one')

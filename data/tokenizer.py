@@ -9,6 +9,7 @@ The end-of-document id is the EOS id, as in Megatron's tokenizers.
 """
 import json
 import os
+import shutil
 
 from data.errors import DataError
 
@@ -165,18 +166,29 @@ def from_directory(directory):
                           'merges.txt); pass --tokenizer=<HF directory>')
 
 
+def copy_hf_files(source, directory) -> bool:
+  """Copy the tokenizer files of HF directory `source` into `directory`; whether it had any."""
+  names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
+  os.makedirs(directory, exist_ok=True)
+  for name in names:
+    shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+  return bool(names)
+
+
+def special_ids(tok) -> dict:
+  """config.json's bos/eos/pad_token_id of tokenizer `tok` (None where it has no such token)."""
+  return {'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id}
+
+
 def write_hf_files(cfg, directory):
   """Write the tokenizer `config.data.tokenizer` names into `directory` as AutoTokenizer reads it
   (an HF tokenizer's own files; a SentencePiece model as tokenizer.model with Llama's
   tokenizer_config.json; GPT-2 BPE as a tokenizer.json). Returns the loaded tokenizer."""
-  import shutil
   tok = load_tokenizer(cfg)
   os.makedirs(directory, exist_ok=True)
   if _field(cfg, 'type') == 'huggingface':
     source = hf_directory(cfg)
-    for name in HF_TOKENIZER_FILES:
-      if os.path.isfile(os.path.join(source, name)):
-        shutil.copyfile(os.path.join(source, name), os.path.join(directory, name))
+    copy_hf_files(source, directory)
     if os.path.basename(tok.path) != 'tokenizer.json':
       shutil.copyfile(tok.path, os.path.join(directory, 'tokenizer.json'))
     if os.path.isfile(os.path.join(source, 'tokenizer_config.json')):

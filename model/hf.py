@@ -232,8 +232,8 @@ def token_ids(path) -> dict:
 
 def write_generation_files(path, ids, generation_config=None):
   """Put special token ids `ids` into the config.json at `path`, and write generation_config.json:
-  `generation_config` (a source model's, as a dict) or one made from the ids, so transformers'
-  generate stops at end-of-text."""
+  `generation_config` (a dict, as it is) or one made from the ids, so transformers' generate
+  stops at end-of-text."""
   config_path = os.path.join(path, CONFIG_FILE)
   with open(config_path) as f:
     config = json.load(f)

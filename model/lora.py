@@ -14,7 +14,7 @@ follow peft's own rules on the HF module path (`model.layers.3.self_attn.q_proj`
 regular expression matched against the whole path), `layers_to_transform`, and
 `rank_pattern` / `alpha_pattern` ((pattern, value) pairs, the first whose pattern matches
 the end of the path wins). alpha, rsLoRA, dropout and bias left unset (None) mean "the
-loaded adapter's" (checkpoint/session.py resolves them), else `DEFAULTS`.
+loaded adapter's" (configs/from_files.py resolves them), else `DEFAULTS`.
 
 Nothing here knows about parallelism: parallel/tensor.py decides which box of A and B a rank
 holds (Megatron's way: A replicated and B split for column-parallel targets, A split and B
@@ -23,6 +23,7 @@ joins the base layer's own reduction (`layers.linear`). A's rows are never split
 linear's rank is the first dimension of its A.
 """
 import math
+import os
 import re
 
 import torch
@@ -39,6 +40,11 @@ DEFAULTS = {'lora_alpha': 16.0, 'use_rslora': False, 'lora_dropout': 0.0, 'lora_
             'target_modules': ('qkv_proj',)}
 
 
+def adapter_source(peft) -> str:
+  """Where load_lora_from_ckpt reads the starting adapter: lora_save_dir/lora_load_tag."""
+  return os.path.join(peft.lora_save_dir, peft.lora_load_tag or '')
+
+
 def settings(cfg):
   """The peft section of model config `cfg`, or None when LoRA is off."""
   peft = cfg.get('peft') if hasattr(cfg, 'get') else None
@@ -46,14 +52,9 @@ def settings(cfg):
 
 
 def option(peft, key):
-  """peft.<key> (lora_alpha, use_rslora, lora_dropout, lora_bias), its default when unset."""
+  """peft.<key>, or its default when unset (None or absent): DEFAULTS', else ()."""
   value = peft.get(key) if hasattr(peft, 'get') else getattr(peft, key, None)
-  return DEFAULTS[key] if value is None else value
-
-
-def _get(peft, key, default=()):
-  value = peft.get(key) if hasattr(peft, 'get') else getattr(peft, key, None)
-  return default if value is None else value
+  return DEFAULTS.get(key, ()) if value is None else value
 
 
 def _target_entries(peft) -> tuple:
@@ -73,10 +74,10 @@ def target_modules(peft) -> tuple:
   ending in one; a regular expression may target any."""
   if is_regex(peft):
     try:
-      re.compile(peft.target_modules)
+      re.compile(option(peft, 'target_modules'))
     except re.error as e:
-      raise ValueError(f'model_alignment_strategy.peft.target_modules: {peft.target_modules!r} is neither a '
-                       f'module name nor a valid regular expression ({e})') from None
+      raise ValueError(f'model_alignment_strategy.peft.target_modules: {option(peft, "target_modules")!r} is '
+                       f'neither a module name nor a valid regular expression ({e})') from None
     return MODULES
   if not all(isinstance(t, str) for t in _target_entries(peft)):
     raise ValueError(f'model_alignment_strategy.peft.target_modules={option(peft, "target_modules")!r}: give '
@@ -108,11 +109,9 @@ def is_target(peft, linear) -> bool:
   if is_regex(peft):        # peft applies layers_to_transform to listed names only, not to a regex
     return re.fullmatch(option(peft, 'target_modules'), path) is not None
   hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))
-  layers = _get(peft, 'layers_to_transform')
-  if hit and layers != () and layers != []:
-    layers = (layers,) if isinstance(layers, int) else tuple(layers)
-    hit = int(linear.split('.')[1]) in layers
-  return hit
+  layers = option(peft, 'layers_to_transform')
+  layers = (layers,) if isinstance(layers, int) else tuple(layers)
+  return hit and (not layers or int(linear.split('.')[1]) in layers)
 
 
 def _pattern_value(pairs, path):
@@ -124,20 +123,19 @@ def _pattern_value(pairs, path):
 
 
 def rank_of(peft, linear) -> int:
-  r = _pattern_value(_get(peft, 'rank_pattern'), module_path(linear))
+  r = _pattern_value(option(peft, 'rank_pattern'), module_path(linear))
   return int(peft.lora_rank if r is None else r)
 
 
 def alpha_of(peft, linear) -> float:
-  alpha = _pattern_value(_get(peft, 'alpha_pattern'), module_path(linear))
+  alpha = _pattern_value(option(peft, 'alpha_pattern'), module_path(linear))
   return float(option(peft, 'lora_alpha') if alpha is None else alpha)
 
 
-def scaling(peft, linear=None, rank=None) -> float:
-  """alpha / r (alpha / sqrt(r) with rsLoRA) of `linear` (any linear without patterns)."""
-  r = rank if rank is not None else (rank_of(peft, linear) if linear else peft.lora_rank)
-  alpha = alpha_of(peft, linear) if linear else float(option(peft, 'lora_alpha'))
-  return alpha / (math.sqrt(r) if option(peft, 'use_rslora') else r)
+def scaling(peft, linear, rank) -> float:
+  """alpha / r (alpha / sqrt(r) with rsLoRA) of `linear`, whose adapter has rank `rank`
+  (the first dimension of its A: never split)."""
+  return alpha_of(peft, linear) / (math.sqrt(rank) if option(peft, 'use_rslora') else rank)
 
 
 def plan(cfg, names) -> dict:

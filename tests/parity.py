@@ -52,6 +52,17 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   return c
 
 
+def write_pairs(path, count, seed, chosen_ids=(0, 16), rejected_ids=(16, 32), prompt_ids=(0, 32)):
+  """`count` random pre-tokenized preference pairs as JSONL at `path` (prompts of 2-4 tokens,
+  responses of 1-3 drawn from the given id ranges); returns the rows."""
+  g = np.random.default_rng(seed)
+  rows = [{'prompt_input_ids': g.integers(*prompt_ids, int(g.integers(2, 5))).tolist(),
+           'chosen_input_ids': g.integers(*chosen_ids, int(g.integers(1, 4))).tolist(),
+           'rejected_input_ids': g.integers(*rejected_ids, int(g.integers(1, 4))).tolist()} for _ in range(count)]
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  return rows
+
+
 def apply_family(model, family):
   """Mistral: every layer a sliding window shorter than the sequence (16); Gemma 3: its block
   (GeGLU, (1 + w) norms, q/k norms, sandwich norms, scaled embeddings and scores, tied

@@ -167,12 +167,8 @@ def test_adapter_fields_that_change_the_math_are_refused_by_name(base_dir, tmp_p
 @pytest.fixture(scope='module')
 def pairs(tmp_path_factory):
   """8 pre-tokenized pairs: exactly one global batch, so step 1 sees all of them."""
-  g = np.random.default_rng(3)
-  rows = [{'prompt_input_ids': g.integers(0, 256, int(g.integers(2, 5))).tolist(),
-           'chosen_input_ids': g.integers(0, 256, int(g.integers(1, 4))).tolist(),
-           'rejected_input_ids': g.integers(0, 256, int(g.integers(1, 4))).tolist()} for _ in range(8)]
   path = tmp_path_factory.mktemp('pairs') / 'pairs.jsonl'
-  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  rows = parity.write_pairs(path, 8, seed=3, chosen_ids=(0, 256), rejected_ids=(0, 256), prompt_ids=(0, 256))
   return str(path), rows
 
 

@@ -14,12 +14,8 @@ from tests import parity
 def pairs_path(tmp_path_factory):
   """Pre-tokenized pairs (rows of 16 tokens): chosen responses from the low ids, rejected from
   the high ones, after prompts of 2-4 tokens."""
-  g = np.random.default_rng(0)
-  rows = [{'prompt_input_ids': g.integers(0, 32, int(g.integers(2, 5))).tolist(),
-           'chosen_input_ids': g.integers(0, 16, int(g.integers(1, 4))).tolist(),
-           'rejected_input_ids': g.integers(16, 32, int(g.integers(1, 4))).tolist()} for _ in range(40)]
   path = tmp_path_factory.mktemp('pairs') / 'pairs.jsonl'
-  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  parity.write_pairs(path, 40, seed=0)
   return str(path)
 
 

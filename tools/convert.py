@@ -63,28 +63,20 @@ def provenance(step):
 
 def carry_tokenizer(dst, source_dir=None, tokenizer_cfg=None, model_files=True):
   """Make the HF (or peft) directory `dst` self-contained: the tokenizer files of the run's
-  tokenizer (or of the source model), and with `model_files` the special token ids in its
-  config.json and a generation_config.json (the source model's when its tokenizer is the one
-  carried). Returns what was carried, for the user."""
-  has_files = lambda d: d and any(os.path.isfile(os.path.join(d, n)) for n in tokenizers.HF_TOKENIZER_FILES)
-  same = tokenizer_cfg is None or (source_dir and tokenizers.hf_directory(tokenizer_cfg) == os.path.abspath(source_dir))
+  tokenizer (or of the source model, when it is the same one), and with `model_files` the
+  special token ids in its config.json and a generation_config.json (the source model's, its
+  token ids those of the tokenizer carried). Returns what was carried, for the user."""
   generation = None
-  if tokenizer_cfg is not None and not (same and has_files(source_dir)):
-    tok = tokenizers.write_hf_files(tokenizer_cfg, dst)
-    ids, carried = {'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id}, 'the run\'s tokenizer'
-  elif has_files(source_dir):
-    os.makedirs(dst, exist_ok=True)
-    for name in tokenizers.HF_TOKENIZER_FILES:
-      if os.path.isfile(os.path.join(source_dir, name)):
-        shutil.copyfile(os.path.join(source_dir, name), os.path.join(dst, name))
-    tok = tokenizers.from_directory(source_dir)
-    ids = dict({'bos_token_id': tok.bos_id, 'eos_token_id': tok.eos_id, 'pad_token_id': tok.pad_id},
-               **hf.token_ids(source_dir))
-    generation_file = os.path.join(source_dir, hf.GENERATION_FILE)
-    if os.path.isfile(generation_file):
-      with open(generation_file) as f:
-        generation = json.load(f)
+  if source_dir and os.path.isfile(os.path.join(source_dir, hf.GENERATION_FILE)):
+    with open(os.path.join(source_dir, hf.GENERATION_FILE)) as f:
+      generation = json.load(f)
+  same = tokenizer_cfg is None or tokenizers.hf_directory(tokenizer_cfg) == os.path.abspath(source_dir or '')
+  if same and source_dir and tokenizers.copy_hf_files(source_dir, dst):
+    ids = dict(tokenizers.special_ids(tokenizers.from_directory(source_dir)), **hf.token_ids(source_dir))
     carried = f'the tokenizer of {source_dir}'
+  elif tokenizer_cfg is not None:       # the source's generation settings, with this tokenizer's ids
+    ids, carried = tokenizers.special_ids(tokenizers.write_hf_files(tokenizer_cfg, dst)), 'the run\'s tokenizer'
+    generation = generation and dict(generation, **{k: v for k, v in ids.items() if v is not None})
   else:
     ids, carried = (hf.token_ids(source_dir) if source_dir else {}), 'no tokenizer (none is known)'
   if model_files:
