@@ -13,18 +13,18 @@ import sys
 import time
 
 from absl import app, flags, logging
-from ml_collections import config_dict, config_flags
+from ml_collections import config_flags
 import torch
 
 from checkpoint import manager as managers, session, store, workdir as workdirs
-from configs import cli, validate as config_validation
+from configs import cli, from_files, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
-from model import hf, lora, objectives, transformer
+from model import lora, objectives, transformer
 from optim import schedules, update
 from parallel import (comm, grads, memory, mesh as meshes, passes, pipeline, precision,
                       reference as references, tensor)
-from parallel import device as devices, xla
+from parallel import device as devices, summary as summaries, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
@@ -132,63 +132,9 @@ def local_sizes(config, mesh):
   return {n: math.prod(sl.stop - sl.start for sl in box) for n, box in param_boxes(config, mesh).items()}
 
 
-def summary(config, mesh, sizes, est):
-  m, a = config.model, config.data
-  n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
-  tokens_per_step = a.global_batch_size * a.seq_length
-  accum = a.global_batch_size // (a.micro_batch_size * mesh.dp)
-  sp = ' +sp' if config.distributed_strategy.sequence_parallel else ''
-  lines = [
-      f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
-      f'dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp}{sp}',
-      f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
-      f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
-      f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
-      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
-      'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),
-      f'precision {config.precision.type}: {memory.state_bytes_per_param(est, sizes):.1f} bytes/param on this rank '
-      '(params + grads + master + optimizer state)',
-  ]
-  peft = lora.settings(m)
-  if peft is not None:
-    trained = transformer.count_params(m, trainable_only=True)
-    patterns = ' with rank/alpha patterns' if peft.get('rank_pattern') or peft.get('alpha_pattern') else ''
-    source = f' (from {session.adapter_source(peft)})' if peft.load_lora_from_ckpt else ''
-    lines.append(f'LoRA r={peft.lora_rank} alpha={lora.option(peft, "lora_alpha"):g}'
-                 f'{" (rsLoRA)" if lora.option(peft, "use_rslora") else ""}{patterns} dropout='
-                 f'{lora.option(peft, "lora_dropout"):g} bias={lora.option(peft, "lora_bias")}{source} on '
-                 f'{len(lora.plan(m, transformer.param_specs(m, adapters=False)))} linears '
-                 f'({", ".join(lora.target_modules(peft))}): '
-                 f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
-                 f'{memory.param_counts(config, sizes)["trainable"]:,} on this rank; optimizer state '
-                 f'{memory.human_bytes(est["optimizer"] + est["master"])} per rank; the base is frozen')
-  if mesh.world_size > 1:
-    lines += ['layout:'] + ['  ' + line for line in tensor.describe_layout(config, mesh)]
-  return '\n'.join(lines)
-
-
 def fmt_eta(seconds):
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
-
-
-def apply_hf_model_config(config):
-  """model_source=hf: the architecture keys of model.model_config (an HF config.json) replace
-  the model section's, except those named in model.model_config_overrides (NxD Training's YAML
-  sets num_layers, hidden_size... over config.json); the rest (optimizer, dropout, recompute...)
-  stays as configured."""
-  try:
-    hf_model = hf.read_config(config.model.model_config, config.model)
-  except (ValueError, FileNotFoundError) as e:
-    raise config_validation.ConfigError(f'model.model_config: {e}') from None
-  def copy(src, dst):
-    for key, value in src.items():
-      if isinstance(value, config_dict.ConfigDict):
-        copy(value, dst[key])           # rope_scaling's keys (optim, peft... are the base's own)
-      elif value != dst[key]:
-        dst[key] = value
-  keep = set(config.model.model_config_overrides)
-  copy({k: v for k, v in hf_model.items() if k not in keep}, config.model)
 
 
 def check_tokenizer(config):
@@ -207,8 +153,8 @@ def run(config, workdir=None):
   # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
   if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
-    apply_hf_model_config(config)
-  session.resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
+    from_files.apply_hf_model_config(config)
+  from_files.resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
   config_validation.validate(config, world_size)
   workdir = workdirs.resolve(config, workdir)
   for warning in config_validation.warnings(config):
@@ -225,7 +171,7 @@ def run(config, workdir=None):
   try:
     sizes = local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp)
-    logging.info('\n%s', summary(config, mesh, sizes, est))
+    logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')

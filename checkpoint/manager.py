@@ -38,54 +38,22 @@ so all ranks agree even while storage listings lag. `root` must be storage every
 """
 import json
 import logging
-import os
-import re
 import threading
 
 import torch
 import torch.distributed as dist
 
 from checkpoint import steps as step_names, storage, store
+from checkpoint.steps import MARKER, committed_dirs, is_committed, read_metadata
 from parallel import device as devices
 
 FORMAT_VERSION = 1
-MARKER = 'COMMITTED'
-_REJECTED = re.compile(r'\.rejected\d*$')       # steps moved aside by `reject` keep their marker
 log = logging.getLogger(__name__)
 
 
 class IncompatibleCheckpoint(ValueError):
   """A readable checkpoint that does not fit this run (another model, an unwritable place):
   fatal, never a reason to fall back to an older step."""
-
-
-def step_dir(step: int) -> str:
-  """The default directory name of a step (no filename template)."""
-  return step_names.Names().format(step)
-
-
-def read_metadata(step_path: str) -> dict:
-  text = storage.read_text(step_path, 'metadata.json')
-  if text is None and not storage.is_remote(step_path) and not os.path.isdir(step_path):
-    raise store.CheckpointError(f'{step_path} does not exist')
-  if text is None:
-    raise store.CheckpointError(f'{step_path} has no metadata.json (not a flatron checkpoint step)')
-  return json.loads(text)
-
-
-def is_committed(step_path: str) -> bool:
-  return storage.exists(step_path, MARKER)
-
-
-def committed_dirs(root: str) -> dict:
-  """step -> directory name of every committed step under `root`, whatever its naming (the
-  marker records the step): for a root of another run, or a tool given a run's checkpoints."""
-  found = {}
-  for name in storage.list_dir(root):
-    text = None if _REJECTED.search(name) else storage.read_text(storage.join(root, name), MARKER)
-    if text:
-      found[json.loads(text)['step']] = name
-  return found
 
 
 class CheckpointManager:
@@ -304,28 +272,12 @@ class CheckpointManager:
         arrays, metadata = loaded
         return metadata['step'], arrays, dict(metadata, path=path)
       reason = error if error is not None else 'failed on another rank'
-      aside = self.reject(path) if self.rank == 0 else None
+      aside = step_names.reject(self.root, path) if self.rank == 0 else None
       log.warning('checkpoint %s cannot be loaded (%s)%s; falling back to the previous committed step',
                   path, reason, f'; moved it aside to {aside}' if aside else '')
     if candidates:
       raise store.CheckpointError(f'no checkpoint could be loaded; tried {candidates}')
     return None
-
-  def reject(self, path):
-    """Rank 0: take a corrupt committed step of this root out of the run (its data kept for
-    inspection where the storage can rename). -> where it went, or None."""
-    if not path.startswith(self.root.rstrip('/') + '/'):
-      return None                  # a step the user named elsewhere: leave it alone
-    if storage.is_remote(path):    # object stores cannot rename: un-commit it (cleaned at next save)
-      storage.write_text(path, 'REJECTED', 'failed to load on resume')
-      storage.delete(path, MARKER)
-      return path + ' (uncommitted)'
-    local = storage.kvstore_spec(path)['path'].rstrip('/')
-    target, n = local + '.rejected', 1
-    while os.path.exists(target):
-      target, n = f'{local}.rejected{n}', n + 1
-    os.rename(local, target)
-    return target
 
   def candidates(self, resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint):
     """Step paths to resume from, newest first; [] to start fresh (rank 0 lists, everyone gets

@@ -18,10 +18,9 @@ import logging
 import os
 import threading
 
-from ml_collections import config_dict
 import torch.distributed as dist
 
-from checkpoint import manager as managers, preemption, state as states, storage, store
+from checkpoint import manager as managers, preemption, state as states, steps as checkpoint_steps, storage, store
 from model import adapters, hf, lora, transformer
 from parallel import comm
 
@@ -59,91 +58,6 @@ def check_shapes(path, meta, layout):
         'workdir / checkpoint; nothing was loaded or deleted.')
 
 
-RESOLVED_KEYS = ('lora_alpha', 'use_rslora', 'lora_dropout', 'lora_bias', 'target_modules')
-PATTERN_KEYS = ('rank_pattern', 'alpha_pattern', 'layers_to_transform')
-
-
-def adapter_source(peft) -> str:
-  return os.path.join(peft.lora_save_dir, peft.lora_load_tag or '')
-
-
-def _canonical(key, value):
-  """A setting as comparable data (tuples for lists, pairs of patterns, floats for numbers)."""
-  if key in ('rank_pattern', 'alpha_pattern'):
-    items = value.items() if hasattr(value, 'items') else (value or ())
-    return tuple((str(k), int(v) if key == 'rank_pattern' else float(v)) for k, v in items)
-  if key == 'layers_to_transform':
-    return (value,) if isinstance(value, int) else tuple(int(v) for v in (value or ()))
-  if key in ('lora_alpha', 'lora_dropout'):
-    return float(value)
-  return value
-
-
-def _source_settings(path) -> dict:
-  """The LoRA settings a starting adapter was saved with: a peft directory's
-  adapter_config.json or a flatron step's config."""
-  if adapters.is_peft_dir(path):
-    return adapters.read_settings(path)
-  if not managers.is_committed(path):
-    raise managers.IncompatibleCheckpoint(
-        f'model_alignment_strategy.peft.lora_save_dir/lora_load_tag: {path} is neither a peft adapter directory '
-        '(adapter_config.json) nor a committed flatron checkpoint step')
-  theirs = dict(managers.read_metadata(path)['config']['model_alignment_strategy']['peft'])
-  return {k: (lora.DEFAULTS[k] if theirs.get(k) is None and k in lora.DEFAULTS else theirs.get(k)) for k in theirs}
-
-
-def resolve_adapter_settings(config):
-  """LoRA settings left unset take the starting adapter's (load_lora_from_ckpt: alpha, rsLoRA,
-  dropout, bias, rank / alpha patterns, layers), then the defaults; a setting this run sets
-  to another value than the adapter's, or adapters on other linears or of other ranks, are
-  refused with both values. Idempotent: run once before validation, again when loading."""
-  peft = lora.settings(config.model)
-  if peft is None:
-    return
-  theirs, path = None, None
-  if peft.load_lora_from_ckpt and peft.lora_save_dir:
-    path = adapter_source(peft)
-    theirs = _source_settings(path)
-    differ = []
-    for key in RESOLVED_KEYS + PATTERN_KEYS:
-      mine, value = peft.get(key), theirs.get(key, lora.DEFAULTS.get(key, ()))
-      if mine is None or (key in PATTERN_KEYS and not mine):
-        peft[key] = _canonical(key, value) if key in PATTERN_KEYS else value
-      elif key != 'target_modules' and _canonical(key, mine) != _canonical(key, value):   # (targets: by plan)
-        differ.append(f'{key}: this run {mine!r}, the adapter {value!r}')
-    if differ:
-      raise managers.IncompatibleCheckpoint(
-          f'{path} was saved with other LoRA settings than this run sets:\n  - ' + '\n  - '.join(differ) +
-          '\nLeave them unset (the adapter\'s are then used) or set model_alignment_strategy.peft.* to the '
-          'adapter\'s values; loading it with others would change what it computes')
-  for key in RESOLVED_KEYS:
-    if peft.get(key) is None:
-      peft[key] = lora.DEFAULTS[key]
-  if theirs is not None:
-    _check_same_adapters(config, theirs, path)
-
-
-def _check_same_adapters(config, theirs, path):
-  """The starting adapter must adapt the same linears with the same ranks as this run."""
-  names = transformer.param_specs(config.model, adapters=False)
-  mine = lora.plan(config.model, names)
-  other = config.model.copy_and_resolve_references()
-  other.peft = config_dict.ConfigDict(dict(other.peft.to_dict(), **{k: theirs[k] for k in (
-      'lora_rank', 'target_modules', *PATTERN_KEYS) if k in theirs}))
-  other_plan = lora.plan(other, names)
-  differ = [f'{lin}: this run {"rank " + str(mine[lin][0]) if lin in mine else "no adapter"}, the adapter '
-            f'{"rank " + str(other_plan[lin][0]) if lin in other_plan else "none"}'
-            for lin in sorted(set(mine) | set(other_plan))
-            if (mine.get(lin) or (None,))[0] != (other_plan.get(lin) or (None,))[0]]
-  if differ:
-    shown = '\n  - '.join(differ[:6]) + (f'\n  ... and {len(differ) - 6} more' if len(differ) > 6 else '')
-    raise managers.IncompatibleCheckpoint(
-        f'{path} holds adapters on other linears or of other ranks than this run trains ({len(differ)} differ):\n'
-        f'  - {shown}\nSet model_alignment_strategy.peft.lora_rank, target_modules (and rank_pattern, '
-        f'layers_to_transform) to the adapter\'s: r={theirs.get("lora_rank")}, '
-        f'target_modules={theirs.get("target_modules")!r}')
-
-
 class Session:
 
   def __init__(self, config, workdir, mesh, updater):
@@ -176,7 +90,7 @@ class Session:
     candidates = self.manager.candidates(e.resume_if_exists, e.resume_ignore_no_checkpoint,
                                          e.resume_from_checkpoint)
     if candidates:
-      meta = managers.read_metadata(candidates[0])
+      meta = checkpoint_steps.read_metadata(candidates[0])
       names = self._resume_names(candidates[0], meta)
       layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()),
                                   names=names)
@@ -191,13 +105,14 @@ class Session:
       self._init_from(e.init_from)
     peft = lora.settings(self.config.model)
     if peft is not None and peft.load_lora_from_ckpt:
-      self._load_adapters(adapter_source(peft))
+      self._load_adapters(lora.adapter_source(peft))
     return 0, 0
 
   def starting_adapters(self, params):
-    """`params` (fresh adapter boxes of this rank) with load_lora_from_ckpt's adapters loaded
-    into them: the adapters the run started from (DPO's reference), also on resume."""
-    self._load_adapters(adapter_source(lora.settings(self.config.model)), params)
+    """`params` (fresh boxes of this rank's trainable parameters: adapters, trained biases) with
+    load_lora_from_ckpt's values loaded into them: what the run started from (DPO's
+    reference), read again on resume."""
+    self._load_adapters(lora.adapter_source(lora.settings(self.config.model)), params)
     return {n: p.detach().requires_grad_(False) for n, p in params.items()}
 
   def _load_adapters(self, path, params=None):
@@ -207,11 +122,10 @@ class Session:
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=lora.trainable(self.config.model, specs),
                                 weights_only=True)
     requests = layout.requests()
-    resolve_adapter_settings(self.config)       # the adapter is this run's (refused with both values if not)
     if adapters.is_peft_dir(path):
       arrays = adapters.read_boxes(path, requests)
     else:
-      check_shapes(path, managers.read_metadata(path), layout)
+      check_shapes(path, checkpoint_steps.read_metadata(path), layout)
       arrays, _ = self.manager.load(path, requests)
     layout.restore(arrays, 0, weights_only=True, params=params)
     logging.info('loaded LoRA adapters from %s', path)
@@ -260,13 +174,13 @@ class Session:
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=[n for n in specs if not lora.is_adapter(n)],
                                 weights_only=True)
     requests = layout.requests()
-    if storage.read_text(path, 'config.json') is not None and not managers.is_committed(path):
+    if storage.read_text(path, 'config.json') is not None and not checkpoint_steps.is_committed(path):
       hf_model = hf.read_config(path, self.config.model)
       self._check_same_model(hf_model)
       arrays = hf.read_boxes(path, hf_model, requests)   # this rank's boxes only
     else:
       try:
-        meta = managers.read_metadata(path)
+        meta = checkpoint_steps.read_metadata(path)
       except store.CheckpointError as e:
         raise store.CheckpointError(
             f'exp_manager.init_from (NxD: resume_from_checkpoint with weight_init_only): {e}; point it at an HF '

@@ -15,7 +15,7 @@ import json
 from ml_collections import config_dict
 import torch
 
-from checkpoint import manager as managers, storage, store
+from checkpoint import steps as checkpoint_steps, storage, store
 from model import hf, lora, transformer
 from parallel import device as devices, pipeline, tensor, zero
 
@@ -159,9 +159,9 @@ class StateLayout:
 def resolve_step(path):
   """A step directory: `path` itself (a committed step, or an HF model directory), or the
   newest committed step of a checkpoint directory."""
-  if managers.is_committed(path) or hf.is_hf_dir(path):
+  if checkpoint_steps.is_committed(path) or hf.is_hf_dir(path):
     return path
-  steps = managers.committed_dirs(path)      # any naming (exp_manager.checkpoint_callback_params.filename)
+  steps = checkpoint_steps.committed_dirs(path)      # any naming (exp_manager.checkpoint_callback_params.filename)
   if not steps:
     raise store.CheckpointError(f'{path} is neither an HF model directory, nor a committed checkpoint '
                                 'step, nor a directory holding committed steps')
@@ -174,7 +174,7 @@ def read_model(path):
   as the model's. A LoRA step holding adapters only gets its base from the run's
   exp_manager.init_from (an HF directory or a flatron step); a merged step is a plain model."""
   path = resolve_step(path)
-  meta = managers.read_metadata(path)
+  meta = checkpoint_steps.read_metadata(path)
   config = config_dict.ConfigDict(meta['config'])
   stored = meta.get('lora', {}).get('stored', 'all')
   if stored == 'merged':

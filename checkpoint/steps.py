@@ -1,5 +1,6 @@
-"""The committed steps of a checkpoint root: what their directories are called, and which of
-them pruning keeps (NxD Training's checkpoint_callback_params).
+"""The committed steps of a checkpoint root: what their directories are called, how a step is
+marked committed and described (metadata.json), which of them pruning keeps (NxD Training's
+checkpoint_callback_params), and how a step that fails to load is moved aside.
 
 Names. `exp_manager.checkpoint_callback_params.filename` is a Python format string with the
 fields {step} (required) and {consumed_samples}, e.g. 'megatron_llama--{step}-{consumed_samples}'
@@ -15,10 +16,16 @@ for the monitor (saved by a run that monitored something else; or NaN) ranks bel
 that has one. `pinned` steps (the newest with save_last, a stop's save) are kept whatever
 their rank. save_top_k <= 0 (NxD's -1) keeps every step.
 """
+import json
 import math
+import os
 import re
 import string
 
+from checkpoint import storage, store
+
+MARKER = 'COMMITTED'
+_REJECTED = re.compile(r'\.rejected\d*$')       # steps moved aside by `reject` keep their marker
 DEFAULT_TEMPLATE = 'step_{step:08d}'
 FIELDS = ('step', 'consumed_samples')
 _SPEC = re.compile(r'0?\d*d?')          # '', 'd', '08d': decimal integers, so names parse back
@@ -93,3 +100,49 @@ def to_keep(values: dict, top_k, mode='max', pinned=()) -> set:
     value = values[step]
     return (1, 0.0, -step) if _missing(value) else (0, sign * value, -step)
   return set(sorted(values, key=rank)[:top_k]) | (set(pinned) & set(values))
+
+
+def step_dir(step: int) -> str:
+  """The default directory name of a step (no filename template)."""
+  return Names().format(step)
+
+
+def read_metadata(step_path: str) -> dict:
+  text = storage.read_text(step_path, 'metadata.json')
+  if text is None and not storage.is_remote(step_path) and not os.path.isdir(step_path):
+    raise store.CheckpointError(f'{step_path} does not exist')
+  if text is None:
+    raise store.CheckpointError(f'{step_path} has no metadata.json (not a flatron checkpoint step)')
+  return json.loads(text)
+
+
+def is_committed(step_path: str) -> bool:
+  return storage.exists(step_path, MARKER)
+
+
+def committed_dirs(root: str) -> dict:
+  """step -> directory name of every committed step under `root`, whatever its naming (the
+  marker records the step): for a root of another run, or a tool given a run's checkpoints."""
+  found = {}
+  for name in storage.list_dir(root):
+    text = None if _REJECTED.search(name) else storage.read_text(storage.join(root, name), MARKER)
+    if text:
+      found[json.loads(text)['step']] = name
+  return found
+
+
+def reject(root, path):
+  """Take a corrupt committed step of `root` out of the run (its data kept for
+  inspection where the storage can rename). -> where it went, or None."""
+  if not path.startswith(root.rstrip('/') + '/'):
+    return None                  # a step the user named elsewhere: leave it alone
+  if storage.is_remote(path):    # object stores cannot rename: un-commit it (cleaned at next save)
+    storage.write_text(path, 'REJECTED', 'failed to load on resume')
+    storage.delete(path, MARKER)
+    return path + ' (uncommitted)'
+  local = storage.kvstore_spec(path)['path'].rstrip('/')
+  target, n = local + '.rejected', 1
+  while os.path.exists(target):
+    target, n = f'{local}.rejected{n}', n + 1
+  os.rename(local, target)
+  return target

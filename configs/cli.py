@@ -6,7 +6,7 @@ import os
 
 from ml_collections import config_dict
 
-NOT_MODELS = ('__init__.py', 'base.py', 'cli.py', 'presets.py', 'validate.py', 'yaml_config.py',
+NOT_MODELS = ('__init__.py', 'base.py', 'cli.py', 'from_files.py', 'presets.py', 'validate.py', 'yaml_config.py',
               'nxdt.py', 'nxdt_keys.py')  # nxdt.py needs a YAML: --config=configs/nxdt.py:file.yaml
 
 

@@ -1,5 +1,5 @@
 """model/adapters.py and the adapter settings a run takes from a starting adapter
-(checkpoint/session.py: resolve_adapter_settings): every adapter_config.json field peft writes
+(configs/from_files.py: resolve_adapter_settings): every adapter_config.json field peft writes
 is honoured or refused by name, through the three paths that read one (load_lora_from_ckpt,
 generate --adapter, merge-peft), with peft's logits as the oracle; DPO from a loaded adapter
 keeps that adapter as its reference, as trl does."""
@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import train
-from checkpoint import manager as managers, session
+from checkpoint import manager as managers
+from configs import from_files
 from model import adapters, hf, lora, transformer
 from tests import parity
 
@@ -141,7 +142,7 @@ def test_a_run_setting_that_differs_from_the_adapter_is_refused_with_both_values
   peft_adapter(base_dir, adapter_dir, **CASES['rslora_alpha32'])
   config = lora_run_config(base_dir, adapter_dir, 4, **setting)
   with pytest.raises(managers.IncompatibleCheckpoint) as e:
-    session.resolve_adapter_settings(config)
+    from_files.resolve_adapter_settings(config)
   assert message in str(e.value)
 
 
@@ -158,7 +159,7 @@ def test_adapter_fields_that_change_the_math_are_refused_by_name(base_dir, tmp_p
   with pytest.raises(ValueError, match=f'not supported here: {field}'):
     adapters.read_settings(adapter_dir)
   with pytest.raises(ValueError, match=field):
-    session.resolve_adapter_settings(lora_run_config(base_dir, adapter_dir, 4))
+    from_files.resolve_adapter_settings(lora_run_config(base_dir, adapter_dir, 4))
 
 
 # --- DPO from a loaded adapter ---------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from checkpoint import manager, store
+from checkpoint import manager, steps as checkpoint_steps, store
 from tests import world
 from tests.test_checkpoint_store import flip_byte_of
 
@@ -86,7 +86,7 @@ def test_sigkill_anywhere_in_a_save_leaves_the_last_commit_loadable(tmp_path):
     assert m.latest_committed() == expected[-1] and loads_as_saved(m, expected[-1])
     assert len(dirs(m.root)) == 3           # the killed save's (or pruned step's) leftovers
     save(m, 4)                              # cleans them and prunes to the newest two
-    assert dirs(m.root) == [manager.step_dir(s) for s in expected[-1:] + [4]]
+    assert dirs(m.root) == [checkpoint_steps.step_dir(s) for s in expected[-1:] + [4]]
 
 
 # ---- keep-last-K, uncommitted steps, metadata ----
@@ -97,7 +97,7 @@ def test_keep_last_k_deletes_older_steps_never_the_newest(tmp_path):
     for step in (1, 2, 3, 4):
       save(m, step)
     assert m.committed_steps() == expected
-    assert dirs(m.root) == [manager.step_dir(s) for s in expected]
+    assert dirs(m.root) == [checkpoint_steps.step_dir(s) for s in expected]
     assert all(loads_as_saved(m, s) for s in expected)
 
 
@@ -105,12 +105,12 @@ def test_a_step_without_marker_is_ignored_then_cleaned(tmp_path):
   m = manager.CheckpointManager(str(tmp_path), save_top_k=5)
   save(m, 1)
   save(m, 2)
-  os.remove(os.path.join(m.step_path(2), manager.MARKER))
+  os.remove(os.path.join(m.step_path(2), checkpoint_steps.MARKER))
   assert m.committed_steps() == [1] and m.latest_committed() == 1
   with pytest.raises(store.CheckpointError, match='not a committed checkpoint'):
     m.load(2, {'w': FULL})
   save(m, 3)
-  assert dirs(m.root) == [manager.step_dir(1), manager.step_dir(3)]
+  assert dirs(m.root) == [checkpoint_steps.step_dir(1), checkpoint_steps.step_dir(3)]
 
 
 def test_metadata_records_step_caller_metadata_and_array_shapes(tmp_path):
@@ -142,14 +142,14 @@ def test_a_filename_template_names_finds_cleans_prunes_and_resumes_steps(tmp_pat
     save(m, step)
   assert dirs(m.root) == ['megatron_llama--2-16', 'megatron_llama--3-24']
   assert m.committed_steps() == [2, 3] and loads_as_saved(m, 3)
-  os.remove(os.path.join(m.step_path(3), manager.MARKER))        # a save of step 3 that crashed...
+  os.remove(os.path.join(m.step_path(3), checkpoint_steps.MARKER))        # a save of step 3 that crashed...
   assert resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)[0] == 2
   save(m, 4)                                                     # ...is cleaned by the next one
   assert dirs(m.root) == ['megatron_llama--2-16', 'megatron_llama--4-32']
   # another run (its own naming) resuming from this root finds the steps by their markers
   other = manager.CheckpointManager(str(tmp_path / 'other'))
   assert other.resolve_resume(False, False, m.root) == os.path.join(m.root, 'megatron_llama--4-32')
-  assert manager.committed_dirs(m.root) == {2: 'megatron_llama--2-16', 4: 'megatron_llama--4-32'}
+  assert checkpoint_steps.committed_dirs(m.root) == {2: 'megatron_llama--2-16', 4: 'megatron_llama--4-32'}
   # a run that changes its naming still finds, resumes from and prunes its earlier steps
   mixed = str(tmp_path / 'mixed')
   save(manager.CheckpointManager(mixed), 1)
@@ -174,7 +174,7 @@ def test_top_k_by_val_loss_keeps_the_best_and_with_save_last_the_newest(tmp_path
   for step, loss in VAL_LOSSES.items():
     save_scored(m, step, loss)
   assert m.committed_steps() == expected
-  assert manager.read_metadata(m.step_path(2))['metrics'] == {'val_loss': 1.0}
+  assert checkpoint_steps.read_metadata(m.step_path(2))['metrics'] == {'val_loss': 1.0}
   assert resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)[0] == expected[-1]   # the newest
 
 
@@ -242,7 +242,7 @@ def test_an_error_in_the_writer_thread_is_raised_by_the_next_wait(tmp_path):
   assert m.latest_committed() is None
   save(m, 2)
   m.wait()
-  assert dirs(m.root) == [manager.step_dir(2)]
+  assert dirs(m.root) == [checkpoint_steps.step_dir(2)]
 
 
 # ---- resume ----
@@ -288,7 +288,7 @@ def test_a_corrupt_newest_step_falls_back_to_the_previous_with_a_warning(tmp_pat
   # the rejected step is moved aside (kept for inspection), so the resumed run writes it afresh
   assert f'moved it aside to {m.step_path(2)}.rejected' in caplog.text
   assert m.committed_steps() == [1] and os.path.isdir(m.step_path(2) + '.rejected')
-  assert manager.committed_dirs(m.root) == {1: manager.step_dir(1)}     # moved aside, marker and all
+  assert checkpoint_steps.committed_dirs(m.root) == {1: checkpoint_steps.step_dir(1)}     # moved aside, marker and all
   save(m, 2)
   assert m.committed_steps() == [1, 2] and loads_as_saved(m, 2)
   flip_byte_of(m.step_path(2), weights(2)[5].numpy().tobytes())

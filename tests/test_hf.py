@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip('transformers')
 
-from configs import base as base_config
+from configs import base as base_config, from_files
 from model import hf, objectives, transformer
 
 VOCAB = 300        # not a multiple of 128: exercises the vocab padding
@@ -536,12 +536,11 @@ def test_export_refusals_name_the_keys():
 
 
 def test_model_source_hf_copies_rope_scaling_and_gemma_keys(tmp_path):
-  """train.apply_hf_model_config (model_source=hf) copies nested rope_scaling and the Gemma keys."""
-  import train
+  """from_files.apply_hf_model_config (model_source=hf) copies nested rope_scaling and the Gemma keys."""
   _hf_config(rope_scaling=LLAMA3_ROPE).save_pretrained(tmp_path / 'llama')
   config = base_config.get_config()
   config.model.model_config = str(tmp_path / 'llama')
-  train.apply_hf_model_config(config)
+  from_files.apply_hf_model_config(config)
   r = config.model.rope_scaling
   assert (r.type, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) == \
       ('llama3', 8.0, 1.0, 4.0, 32)
@@ -549,7 +548,7 @@ def test_model_source_hf_copies_rope_scaling_and_gemma_keys(tmp_path):
   _family_config('gemma3_text', **GEMMA3).save_pretrained(tmp_path / 'gemma')
   config = base_config.get_config()
   config.model.model_config = str(tmp_path / 'gemma')
-  train.apply_hf_model_config(config)
+  from_files.apply_hf_model_config(config)
   m = config.model
   assert isinstance(m.layer_types, tuple) and m.layer_types == tuple(GEMMA3['layer_types'])
   assert (m.rope_theta, m.rope_local_theta, m.sliding_window, m.head_dim, m.query_pre_attn_scalar) == \

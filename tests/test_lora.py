@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from checkpoint import manager as managers, state as states
+from checkpoint import manager as managers, state as states, steps as checkpoint_steps
 from configs import base, validate
 from model import adapters, hf, lora, transformer
 from optim import update
@@ -242,7 +242,7 @@ def losses(workdir):
 
 
 def step_path(workdir, step):
-  return os.path.join(workdir, 'checkpoints', managers.step_dir(step))
+  return os.path.join(workdir, 'checkpoints', checkpoint_steps.step_dir(step))
 
 
 @pytest.fixture(scope='module')
@@ -287,7 +287,7 @@ def test_resume_of_adapter_only_checkpoints_is_bitwise(runs):
   assert len(losses(root / 'straight')) == 10
   for name, p in runs['straight'].items():
     assert torch.equal(p, runs['resumed'][name]), name
-  meta = managers.read_metadata(step_path(root / 'resumed', 5))
+  meta = checkpoint_steps.read_metadata(step_path(root / 'resumed', 5))
   assert meta['lora'] == {'stored': 'adapters'}
   arrays = set(meta['arrays'])
   adapter_names = {n for n in runs['straight'] if lora.is_adapter(n)}
@@ -327,7 +327,7 @@ def test_base_and_merged_checkpoints(runs, tmp_path, option, stored):
   import train    # pylint: disable=import-outside-toplevel
   config = lora_config(str(runs['root'] / 'hf'), exit_interval=2, **{option: True})
   _, params = train.run(config, str(tmp_path))
-  meta = managers.read_metadata(step_path(tmp_path, 2))
+  meta = checkpoint_steps.read_metadata(step_path(tmp_path, 2))
   assert meta['lora'] == {'stored': stored}
   names = {a for a in meta['arrays'] if not a.startswith(('optim.', 'master.'))}
   specs = transformer.param_specs(config.model)

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-import train
-from configs import base, llama3_8b, llama7b, llama_tiny, nxdt, smollm2_lora, smollm2_sft
+from configs import base, from_files, llama3_8b, llama7b, llama_tiny, nxdt, smollm2_lora, smollm2_sft
 from model import hf
 from tests import procs
 
@@ -36,7 +35,7 @@ def _with_architecture(config, config_json):
   """The model section as a run sees it: model_source=hf reads config.json at start-up."""
   if config_json:
     config.model.model_config = fixture(config_json)
-    train.apply_hf_model_config(config)
+    from_files.apply_hf_model_config(config)
     config.model_source, config.model.model_config_overrides = 'hf', ()
   return config.to_dict()
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from checkpoint import manager as managers, preemption, store
+from checkpoint import manager as managers, preemption, steps as checkpoint_steps, store
 from tests import parity, procs, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def test_resume_at_another_layout_continues_the_run(saved_at_tp2_pp2_dp2, tmp_pa
   c.exp_manager.resume_from_checkpoint = str(base / 'saved' / 'checkpoints' / 'step_00000010')
   # the optimizer moments saved at tp2 x pp2 x dp2 read back whole at any layout
   saved = str(base / 'saved' / 'checkpoints' / 'step_00000010')
-  meta = managers.read_metadata(saved)
+  meta = checkpoint_steps.read_metadata(saved)
   assert meta['layout'] == {'dp': 2, 'pp': 2, 'tp': 2, 'vp': 1, 'zero1': True}
   world.run(_resume_from, world_size, str(workdir), layout, saved)
   np.testing.assert_allclose(losses(workdir), losses(base / 'straight')[10:], rtol=1e-5)
@@ -211,7 +211,7 @@ def test_steps_kept_by_val_loss_are_validated_at_each_save_and_resume_takes_the_
   assert worst != 6
   kept = {worst, 6}                         # the best by the monitor, and the newest (resume_if_exists)
   assert sorted(os.listdir(tmp_path / 'checkpoints')) == sorted(f'tiny--{s}-{8 * s}' for s in kept)
-  meta = managers.read_metadata(str(tmp_path / 'checkpoints' / f'tiny--{worst}-{8 * worst}'))
+  meta = checkpoint_steps.read_metadata(str(tmp_path / 'checkpoints' / f'tiny--{worst}-{8 * worst}'))
   assert meta['metrics'] == {'val_loss': val[worst]} and meta['step'] == worst
   c.trainer.max_steps = 7
   with caplog.at_level('INFO'):

@@ -14,14 +14,13 @@ merge-peft folds any peft LoRA directory into its HF base.
 """
 import json
 import os
-import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from checkpoint import manager as managers, state as states  # pylint: disable=wrong-import-position
+from checkpoint import manager as managers, state as states, steps as checkpoint_steps  # pylint: disable=wrong-import-position
 from configs import base as base_config  # pylint: disable=wrong-import-position
 from data import tokenizer as tokenizers  # pylint: disable=wrong-import-position
 from model import adapters, hf, lora  # pylint: disable=wrong-import-position
@@ -51,11 +50,11 @@ def provenance(step):
   """(the HF directory checkpoint step `step`'s weights came from or None, the tokenizer section
   its run used or None), following init_from through flatron steps."""
   step = states.resolve_step(step)
-  meta = managers.read_metadata(step)
+  meta = checkpoint_steps.read_metadata(step)
   config = meta['config']
   tokenizer = config['data']['tokenizer'] if config['data']['tokenizer'].get('type', 'none') != 'none' else None
   source = meta.get('converted_from') or config['exp_manager'].get('init_from')
-  if source and not hf.is_hf_dir(source) and managers.is_committed(source):
+  if source and not hf.is_hf_dir(source) and checkpoint_steps.is_committed(source):
     source, inherited = provenance(source)
     tokenizer = tokenizer or inherited
   return (source if source and hf.is_hf_dir(source) else None), tokenizer

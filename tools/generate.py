@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
 
-from checkpoint import manager as managers, state as states, store  # pylint: disable=wrong-import-position
+from checkpoint import state as states, steps as checkpoint_steps, store  # pylint: disable=wrong-import-position
 from configs import base  # pylint: disable=wrong-import-position
 from data import chat, tokenizer as tokenizers  # pylint: disable=wrong-import-position
 from model import adapters, generation, hf  # pylint: disable=wrong-import-position
@@ -43,7 +43,7 @@ def load_model(path):
   """(model section, params, tokenizer config or None) from a flatron step or an HF directory;
   LoRA adapters stay separate (generation applies them), a peft directory is not a model."""
   path = states.resolve_step(path)
-  if managers.is_committed(path):
+  if checkpoint_steps.is_committed(path):
     config, params = states.read_model(path)
     return config.model, params, config.data.tokenizer
   model_cfg, params = hf.load_hf(path, base.get_config().model)
