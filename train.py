@@ -115,11 +115,12 @@ def placement(config, mesh):
   return {n: (box, specs[n].shape) for n, box in param_boxes(config, mesh).items()}
 
 
-def init_params(config, mesh):
-  """This rank's boxes of its pipeline stage's parameters (slices of the single-device init)."""
+def init_params(config, mesh, names=None):
+  """This rank's boxes of its pipeline stage's parameters (slices of the single-device init),
+  or of those among `names`."""
+  boxes = {n: b for n, b in param_boxes(config, mesh).items() if names is None or n in names}
   return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
-                          dtype=precision.recipe(config.precision).param_dtype,
-                          boxes=param_boxes(config, mesh))
+                          dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
 
 
 # ======================================================================================
@@ -198,8 +199,7 @@ def run(config, workdir=None):
       frozen_ref = references.setup(
           config, mesh, ops, params, tuple(data.values()),
           lambda: checkpoints.load_init_weights(init_params(config, mesh)),
-          lambda: checkpoints.starting_adapters({n: p for n, p in init_params(config, mesh).items()
-                                                 if n in set(updater.trainable)}))
+          lambda: checkpoints.starting_adapters(init_params(config, mesh, set(updater.trainable))))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,

@@ -19,10 +19,10 @@ from parallel import comm, memory, passes, precision
 
 
 def setup(config, mesh, ops, policy, loaders, starting_model, starting_adapters):
-  """The frozen copy the steps use as reference (objectives.reference_copy), or None: `starting_model()`
-  (the init_from weights) or `starting_adapters()` (load_lora_from_ckpt's), read again on
-  resume; with dpo.precompute_ref_log_probs the reference's log-probs of every pair of the
-  loaders' splits are attached to their batches instead, and the copy dropped."""
+  """The frozen copy the steps use as reference (objectives.reference_copy), or None:
+  `starting_model()` (the init_from weights) or `starting_adapters()` (load_lora_from_ckpt's),
+  read again on resume; with dpo.precompute_ref_log_probs the reference's log-probs of every
+  pair of the loaders' splits are attached to their batches instead, and the copy dropped."""
   part = objectives.reference_copy(config)
   copy = starting_model() if part == 'model' else starting_adapters() if part == 'adapters' else None
   if not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
