@@ -147,7 +147,7 @@ def get_config(arg=None):
   model.init_method_std = 0.02             # std of the normal init of weights and embeddings
   model.use_scaled_init_method = True      # output projections get std / sqrt(2 L)
   model.activations_checkpoint_granularity = placeholder(str)  # None | selective | full
-  model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp)
+  model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp, norm, activation)
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
 

@@ -64,6 +64,8 @@ class Ops:
   # Selective recompute hooks, wrap(fn, *args): remat sets checkpointing ones.
   recompute_attention: Callable = no_recompute  # around core_attention
   recompute_mlp: Callable = no_recompute        # around the whole MLP
+  recompute_norm: Callable = no_recompute       # around each of a block's two norms
+  recompute_activation: Callable = no_recompute  # around act(gate) * up
 
 
 LOCAL_OPS = Ops()
@@ -281,12 +283,16 @@ def mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   return ops.recompute_mlp(_mlp, params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b)
 
 
+def _gated(gate_bsf, up_bsf, activation):
+  return GATED[activation](gate_bsf) * up_bsf
+
+
 def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   x_bsh = ops.full_input(x_bsh)
   up_bsf = linear(params, prefix + '.up_proj', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
   if cfg.activation in GATED:
     gate_bsf = linear(params, prefix + '.gate_proj', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
-    inner_bsf = GATED[cfg.activation](gate_bsf) * up_bsf
+    inner_bsf = ops.recompute_activation(_gated, gate_bsf, up_bsf, cfg.activation)
   else:
     inner_bsf = F.gelu(up_bsf)
   inner_bsf = dropout(inner_bsf, cfg.ffn_dropout, drop_key and drop_key + ('ffn',), sample_ids_b,

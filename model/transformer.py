@@ -290,13 +290,14 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
     return layers.dropout(h, cfg.hidden_dropout, drop_key + (site,), sample_ids_b, full,
                           lambda m: ops.mask_for_slice(m, 'seq'))
 
-  h = layers.norm(params, p + '.input_layernorm', x_bsh, cfg)
+  h = ops.recompute_norm(layers.norm, params, p + '.input_layernorm', x_bsh, cfg)
   h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
   sandwich = cfg.get('sandwich_norm')
   if sandwich:
     h = layers.norm(params, p + '.post_attention_layernorm', h, cfg)
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
-  h = layers.norm(params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'), x_bsh, cfg)
+  h = ops.recompute_norm(layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'),
+                         x_bsh, cfg)
   h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
   if sandwich:
     h = layers.norm(params, p + '.post_feedforward_layernorm', h, cfg)

@@ -36,7 +36,9 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
 
   Recompute keeps a region's inputs instead of its insides: selective 'attention' keeps
   w N (a' + 2g') d + w N a' d (q, k, v, and the output o_proj keeps anyway); 'mlp' keeps
-  w Nh/σ in place of a linear input, the MLP terms and the ffn mask; full keeps w Nh/σ.
+  w Nh/σ in place of a linear input, the MLP terms and the ffn mask; 'norm' keeps w Nh/σ in
+  place of a layernorm's terms; 'activation' keeps 3 w N f' of the gated MLP's 4 (not
+  act(gate)); full keeps w Nh/σ.
   (*) Fixed layout artefacts: all_gather used to return a transposed view that each column
   linear copied (5 w Nh instead of 2 w Nh under SP), and own_chunk a view that kept the
   whole dropout mask; both now return their own storage.
@@ -65,7 +67,9 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   masked = local                               # (*) fixed: own_chunk clones its shard
   mask_heads = heads
   hidden_mask = masked * h if m.hidden_dropout > 0 else 0
-  if m.normalization == 'rmsnorm':
+  if 'norm' in parts:
+    norm = w * local * h                       # its input
+  elif m.normalization == 'rmsnorm':
     norm = (4 + w) * local * h + 4 * local     # rms_norm computes in fp32
   else:
     norm = w * (local * h + 2 * local)
@@ -86,7 +90,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   if 'mlp' in parts:
     mlp += w * local * h
   else:
-    mlp += (w * n * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * (4 if swiglu else 2)
+    inner = (3 if 'activation' in parts else 4) if swiglu else 2     # 'activation' drops act(gate)
+    mlp += (w * n * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * inner
             + (n * ffn if m.ffn_dropout > 0 else 0))
   return attention + mlp
 

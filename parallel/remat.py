@@ -1,8 +1,10 @@
 """Activation recompute (NxD Training's model.activations_checkpoint_granularity).
 
   None       every layer keeps all it needs for backward.
-  selective  recompute core attention, softmax(q k^T) v, and with ('attention', 'mlp') also
-             the MLP (model.activations_checkpoint_recompute) in backward.
+  selective  recompute in backward the parts model.activations_checkpoint_recompute names:
+             'attention' (core attention, softmax(q k^T) v), 'mlp' (the whole MLP), 'norm'
+             (the block's two norms: NxD's LlamaRMSNorm) and 'activation' (act(gate) * up:
+             NxD's ActivationMultiplyMLP).
   full       keep only each layer's input; recompute the whole block in backward.
 
 All go through torch.utils.checkpoint (non-reentrant). Dropout masks are keyed by sample
@@ -18,7 +20,7 @@ import torch.utils.checkpoint
 from model import layers
 from parallel import xla
 
-PARTS = ('attention', 'mlp')
+PARTS = ('attention', 'mlp', 'norm', 'activation')
 
 
 def checkpointed(fn, *args):
@@ -30,18 +32,21 @@ def checkpointed(fn, *args):
 
 @dataclasses.dataclass(frozen=True)
 class Recompute:
-  """What to recompute, as wrappers wrap(fn, *args) around a block, its core attention and
-  its MLP. The value is the model's `layer_fn` (called once per block); `hooks(ops)` puts
+  """What to recompute, as wrappers wrap(fn, *args) around a block, its core attention, its
+  MLP, its norms and its gated activation. The value is the model's `layer_fn` (called once per block); `hooks(ops)` puts
   the attention and MLP wrappers into the Ops the model is built from."""
   block: Callable = layers.no_recompute
   attention: Callable = layers.no_recompute
   mlp: Callable = layers.no_recompute
+  norm: Callable = layers.no_recompute
+  activation: Callable = layers.no_recompute
 
   def __call__(self, fn, *args):
     return self.block(fn, *args)
 
   def hooks(self, ops):
-    return dataclasses.replace(ops, recompute_attention=self.attention, recompute_mlp=self.mlp)
+    return dataclasses.replace(ops, recompute_attention=self.attention, recompute_mlp=self.mlp,
+                               recompute_norm=self.norm, recompute_activation=self.activation)
 
 
 def setup(ops, granularity, recompute=('attention',)):
@@ -63,6 +68,6 @@ def policy(granularity, recompute=('attention',)):
       raise ValueError(f'activations_checkpoint_recompute: unknown parts {sorted(unknown)}; '
                        f'valid: {PARTS}')
     pick = lambda part: checkpointed if part in recompute else layers.no_recompute
-    return Recompute(attention=pick('attention'), mlp=pick('mlp'))
+    return Recompute(**{part: pick(part) for part in PARTS})
   raise ValueError(f'activations_checkpoint_granularity={granularity!r}; valid: None, selective, full')
 

@@ -13,6 +13,7 @@ MODES = {                      # name -> (granularity, recompute parts)
     'none': (None, ()),
     'selective': ('selective', ('attention',)),
     'selective_mlp': ('selective', ('attention', 'mlp')),
+    'selective_norm_activation': ('selective', ('norm', 'activation')),   # NxD's trn2 70B choice
     'full': ('full', ()),
 }
 SHAPES = {                     # name -> (seq, micro batch, model keys)
@@ -62,7 +63,7 @@ def mismatched_gradients(mesh=None, sp=False):
   for flash in (True, False):
     tp = mesh.tp if mesh else 1
     ref_loss, ref = loss_and_grads(config(flash=flash, tp=tp, sp=sp), mesh)
-    for mode in ('selective', 'selective_mlp', 'full'):
+    for mode in ('selective', 'selective_mlp', 'selective_norm_activation', 'full'):
       loss, grads = loss_and_grads(config(mode=mode, flash=flash, tp=tp, sp=sp), mesh)
       bad += [(flash, mode, 'loss')] if not torch.equal(loss, ref_loss) else []
       bad += [(flash, mode, name) for name in ref if not torch.equal(grads[name], ref[name])]
@@ -111,16 +112,20 @@ def test_policy_wraps_what_the_config_names():
   assert remat.policy('selective') == remat.Recompute(attention=remat.checkpointed)
   assert remat.policy('selective', ('attention', 'mlp')) == remat.Recompute(
       attention=remat.checkpointed, mlp=remat.checkpointed)
+  assert remat.policy('selective', ('norm', 'activation')) == remat.Recompute(
+      norm=remat.checkpointed, activation=remat.checkpointed)
   with pytest.raises(ValueError, match='unknown parts'):
     remat.policy('selective', ('attn',))
   with pytest.raises(ValueError, match='granularity'):
     remat.policy('layer')
 
 
-@pytest.mark.parametrize('mode, attention_runs, mlp_runs', [
-    ('none', 1, 1), ('selective', 2, 1), ('selective_mlp', 2, 2), ('full', 2, 2)])
-def test_recompute_runs_the_chosen_parts_again_in_backward(mode, attention_runs, mlp_runs, monkeypatch):
-  calls = {'attention': 0, 'mlp': 0}
+@pytest.mark.parametrize('mode, attention_runs, mlp_runs, norm_runs, activation_runs', [
+    ('none', 1, 1, 1, 1), ('selective', 2, 1, 1, 1), ('selective_mlp', 2, 2, 1, 2),
+    ('selective_norm_activation', 1, 1, 2, 2), ('full', 2, 2, 2, 2)])
+def test_recompute_runs_the_chosen_parts_again_in_backward(mode, attention_runs, mlp_runs, norm_runs,
+                                                           activation_runs, monkeypatch):
+  calls = {'attention': 0, 'mlp': 0, 'norm': 0, 'activation': 0}
 
   def counted(name, fn):
     def wrapper(*args):
@@ -130,8 +135,12 @@ def test_recompute_runs_the_chosen_parts_again_in_backward(mode, attention_runs,
 
   monkeypatch.setattr(layers, 'core_attention', counted('attention', layers.core_attention))
   monkeypatch.setattr(layers, '_mlp', counted('mlp', layers._mlp))
+  monkeypatch.setattr(layers, '_gated', counted('activation', layers._gated))
+  monkeypatch.setattr(layers, 'norm', counted('norm', layers.norm))
   loss_and_grads(config(mode=mode))
-  assert calls == {'attention': 2 * attention_runs, 'mlp': 2 * mlp_runs}   # 2 layers
+  # 2 layers; 2 block norms each, and the final norm once
+  assert calls == {'attention': 2 * attention_runs, 'mlp': 2 * mlp_runs, 'norm': 4 * norm_runs + 1,
+                   'activation': 2 * activation_runs}
 
 
 # --- gradients ------------------------------------------------------------------------
@@ -163,8 +172,11 @@ def test_measured_bytes_equal_the_formula_under_tp2_and_sp(two_ranks):
 
 def test_each_mode_keeps_less():
   for flash in (True, False):
-    kept = [memory.measured_bytes_per_layer(config(mode=mode, flash=flash)) for mode in MODES]
+    kept = [memory.measured_bytes_per_layer(config(mode=mode, flash=flash))
+            for mode in ('none', 'selective', 'selective_mlp', 'full')]
     assert kept == sorted(kept, reverse=True) and len(set(kept)) == 4, (flash, kept)
+    nxd = memory.measured_bytes_per_layer(config(mode='selective_norm_activation', flash=flash))
+    assert kept[-1] < nxd < kept[0], (flash, kept, nxd)
 
 
 def test_activation_memory_tool_prints_the_table():
