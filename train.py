@@ -176,7 +176,7 @@ def run(config, workdir=None):
     comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')
-    ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
+    ops = tensor.config_ops(config, mesh)
     peak = devices.peak_flops(mesh.device)
     logging.info('MFU peak: %.3e FLOP/s per process (%s)', *peak)
 

@@ -218,4 +218,5 @@ def get_config(arg=None):
   precision.fp32_grad_acc = False              # manual: accumulate grads in fp32
   precision.parameter_dtype = 'fp32'           # manual: fp32 | bf16
   precision.stochastic_rounding = False        # manual: round parameter updates stochastically
+  precision.parallel_layers_reduce_dtype = placeholder(str)  # TP reductions: fp32 | bf16; None = the activations' dtype
   return c

@@ -108,7 +108,7 @@ def _saved_bytes(config, num_layers, mesh, dtype):
   mesh = mesh or meshes.Mesh()
   m = copy.deepcopy(config.model)
   m.num_layers = num_layers
-  ops, layer_fn = remat.setup(tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel),
+  ops, layer_fn = remat.setup(tensor.config_ops(config, mesh),
                               m.activations_checkpoint_granularity, m.activations_checkpoint_recompute)
   params = transformer.init(m, config.seed, dtype=dtype, tp=mesh.tp, boxes=tensor.boxes(m, mesh))
   b, s = config.data.micro_batch_size, config.data.seq_length

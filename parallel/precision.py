@@ -228,8 +228,11 @@ def check(cfg) -> list:
   """Every problem in the `precision` config section, each naming its key and the fix."""
   p = []
   kind = getattr(cfg, 'type', None)
+  if getattr(cfg, 'parallel_layers_reduce_dtype', None) not in (None, *REDUCE_DTYPES):
+    p.append(f'precision.parallel_layers_reduce_dtype={cfg.parallel_layers_reduce_dtype!r} is unknown; '
+             f'valid: None (the activations\' dtype), {", ".join(REDUCE_DTYPES)}')
   if kind not in TYPES:
-    return [f'precision.type={kind!r} is unknown; valid: {", ".join(TYPES)}']
+    return p + [f'precision.type={kind!r} is unknown; valid: {", ".join(TYPES)}']
   if kind != 'manual':
     # A knob set under another type would be silently ignored; the user meant something.
     for name, default in MANUAL_KNOBS.items():
@@ -265,6 +268,21 @@ def recipe(cfg) -> Recipe:
                 master_weights=bool(_knob(cfg, 'master_weights')), grad_acc_dtype=grads,
                 reduce_dtype=grads, stochastic_rounding=bool(_knob(cfg, 'stochastic_rounding')),
                 autocast=False)
+
+
+REDUCE_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
+
+
+def parallel_layers_reduce_dtype(cfg):
+  """The dtype of the tensor-parallel layers' reductions (row-parallel outputs, column-parallel
+  input gradients), NxD's precision.parallel_layers_reduce_dtype for every type; None: the
+  activations' own dtype (NxD's default: bf16 in the 16-bit recipes, fp32 in fp32)."""
+  name = getattr(cfg, 'parallel_layers_reduce_dtype', None)
+  if name is None:
+    return None
+  if name not in REDUCE_DTYPES:
+    raise ValueError(f'precision.parallel_layers_reduce_dtype={name!r} is unknown; valid: {", ".join(REDUCE_DTYPES)}')
+  return REDUCE_DTYPES[name]
 
 
 def compute_context(r: Recipe, device_type: str):

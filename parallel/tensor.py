@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model import layers, lora, transformer
-from parallel import comm
+from parallel import comm, precision
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 ROW_PARALLEL = ('o_proj', 'down_proj')
@@ -122,16 +122,31 @@ def vocab_parallel_cross_entropy(logits_bsv, labels_bs, vocab_size, group):
   return sum_exp.log() - label_logit
 
 
-def make_ops(mesh, sequence_parallel=False):
-  """The model's Ops for this rank's TP group (plain PyTorch when tp == 1)."""
+def _in_dtype(collective, dtype):
+  """`collective` run in `dtype` (None: the tensor's own), the result back in the tensor's:
+  casts are differentiable, so a backward reduction runs in `dtype` too."""
+  if dtype is None:
+    return collective
+  return lambda x: collective(x) if x.dtype == dtype else collective(x.to(dtype)).to(x.dtype)
+
+
+def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
+  """The model's Ops for this rank's TP group (plain PyTorch when tp == 1). `reduce_dtype`:
+  the dtype TP reductions sum in (precision.parallel_layers_reduce_dtype), None = the
+  activations' own."""
   group = mesh.tp_group
   if group is None:
     return layers.LOCAL_OPS
   sp = sequence_parallel
+  leave = _in_dtype((lambda x: comm.reduce_scatter_seq(x, group)) if sp else (lambda x: comm.reduce_from_group(x, group)),
+                    reduce_dtype)
+  # entering a TP region: SP's all-gather (reduce-scatter in backward), else Megatron's f
+  # (all-reduce in backward)
+  enter = _in_dtype((lambda x: comm.gather_seq(x, group)) if sp else (lambda x: comm.copy_to_group(x, group)),
+                    reduce_dtype)
 
   def row_linear(x, w, b=None, partial=None):
-    out = F.linear(x, w) if partial is None else F.linear(x, w) + partial
-    out = comm.reduce_scatter_seq(out, group) if sp else comm.reduce_from_group(out, group)
+    out = leave(F.linear(x, w) if partial is None else F.linear(x, w) + partial)
     return out if b is None else out + b
 
   def mask_for_slice(mask_b_, kind):
@@ -145,12 +160,17 @@ def make_ops(mesh, sequence_parallel=False):
       embed=lambda ids, table: vocab_parallel_embedding(ids, table, group),
       lm_head=F.linear,
       cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, group),
-      # entering a TP region: SP's all-gather, else Megatron's f (all-reduce in backward)
-      full_input=(lambda x: comm.gather_seq(x, group)) if sp else (lambda x: comm.copy_to_group(x, group)),
+      full_input=enter,
       slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
       residual_slices=mesh.tp if sp else 1,
       mask_for_slice=mask_for_slice,
   )
+
+
+def config_ops(config, mesh):
+  """make_ops as a config asks: sequence parallel, and the TP reductions' dtype."""
+  return make_ops(mesh, config.distributed_strategy.sequence_parallel,
+                  precision.parallel_layers_reduce_dtype(config.precision))
 
 
 def describe_layout(config, mesh):

@@ -41,7 +41,7 @@ def bench(config, steps, warmup):
   validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
   mesh = meshes.init(config)
   device = mesh.device
-  ops = tensor.make_ops(mesh, config.distributed_strategy.sequence_parallel)
+  ops = tensor.config_ops(config, mesh)
   params = train.init_params(config, mesh)
   updater = update.Updater(params, config, mesh)
   loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
