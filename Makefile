@@ -31,6 +31,8 @@ sft: $(STAMP)
 	$(VPY) tools/sft_demo.py > .data/sft_args
 	$(VPY) train.py --config=configs/smollm2_sft.py --workdir=runs/sft $$(cat .data/sft_args) $(ARGS)
 	$(VPY) tools/sft_demo.py --report runs/sft
+	$(VPY) tools/sft_eval.py --model=.data/models/smollm2-135m-instruct --model=runs/sft/checkpoints \
+	    --data=.data/chitchat/val.jsonl --limit=32 --max_new_tokens=48 --out=runs/sft/sft_eval.json
 
 # The same fine-tune with LoRA (frozen base, rank-16 adapters), exported as a peft adapter.
 lora: $(STAMP)
