@@ -17,7 +17,8 @@ import sys
 from ml_collections import config_dict
 
 from configs import base, yaml_config
-from configs.nxdt_keys import (DOCUMENTED, MANUAL, MANUAL_KNOBS, RULES, TOKENIZER_KEYS, XLA_DTYPE,  # pylint: disable=unused-import
+from configs.nxdt_keys import (DOCUMENTED, FP32_GRADS_CC, MANUAL, MANUAL_KNOBS, MISSING_FEATURES,  # pylint: disable=unused-import
+                               PRECISION_KEYS, RULES, TOKENIZER_KEYS, XLA_DTYPE,
                                describe, table)   # describe, table, DOCUMENTED: re-exported
 
 
@@ -68,10 +69,15 @@ def _tokenizer(section, config, report):
     t.type = kind                              # a flatron export
   elif library == 'sentencepiece' or (library is None and str(section.get('model') or '').endswith('.model')):
     t.type = 'sentencepiece'
+  elif library == 'megatron' and kind not in (None, 'GPT2BPETokenizer') and not section.get('vocab_file'):
+    # NeMo's megatron library hands a name it does not know to HF's AutoTokenizer
+    t.type = 'huggingface'
+    t.model = os.path.join(str(kind), 'tokenizer.json')
   elif library == 'megatron' or section.get('vocab_file'):
     t.type = 'gpt2'
     if kind not in (None, 'GPT2BPETokenizer'):
-      raise ValueError(f'data.tokenizer.type={kind!r} with library megatron: only GPT2BPETokenizer is supported')
+      raise ValueError(f'data.tokenizer.type={kind!r} with library megatron and a vocab_file: only '
+                       'GPT2BPETokenizer is supported')
   elif library in (None, 'huggingface') and not kind:
     pass                                       # no tokenizer: synthetic data or pre-tokenized records
   elif library in (None, 'huggingface'):
@@ -96,8 +102,14 @@ def _precision(section, config, report):
   for key, value in section.items():
     if key == 'type':
       continue
+    if key in PRECISION_KEYS:
+      if PRECISION_KEYS[key]:
+        _set(config, PRECISION_KEYS[key], value)
+      else:
+        report.append((f'precision.{key}', value, FP32_GRADS_CC))
+      continue
     if key not in MANUAL_KNOBS:
-      raise ValueError(f'precision.{key} is unknown; valid: type, {", ".join(MANUAL_KNOBS)}')
+      raise ValueError(f'precision.{key} is unknown; valid: type, {", ".join([*MANUAL_KNOBS, *PRECISION_KEYS])}')
     target, convert = MANUAL_KNOBS[key]
     if kind != 'manual':
       report.append((f'precision.{key}', value, MANUAL))
@@ -107,12 +119,39 @@ def _precision(section, config, report):
       config.precision[target] = convert(value)
 
 
+def _missing_feature(path, flat):
+  """One line naming the feature a file needs that flatron does not have yet, or None."""
+  for feature, keys in MISSING_FEATURES.items():
+    asked = [f'{k}={v!r}' for k, v in flat.items() for key, off in keys
+             if (k.startswith(key) if key.endswith('.') else k == key) and (off is None or v != off)]
+    if asked:
+      more = f' and {len(asked) - 3} more' if len(asked) > 3 else ''
+      return f'{path}: needs {feature} ({", ".join(asked[:3])}{more}), which flatron does not have yet'
+  return None
+
+
+def _objective(tree, config):
+  """A model_alignment_strategy.dpo or .orpo section selects its objective, as in NxD."""
+  chosen = [k for k in ('dpo', 'orpo') if k in (tree.get('model_alignment_strategy') or {})]
+  if len(chosen) > 1:
+    raise ValueError('model_alignment_strategy has both dpo and orpo sections; keep the one to train')
+  if chosen:
+    explicit = (tree.get('model') or {}).get('objective')
+    if explicit not in (None, chosen[0]):
+      raise ValueError(f'model.objective={explicit!r} but the file has a model_alignment_strategy.{chosen[0]} '
+                       f'section; remove one of them')
+    config.model.objective = chosen[0]
+
+
 def load(path) -> Mapped:
   """The flatron config for the NxD YAML at `path`, and the keys it does not honour."""
   tree = yaml_config.read(path)
   config = base.get_config()
   known = _known(config)
   flat = _flatten(tree)
+  missing = _missing_feature(path, flat)
+  if missing:
+    raise ValueError(missing)
   unknown = sorted(k for k in flat if k not in RULES and k not in known and not k.startswith('precision.')
                    and not (k.startswith('data.tokenizer.') and k.split('.')[2] in TOKENIZER_KEYS))
   if unknown:
@@ -141,7 +180,8 @@ def load(path) -> Mapped:
         report.append((key, value, rule.reason))
     except (ValueError, TypeError, KeyError) as e:
       problems.append(f'{key}={value!r}: {e}')
-  for section, apply in ((tree.get('data', {}).get('tokenizer'), _tokenizer), (tree.get('precision'), _precision)):
+  for section, apply in ((tree.get('data', {}).get('tokenizer'), _tokenizer), (tree.get('precision'), _precision),
+                         (tree, lambda tree, config, _: _objective(tree, config))):
     try:
       apply(section or {}, config, report)
     except (ValueError, TypeError) as e:
@@ -192,9 +232,11 @@ def to_tree(config) -> dict:
   """A flatron config as an NxD YAML tree: every key at its NxD place (renamed keys at their NxD
   names, flatron's own keys where they are, so `load` reads it back to the same config)."""
   renamed = {r.target: k for k, r in RULES.items() if r.target and r.exported}
+  # a dpo / orpo section selects its objective (`_objective`): only the run's own is written
+  unused = tuple(f'model_alignment_strategy.{k}.' for k in ('dpo', 'orpo') if k != config.model.objective)
   tree = {}
   for key, value in _flatten(config.to_dict()).items():
-    if key.startswith(('data.tokenizer.', 'model.peft.', 'precision.')) or key == 'model.peft':
+    if key.startswith(('data.tokenizer.', 'model.peft.', 'precision.', *unused)) or key == 'model.peft':
       continue
     nxd = renamed.get(key, key)
     if nxd == 'model.encoder_seq_length':
@@ -205,6 +247,8 @@ def to_tree(config) -> dict:
                                 'merge_file': t.merge_file})
   p = config.precision
   tree['precision'] = {'type': p.type}
+  if p.parallel_layers_reduce_dtype is not None:
+    tree['precision']['parallel_layers_reduce_dtype'] = p.parallel_layers_reduce_dtype
   if p.type == 'manual':
     tree['precision'].update(master_weights=p.master_weights, fp32_grad_acc=p.fp32_grad_acc,
                              xla_use_bf16='1' if p.parameter_dtype == 'bf16' else '0',

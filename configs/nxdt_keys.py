@@ -37,7 +37,8 @@ def _batches(value):
 
 
 _RECOMPUTE_PARTS = {'coreattention': 'attention', 'attention': 'attention', 'mlp': 'mlp',
-                    'llamamlp': 'mlp', 'mistralmlp': 'mlp'}
+                    'llamamlp': 'mlp', 'mistralmlp': 'mlp', 'llamarmsnorm': 'norm', 'norm': 'norm',
+                    'activationmultiplymlp': 'activation', 'activation': 'activation'}
 
 
 def _recompute(parts):
@@ -45,9 +46,22 @@ def _recompute(parts):
   for part in parts or ():
     name = _RECOMPUTE_PARTS.get(str(part).lower())
     if name is None:
-      raise ValueError(f'{part!r} is not a module flatron recomputes; valid: CoreAttention (attention), MLP (mlp)')
+      raise ValueError(f'{part!r} is not a module flatron recomputes; valid: CoreAttention (attention), LlamaMLP '
+                       '(mlp), LlamaRMSNorm (norm), ActivationMultiplyMLP (activation)')
     out.append(name)
   return tuple(dict.fromkeys(out))
+
+
+def _pipeline_cuts(names):
+  """NxD's model.pipeline_cuts, the layers each stage ends with ('model.layers.18'), as
+  flatron's stage starts (19)."""
+  out = []
+  for name in names or ():
+    index = str(name).rsplit('.', 1)[-1]
+    if not (str(name).removeprefix('model.').startswith('layers.') and index.isdigit()):
+      raise ValueError(f'{name!r} is not a decoder layer name; give model.layers.<i> (the last layer of a stage)')
+    out.append(int(index) + 1)
+  return tuple(out)
 
 
 TORCHRUN = 'processes come from torchrun (--nproc_per_node x --nnodes); dp is what tp x pp leave of them'
@@ -97,6 +111,18 @@ RULES = {
     'model.activations_checkpoint_recompute': Rule('model.activations_checkpoint_recompute', convert=_recompute),
     'model.micro_batch_size': Rule('data.micro_batch_size', exported=False),          # NeMo's place for it
     'model.global_batch_size': Rule('data.global_batch_size', exported=False),
+    'model.transpose_nki_inputs': _na('the layout of NKI flash-attention inputs on Neuron; attention here is SDPA '
+                                      'or the explicit path', True, False),
+    'model.pipeline_cuts': Rule('distributed_strategy.pipeline_cuts', convert=_pipeline_cuts, exported=False),
+    'model.sliding_window_size': Rule('model.sliding_window', convert=lambda v: v or 0, exported=False),
+    'trainer.lnc': _na('logical NeuronCore grouping on trn2; one process per device here (torchrun)'),
+    'trainer.sequential_move_factor': _na('init is keyed by (seed, name) and runs on every rank at once: no '
+                                          'staged moves to the device'),
+    'exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt': _na(
+        'checkpoints always hold the fp32 masters (master.* arrays) beside the bf16 parameters, so a resume is '
+        'exact; NxD\'s False re-derives them from the bf16 weights', True, False),
+    'distributed_strategy.context_parallel_size': _na('1 = no context parallelism (not built yet)', 1),
+    'model.fusions.ring_attention': _na('ring attention goes with context parallelism (not built yet)', False),
     'model.optim.capturable': _na('set by the device: capturable on XLA, not elsewhere', True, False),
     'model_alignment_strategy.peft.lora_verbose': _na('the start-up summary always shows the adapters', True, False),
     'model_alignment_strategy.peft.save_lora_config_adapter': _na(
@@ -114,6 +140,23 @@ MANUAL_KNOBS = {
     'xla_use_bf16': ('parameter_dtype', lambda v: 'bf16' if int(v) else 'fp32'),
     'neuron_rt_stochastic_rounding_en': ('stochastic_rounding', lambda v: bool(int(v))),
     'xla_downcast_bf16': (None, None),
+}
+# precision keys read with every type (not knobs of `manual`): NxD key -> flatron key, or None
+# with the reason it does nothing here
+PRECISION_KEYS = {
+    'parallel_layers_reduce_dtype': 'precision.parallel_layers_reduce_dtype',
+    'fp32_grads_cc': None,
+}
+FP32_GRADS_CC = ('read by no code of NxD Training 2.26 either; data-parallel gradients reduce in the recipe\'s '
+                 'accumulation dtype (precision.type)')
+# Files that need a feature flatron does not have yet: feature -> (keys that ask for it, the
+# value of each that does not); one line names it, instead of a table of unknown keys.
+MISSING_FEATURES = {
+    'mixture of experts and expert parallelism': (('model.moe.', None),
+                                                 ('distributed_strategy.expert_model_parallel_size', 1),
+                                                 ('distributed_strategy.token_shuffle_group_size', 1)),
+    'context parallelism (ring attention)': (('distributed_strategy.context_parallel_size', 1),
+                                             ('model.fusions.ring_attention', False)),
 }
 
 

@@ -1,4 +1,4 @@
-"""configs/yaml_config.py: YAML with NeMo / NxD Training interpolations, resolved as OmegaConf does."""
+"""configs/yaml_config.py: YAML with NeMo / NxD Training interpolations, resolved by OmegaConf."""
 import pytest
 
 from configs import yaml_config
@@ -25,6 +25,9 @@ model:
     name: adamw
 parallel: ${multiply:${distributed_strategy.tensor_model_parallel_size}, ${distributed_strategy.pipeline_model_parallel_size}}
 filename: 'run--${trainer.max_steps}-${model.optim.name}'
+first_beta: ${model.betas[1]}
+escaped: '\\${model.lr}'
+selected: ${oc.select:model.missing,7}
 home: ${oc.env:FLATRON_TEST_HOME}
 fallback: ${oc.env:FLATRON_TEST_UNSET,/tmp}
 section: ${model.optim.sched}
@@ -45,13 +48,15 @@ def test_interpolations_resolve_with_their_types(tmp_path, monkeypatch):
   assert tree['filename'] == 'run--20-adamw'                   # formatted into a longer string
   assert (tree['home'], tree['fallback']) == ('/home/me', '/tmp')
   assert tree['section'] == m['optim']['sched']
+  assert (tree['first_beta'], tree['escaped'], tree['selected']) == (0.95, '${model.lr}', 7)
 
 
 @pytest.mark.parametrize('text,message', [
-    ('a: ${b.c}\nb: {}\n', "a: '${b.c}' refers to 'b.c'"),
-    ('a: ${b}\nb: ${a}\n', 'interpolation cycle'),
-    ('a: ${oc.decode:1}\n', "unknown resolver 'oc.decode'"),
-    ('a: ${b\n', 'unclosed'),
+    ('a: ${b.c}\nb: {}\n', "a: refers to a key the file does not set (Interpolation key 'b.c' not found)"),
+    ('a: ${b}\nb: ${a}\n', 'a: interpolation cycle'),
+    ('a: ${nemo_only:1}\n', 'a: Unsupported interpolation type nemo_only'),
+    ('a: ${b\n', "not valid YAML: no viable alternative at input '${b'"),
+    ('a: [1,\n', 'not valid YAML: while parsing a flow node'),
     ('- 1\n- 2\n', 'expected a mapping'),
 ])
 def test_bad_references_name_the_key(tmp_path, text, message):
