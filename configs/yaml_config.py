@@ -21,10 +21,7 @@ def _multiply(*args):
 
 
 if not OmegaConf.has_resolver('multiply'):
-  # 2.4 renamed register_new_resolver (typed arguments) to register_resolver; 2.3's
-  # register_resolver is the legacy one that passes strings
-  register = OmegaConf.register_resolver if omegaconf.__version__ >= '2.4' else OmegaConf.register_new_resolver
-  register('multiply', _multiply)
+  OmegaConf.register_resolver('multiply', _multiply)    # typed arguments (2.4; 2.3's name: register_new_resolver)
 
 
 def read(path):
