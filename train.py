@@ -7,7 +7,6 @@ Sections: setup / data / init / step / loop (log, validate, stop). State the loo
 plain data: `params` (flat dict of tensors), the updater (optimizer, master weights, ZeRO-1
 shards; optim/update.py), and `consumed_samples` (the whole data position). Every random draw is keyed, so nothing else needs saving.
 """
-import math
 import os
 import sys
 import time
@@ -31,6 +30,8 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (c
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: metrics.jsonl, TensorBoard, config (optional with '
                                 'exp_manager.explicit_log_dir or exp_dir).')
 _DEBUG = flags.DEFINE_bool('debug', False, 'Full tracebacks instead of one-line errors.')
+_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve and validate the config (files, overrides), print it with the '
+                             'start-up summary and memory estimate, and exit; nothing is allocated or written.')
 
 
 # ======================================================================================
@@ -90,6 +91,11 @@ def evaluate_and_log(prefix, params, loader, num_batches, config, mesh, ops, ref
   return values
 
 
+def validates(t) -> bool:
+  """Whether the run reads the validation split at all (NxD's limit_val_batches: 0.0 = never)."""
+  return bool(t.num_sanity_val_steps or (t.limit_val_batches and (t.val_check_interval or t.check_val_every_n_epoch)))
+
+
 def validation_due(t, train_data, step, last, before, after):
   """Whether to validate after `step` (consumed samples went from `before` to `after`): every
   val_check_interval steps and at the end, and on the step completing every
@@ -128,11 +134,6 @@ def init_params(config, mesh, names=None):
 # ======================================================================================
 
 
-def local_sizes(config, mesh):
-  """name -> elements of each parameter box this rank will hold (nothing allocated)."""
-  return {n: math.prod(sl.stop - sl.start for sl in box) for n, box in param_boxes(config, mesh).items()}
-
-
 def fmt_eta(seconds):
   seconds = int(max(seconds, 0))
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
@@ -148,15 +149,35 @@ def check_tokenizer(config):
 # ======================================================================================
 
 
+def resolve(config, world_size):
+  """Fill in what the user's files bring (config.json, the tokenizer's vocabulary, a starting
+  adapter's settings), then validate; ConfigError lists every problem."""
+  if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
+    from_files.apply_hf_model_config(config)
+  vocab = from_files.apply_tokenizer_vocab(config)
+  if vocab:
+    logging.info('%s', vocab)
+  from_files.resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
+  config_validation.validate(config, world_size)
+
+
+def dry_run(config):
+  """--dry_run: resolve and validate as a run would, print the config and rank 0's start-up
+  summary (at WORLD_SIZE processes, default one data-parallel replica), and exit."""
+  d = config.distributed_strategy
+  world_size = int(os.environ.get('WORLD_SIZE', d.tensor_model_parallel_size * d.pipeline_model_parallel_size))
+  resolve(config, world_size)
+  for warning in config_validation.warnings(config):
+    print(f'warning: {warning}')
+  print(summaries.dry_run(config, world_size, config_validation.check))
+
+
 def run(config, workdir=None):
   """Train `config` on this process's share of the mesh, in `workdir` (--workdir) or the
   exp_manager's run directory (workdirs.resolve). Returns (last logged record, params)."""
   # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
-  if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
-    from_files.apply_hf_model_config(config)
-  from_files.resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
-  config_validation.validate(config, world_size)
+  resolve(config, world_size)
   workdir = workdirs.resolve(config, workdir)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)
@@ -170,7 +191,7 @@ def run(config, workdir=None):
                             'locking the workdir')
   log, checkpoints = None, None
   try:
-    sizes = local_sizes(config, mesh)
+    sizes = summaries.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp)
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
@@ -182,7 +203,8 @@ def run(config, workdir=None):
 
     # --- data: each DP rank reads its slice of every global batch
     # (an empty test split fails here, naming data.splits_string or data.test_dir)
-    splits = ('train', 'valid') + (('test',) if config.trainer.limit_test_batches else ())
+    splits = (('train',) + (('valid',) if validates(config.trainer) else ())
+              + (('test',) if config.trainer.limit_test_batches else ()))
     data = {split: Loader(config, split, mesh.dp_rank, mesh.dp) for split in splits}
     for loader in data.values():
       if loader.sft:
@@ -317,7 +339,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   try:
-    run(_CONFIG.value, _WORKDIR.value)
+    config = _CONFIG.value
+    cli.command_line_wins(config, config_flags.get_override_values(flags.FLAGS['config']))
+    if _DRY_RUN.value:
+      dry_run(config)
+    else:
+      run(config, _WORKDIR.value)
   except USER_ERRORS as e:
     if _DEBUG.value:
       raise

@@ -61,3 +61,15 @@ def explain(argv, error) -> str:
         if message := unknown_key(config, arg[len('--config.'):].split('=', 1)[0]):
           return message
   return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def command_line_wins(config, overrides):
+  """config.json, then the YAML, then the command line: with model_source=hf, a model key given
+  on the command line (`overrides`: config_flags' flat dict) joins model.model_config_overrides,
+  so config.json does not replace it at start-up. An explicit model_config_overrides wins."""
+  if config.model_source != 'hf' or 'model.model_config_overrides' in overrides:
+    return
+  keys = [k.split('.')[1] for k in overrides if k.startswith('model.') and k.split('.')[1] not in
+          ('model_config', 'model_config_overrides', 'optim', 'peft', 'fusions')]
+  if keys:
+    config.model.model_config_overrides = tuple(dict.fromkeys([*config.model.model_config_overrides, *keys]))

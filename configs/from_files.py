@@ -7,6 +7,7 @@ from ml_collections import config_dict
 from checkpoint import steps as checkpoint_steps
 from checkpoint.manager import IncompatibleCheckpoint
 from configs import validate
+from data import tokenizer as tokenizers
 from model import adapters, hf, lora, transformer
 
 
@@ -27,6 +28,26 @@ def apply_hf_model_config(config):
         dst[key] = value
   keep = set(config.model.model_config_overrides)
   copy({k: v for k, v in hf_model.items() if k not in keep}, config.model)
+
+
+def apply_tokenizer_vocab(config):
+  """model.vocab_size=0 (an NxD Megatron file that leaves it out): the tokenizer's vocabulary, as
+  NeMo sets it; the embedding pads it to a multiple of make_vocab_size_divisible_by x TP.
+  Returns the line to log, or None when the size was given."""
+  m = config.model
+  if m.vocab_size:
+    return None
+  if config.data.tokenizer.type == 'none':
+    raise validate.ConfigError('model.vocab_size=0 takes the tokenizer\'s size, but data.tokenizer.type is none; '
+                               'set model.vocab_size or a tokenizer')
+  try:
+    m.vocab_size = tokenizers.load_tokenizer(config.data.tokenizer).vocab_size
+  except (OSError, ValueError) as e:
+    raise validate.ConfigError(f'model.vocab_size=0 takes the tokenizer\'s size: {e}') from None
+  tp = config.distributed_strategy.tensor_model_parallel_size
+  return (f'model.vocab_size={m.vocab_size}: the tokenizer\'s; the embedding pads it to '
+          f'{transformer.padded_vocab_size(m, tp)} rows (a multiple of make_vocab_size_divisible_by '
+          f'{m.make_vocab_size_divisible_by} x tp {tp})')
 
 
 # Settings a starting adapter supplies when the run leaves them unset. Those compared by value

@@ -17,9 +17,9 @@ import sys
 from ml_collections import config_dict
 
 from configs import base, yaml_config
-from configs.nxdt_keys import (DOCUMENTED, FP32_GRADS_CC, MANUAL, MANUAL_KNOBS, MISSING_FEATURES,  # pylint: disable=unused-import
-                               PRECISION_KEYS, RULES, TOKENIZER_KEYS, XLA_DTYPE,
-                               describe, table)   # describe, table, DOCUMENTED: re-exported
+from configs.nxdt_keys import (DOCUMENTED, FP32_GRADS_CC, MANUAL, MANUAL_KNOBS, PRECISION_KEYS,  # pylint: disable=unused-import
+                               RULES, TOKENIZER_KEYS, XLA_DTYPE, describe, lacks, missing_feature,
+                               table)   # describe, table, lacks, DOCUMENTED: re-exported
 
 
 def _flatten(tree, prefix=''):
@@ -121,12 +121,14 @@ def _precision(section, config, report):
 
 def _missing_feature(path, flat):
   """One line naming the feature a file needs that flatron does not have yet, or None."""
-  for feature, keys in MISSING_FEATURES.items():
-    asked = [f'{k}={v!r}' for k, v in flat.items() for key, off in keys
-             if (k.startswith(key) if key.endswith('.') else k == key) and (off is None or v != off)]
-    if asked:
-      more = f' and {len(asked) - 3} more' if len(asked) > 3 else ''
-      return f'{path}: needs {feature} ({", ".join(asked[:3])}{more}), which flatron does not have yet'
+  asked = {}
+  for key, value in flat.items():
+    feature = missing_feature(key, value)
+    if feature:
+      asked.setdefault(feature, []).append(f'{key}={value!r}')
+  for feature, keys in asked.items():
+    more = f' and {len(keys) - 3} more' if len(keys) > 3 else ''
+    return f'{path}: needs {feature} ({", ".join(keys[:3])}{more}), which flatron does not have yet'
   return None
 
 
@@ -189,6 +191,8 @@ def load(path) -> Mapped:
   if problems:
     raise ValueError(f'{path}: {len(problems)} value(s) flatron cannot take:\n  - ' + '\n  - '.join(problems))
   model = tree.get('model', {})
+  if config.model_source == 'megatron' and 'vocab_size' not in model and config.data.tokenizer.type != 'none':
+    config.model.vocab_size = 0           # the tokenizer's, at start-up (from_files.apply_tokenizer_vocab)
   if tree.get('model_source') == 'hf' and 'model_config_overrides' not in model:
     # the YAML's architecture keys win over config.json (NxD's rule); a flatron export names them
     config.model.model_config_overrides = tuple(

@@ -208,6 +208,20 @@ DOCUMENTED = (  # the keys of NxD Training's "YAML Configuration Settings" page 
     'model_alignment_strategy.peft.save_lora_config_adapter', 'model_alignment_strategy.peft.merge_sharded_lora',
     'precision.type', 'precision.master_weights', 'precision.fp32_grad_acc', 'precision.xla_use_bf16',
     'precision.xla_downcast_bf16', 'precision.neuron_rt_stochastic_rounding_en',
+    # added by SDK 2.26's page and example configs
+    'trainer.lnc', 'trainer.sequential_move_factor', 'exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt',
+    'distributed_strategy.context_parallel_size', 'distributed_strategy.expert_model_parallel_size',
+    'distributed_strategy.token_shuffle_group_size', 'model.transpose_nki_inputs', 'model.pipeline_cuts',
+    'model.sliding_window_size', 'model.fusions.ring_attention',
+    'model.moe.num_experts', 'model.moe.frequency', 'model.moe.dropout', 'model.moe.capacity_factor',
+    'model.moe.sinkhorn_iterations', 'model.moe.sinkhorn_tol', 'model.moe.routing_algorithm', 'model.moe.top_k',
+    'model.moe.output_router_logits', 'model.moe.router_aux_loss_coef', 'model.moe.normalize_top_k_affinities',
+    'model.moe.router_activation', 'model.moe.dropless',
+    'model_alignment_strategy.dpo.kl_beta', 'model_alignment_strategy.dpo.loss_type',
+    'model_alignment_strategy.dpo.max_prompt_length', 'model_alignment_strategy.dpo.precompute_ref_log_probs',
+    'model_alignment_strategy.dpo.truncation_mode', 'model_alignment_strategy.orpo.beta',
+    'model_alignment_strategy.orpo.max_prompt_length', 'model_alignment_strategy.orpo.truncation_mode',
+    'precision.parallel_layers_reduce_dtype', 'precision.fp32_grads_cc',
 )
 _TOKENIZER_NOTES = {
     'data.tokenizer.library': 'data.tokenizer.type (huggingface, sentencepiece; megatron = gpt2)',
@@ -215,10 +229,33 @@ _TOKENIZER_NOTES = {
 }
 
 
+def missing_feature(key, value=None):
+  """The feature of MISSING_FEATURES that `key` (at `value`; None: any) asks for, or None."""
+  for feature, keys in MISSING_FEATURES.items():
+    for name, off in keys:
+      if (key.startswith(name) if name.endswith('.') else key == name) and (off is None or value != off):
+        return feature
+  return None
+
+
+def lacks() -> str:
+  """The README's list of what a migrating user still lacks: each missing feature, its keys
+  and the example files that need it."""
+  return '\n'.join(f'- **{feature}**: ' + ', '.join(f'`{k}*`' if k.endswith('.') else f'`{k}`' for k, _ in keys)
+                   for feature, keys in MISSING_FEATURES.items())
+
+
 def describe(key):
   """(flatron key, note) for one NxD key: where it goes, or why it goes nowhere."""
   if key in _TOKENIZER_NOTES:
     return _TOKENIZER_NOTES[key], ''
+  if key in ('distributed_strategy.context_parallel_size', 'model.fusions.ring_attention'):
+    return '—', f'not yet: {RULES[key].allowed[0]} only; {missing_feature(key)} is not built yet'
+  if missing_feature(key):
+    return '—', f'not yet: {missing_feature(key)} (a file that sets it is refused in one line)'
+  if key in ('precision.' + k for k in PRECISION_KEYS):
+    target = PRECISION_KEYS[key.split('.', 1)[1]]
+    return (target, 'every precision type') if target else ('—', 'not applicable: ' + FP32_GRADS_CC)
   if key.startswith('precision.') and key != 'precision.type':
     target = MANUAL_KNOBS[key.split('.', 1)[1]][0]
     return (f'precision.{target}' if target else '—'), MANUAL if target else 'not applicable: ' + XLA_DTYPE

@@ -157,9 +157,6 @@ def check(config, world_size=1) -> list:
     if strategy.kv_replicator != 1:
       problems.append(f'distributed_strategy.kv_replicator={strategy.kv_replicator} needs tp > num_kv_heads '
                f'({tp} <= {kv}); set it to 1')
-  if strategy.sequence_parallel and tp == 1:
-    problems.append('distributed_strategy.sequence_parallel=True needs tensor_model_parallel_size > 1; '
-             'set sequence_parallel=False or raise tp')
   if strategy.sequence_parallel and data.seq_length % tp:
     problems.append(f'data.seq_length={data.seq_length} is not divisible by tensor_model_parallel_size={tp} '
              '(needed by sequence_parallel)')
@@ -328,6 +325,10 @@ def warnings(config) -> list:
   """Settings that work but are probably not what the user meant."""
   out = []
   m, a = config.model, config.data
+  if config.distributed_strategy.sequence_parallel and config.distributed_strategy.tensor_model_parallel_size == 1:
+    out.append('distributed_strategy.sequence_parallel=True does nothing at tensor_model_parallel_size=1 (no TP '
+               'group to split the sequence over): the run is the same without it, as in Megatron-LM')
+  out += schedules.schedule_warnings(m.optim.sched, config.trainer.max_steps)
   if m.position_embedding_type == 'rope' and a.seq_length > m.max_position_embeddings:
     out.append(f'data.seq_length={a.seq_length} exceeds model.max_position_embeddings='
                f'{m.max_position_embeddings}: RoPE extrapolates beyond the trained length')

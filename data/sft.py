@@ -186,6 +186,9 @@ class SFTSource:
                       f'{SPLIT_DIRS[split]} elsewhere')
     examples = tokenize(records, tokenizer, template, special)
     _check_ids(self.path, examples, config.model.vocab_size)
+    # pre-tokenized sequences trained on every token are pretraining data (NxD's HF pretraining)
+    self.kind = ('pretraining' if all('input_ids' in r.fields for r in records) and all(t.all() for _, t in examples)
+                 else 'SFT')
     self.rows = Rows(examples, s['seq_length'], s['packing'], _pad_id(tokenizer))
     self.truncation = self.rows.truncation
     self.samples_per_epoch = len(self.rows)
@@ -193,7 +196,7 @@ class SFTSource:
 
   def summary(self) -> str:
     """The line the loader logs about this split."""
-    return (f'SFT {self.split}: {self.truncation.examples} examples from {self.path} in '
+    return (f'{self.kind} {self.split}: {self.truncation.examples} examples from {self.path} in '
             f'{len(self.rows)} rows ({self.rows.fill():.0%} tokens, the rest padding); '
             f'{self.truncation}')
 

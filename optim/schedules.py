@@ -163,6 +163,26 @@ def lr_at(step: int, sched_cfg, base_lr: float, max_steps: int, hidden_size: int
   return float(_RULES[sched_cfg.name](int(step), knobs))
 
 
+def _nemo_holds(sched_cfg, total):
+  """CosineAnnealing whose constant_steps leave nothing to decay over: NeMo runs it (its
+  decay_steps go <= 0), warming up and then holding min_lr, and so does `_cosine`."""
+  return (sched_cfg.name == 'CosineAnnealing' and sched_cfg.constant_steps > 0
+          and warmup_steps(sched_cfg, total) < total)
+
+
+def schedule_warnings(sched_cfg, max_steps) -> list[str]:
+  """Schedules that run but probably not as meant (check_schedule found no problem)."""
+  total = schedule_length(sched_cfg, max_steps)
+  if total <= 0 or sched_cfg.name != 'CosineAnnealing':
+    return []
+  warmup = warmup_steps(sched_cfg, total)
+  if warmup + sched_cfg.constant_steps >= total and _nemo_holds(sched_cfg, total):
+    return [f'model.optim.sched: warmup {warmup} + constant_steps {sched_cfg.constant_steps} >= the schedule\'s '
+            f'{total} steps, so nothing is left to decay over: as in NeMo, the lr warms up to model.optim.lr over '
+            f'{warmup} steps, then holds min_lr={sched_cfg.min_lr:g}']
+  return []
+
+
 def check_schedule(sched_cfg, max_steps=None) -> list[str]:
   """Problems with `model.optim.sched`, each naming the key and what would be valid.
 
@@ -203,7 +223,7 @@ def check_schedule(sched_cfg, max_steps=None) -> list[str]:
     problems.append(
         f'{p}warmup_steps={sched_cfg.warmup_steps} is not below {length_key}={total}: the lr never '
         f'leaves warm-up; lower warmup_steps or raise {length_key}')
-  elif sched_cfg.name in _DECAYING and used >= total:
+  elif sched_cfg.name in _DECAYING and used >= total and not _nemo_holds(sched_cfg, total):
     problems.append(
         f'{p}warmup_steps/warmup_ratio (+ constant_steps) use {used} of the {total} steps; '
         f'{sched_cfg.name} needs fewer to have steps to decay over')

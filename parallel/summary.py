@@ -2,8 +2,18 @@
 estimate per rank and bytes per parameter, and what LoRA trains. One text for the training log
 (and, with the planner, for --dry_run).
 """
+import math
+
+import torch
+
 from model import lora, transformer
-from parallel import memory, tensor
+from parallel import device as devices, memory, mesh as meshes, pipeline, tensor
+
+
+def local_sizes(config, mesh):
+  """name -> elements of each parameter box this rank will hold (nothing allocated)."""
+  boxes = tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
+  return {n: math.prod(sl.stop - sl.start for sl in box) for n, box in boxes.items()}
 
 
 def startup(config, mesh, sizes, est) -> str:
@@ -13,10 +23,14 @@ def startup(config, mesh, sizes, est) -> str:
   n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
   tokens_per_step = a.global_batch_size * a.seq_length
   accum = a.global_batch_size // (a.micro_batch_size * mesh.dp)
-  sp = ' +sp' if config.distributed_strategy.sequence_parallel else ''
+  sp = ' +sp' if config.distributed_strategy.sequence_parallel and mesh.tp > 1 else ''
   lines = [
       f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
       f'dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp}{sp}',
+      f'model {m.num_layers} layers x hidden {m.hidden_size} | heads {m.num_attention_heads} (kv '
+      f'{transformer.kv_heads(m)}) x head_dim {transformer.head_dim(m)} | ffn {m.ffn_hidden_size} | vocab '
+      f'{m.vocab_size} (padded {transformer.padded_vocab_size(m, mesh.tp)})'
+      + (f' | from {m.model_config} + {len(m.model_config_overrides)} key(s) set over it' if config.model_source == 'hf' else ''),
       f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
       f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
@@ -48,3 +62,22 @@ def _lora_line(config, sizes, est, n_total) -> str:
           f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
           f'{memory.param_counts(config, sizes)["trainable"]:,} on this rank; optimizer state '
           f'{memory.human_bytes(est["optimizer"] + est["master"])} per rank; the base is frozen')
+
+
+def dry_run(config, world_size, check) -> str:
+  """What --dry_run prints after the config resolved and validated: the config, and rank 0's
+  start-up summary at `world_size` processes with the memory estimate and whether it fits
+  this machine (`check`: configs.validate.check, for the layouts that would)."""
+  d = config.distributed_strategy
+  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
+  mesh = meshes.Mesh(dp=world_size // (tp * pp), pp=pp, tp=tp, kv_replicator=d.kv_replicator,
+                     device=torch.device(devices.kind(config.device)))
+  sizes = local_sizes(config, mesh)
+  est = memory.estimate(config, sizes, mesh.dp)
+  try:
+    memory.check_fits(config, mesh, est, check)
+    fits = f'memory: fits a {mesh.device.type} rank of this machine (or the check is off)'
+  except MemoryError as e:
+    fits = f'memory: would be refused here: {e}'
+  return '\n'.join(['resolved flatron config:', config.to_yaml().rstrip(), '', startup(config, mesh, sizes, est), fits,
+                    'dry run: nothing was allocated and the workdir was not touched'])

@@ -147,7 +147,8 @@ def test_layout_errors_name_the_keys():
   assert 'num_attention_heads=8 is not divisible' in text
   c = base.get_config()
   c.distributed_strategy.sequence_parallel = True
-  assert any('sequence_parallel=True needs tensor_model_parallel_size > 1' in p for p in validate.check(c))
+  assert validate.check(c) == []           # a no-op at tp 1 (Megatron's rule): a warning, not an error
+  assert any('sequence_parallel=True does nothing at tensor_model_parallel_size=1' in w for w in validate.warnings(c))
   c = base.get_config()
   c.distributed_strategy.pipeline_model_parallel_size = 4
   c.distributed_strategy.virtual_pipeline_model_parallel_size = 2

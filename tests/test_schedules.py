@@ -134,5 +134,17 @@ def test_check_schedule():
   text = '\n'.join(schedules.check_schedule(bad))
   for key in ('warmup_steps', 'min_lr', 'warmup_ratio', 'step_size', 'gamma', 'd_model'):
     assert f'model.optim.sched.{key}=' in text, key
-  problems = schedules.check_schedule(sched(constant_steps=90), max_steps=MAX_STEPS)
-  assert len(problems) == 1 and 'use 100 of the 100 steps' in problems[0]
+  problems = schedules.check_schedule(sched(name='SquareAnnealing', warmup_steps=100), max_steps=MAX_STEPS)
+  assert len(problems) == 1 and 'never leaves warm-up' in problems[0]
+
+
+def test_cosine_constant_steps_beyond_the_schedule_run_as_nemo_does_with_one_warning():
+  # NxD's megatron_gpt: constant_steps 80000 with max_steps 20000. NeMo's decay_steps go negative:
+  # warm-up, then min_lr for every later step.
+  s = sched(name='CosineAnnealing', constant_steps=4 * MAX_STEPS)
+  assert schedules.check_schedule(s, max_steps=MAX_STEPS) == []
+  [warning] = schedules.schedule_warnings(s, MAX_STEPS)
+  assert f'constant_steps {4 * MAX_STEPS}' in warning and f'holds min_lr={MIN_LR:g}' in warning
+  assert [lr(s, step) for step in (WARMUP // 2, WARMUP)] == [LR * (WARMUP // 2) / WARMUP, LR]
+  assert all(lr(s, step) == MIN_LR for step in range(WARMUP + 1, MAX_STEPS + 5))
+  assert schedules.schedule_warnings(sched(name='CosineAnnealing', constant_steps=20), MAX_STEPS) == []
