@@ -150,7 +150,9 @@ def load(path) -> Mapped:
   tree = yaml_config.read(path)
   config = base.get_config()
   known = _known(config)
-  flat = _flatten(tree)
+  # an empty section (`dpo:` or `dpo: {}`) keeps flatron's defaults; it still selects (`_objective`)
+  flat = {k: v for k, v in _flatten(tree).items()
+          if not (v in (None, {}) and any(name.startswith(k + '.') for name in known))}
   missing = _missing_feature(path, flat)
   if missing:
     raise ValueError(missing)
