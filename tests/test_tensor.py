@@ -85,30 +85,35 @@ def test_vocab_parallel_cross_entropy_and_embedding_match_the_dense_ops():
     assert max(errors) < 1e-6, errors
 
 
-def _tp_reductions(reduce_dtype, sp):
-  """(forward, backward) bitwise checks of the TP reductions on 4 ranks in bf16: a row-parallel
-  output (all-reduce, or SP's reduce-scatter) and the gradient entering a TP region (all-reduce,
-  or the SP gather's reduce-scatter), each against the partials summed in fp32 and rounded once."""
+def _tp_reductions():
+  """{(reduce dtype, sp): (forward, backward)} bitwise checks of the TP reductions on 4 ranks
+  in bf16: a row-parallel output (all-reduce, or SP's reduce-scatter) and the gradient entering
+  a TP region (all-reduce, or the SP gather's reduce-scatter), each against the partials summed
+  in fp32 and rounded once."""
   import types  # pylint: disable=import-outside-toplevel
   import torch.distributed as dist  # pylint: disable=import-outside-toplevel
   dist.init_process_group('gloo')
   r, n = dist.get_rank(), dist.get_world_size()
-  ops = tensor.make_ops(types.SimpleNamespace(tp_group=dist.group.WORLD, tp=n), sp, reduce_dtype)
   parts = [torch.randn(1, 8 * n, 1, generator=torch.Generator().manual_seed(k)).bfloat16() for k in range(n)]
   summed = sum(p.float() for p in parts).bfloat16()
-  out = ops.row_linear(parts[r], torch.ones(1, 1, dtype=torch.bfloat16))
-  forward = torch.equal(out, summed.chunk(n, 1)[r] if sp else summed)
-  local = torch.zeros(1, 8 if sp else 8 * n, 1, dtype=torch.bfloat16, requires_grad=True)
-  ops.full_input(local).backward(parts[r])
-  backward = torch.equal(local.grad, summed.chunk(n, 1)[r] if sp else summed)
-  return forward, backward
+  out = {}
+  for reduce_dtype in (torch.float32, None):
+    for sp in (False, True):
+      ops = tensor.make_ops(types.SimpleNamespace(tp_group=dist.group.WORLD, tp=n), sp, reduce_dtype)
+      expected = summed.chunk(n, 1)[r] if sp else summed
+      forward = torch.equal(ops.row_linear(parts[r], torch.ones(1, 1, dtype=torch.bfloat16)), expected)
+      local = torch.zeros(1, 8 if sp else 8 * n, 1, dtype=torch.bfloat16, requires_grad=True)
+      ops.full_input(local).backward(parts[r])
+      out[(str(reduce_dtype), sp)] = (forward, torch.equal(local.grad, expected))
+  return out
 
 
-@pytest.mark.parametrize('sp', [False, True])
-def test_parallel_layers_reduce_dtype_fp32_sums_bf16_partials_in_fp32(sp):
-  assert world.run(_tp_reductions, 4, torch.float32, sp) == [(True, True)] * 4
+def test_parallel_layers_reduce_dtype_fp32_sums_bf16_partials_in_fp32():
+  results = world.run(_tp_reductions, 4)
+  for ranks in results:
+    assert ranks[('torch.float32', False)] == ranks[('torch.float32', True)] == (True, True)
   # the check can fail: summed in bf16 (the default), the same partials round differently
-  assert (False, False) in world.run(_tp_reductions, 4, None, sp)
+  assert results[0][('None', False)] == results[0][('None', True)] == (False, False)
 
 
 def test_classification_of_replicated_parameters():
