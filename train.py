@@ -91,9 +91,13 @@ def evaluate_and_log(prefix, params, loader, num_batches, config, mesh, ops, ref
   return values
 
 
-def validates(t) -> bool:
-  """Whether the run reads the validation split at all (NxD's limit_val_batches: 0.0 = never)."""
-  return bool(t.num_sanity_val_steps or (t.limit_val_batches and (t.val_check_interval or t.check_val_every_n_epoch)))
+def validates(config) -> bool:
+  """Whether the run reads the validation split at all (NxD's limit_val_batches: 0.0 = never):
+  sanity steps, periodic validation, or saves ranked by a validation metric."""
+  t = config.trainer
+  ranked = config.exp_manager.checkpoint_callback_params.monitor != 'step'
+  return bool(t.num_sanity_val_steps or (t.limit_val_batches and (t.val_check_interval or t.check_val_every_n_epoch
+                                                                  or ranked)))
 
 
 def validation_due(t, train_data, step, last, before, after):
@@ -149,26 +153,13 @@ def check_tokenizer(config):
 # ======================================================================================
 
 
-def resolve(config, world_size):
-  """Fill in what the user's files bring (config.json, the tokenizer's vocabulary, a starting
-  adapter's settings), then validate; ConfigError lists every problem."""
-  if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
-    from_files.apply_hf_model_config(config)
-  vocab = from_files.apply_tokenizer_vocab(config)
-  if vocab:
-    logging.info('%s', vocab)
-  from_files.resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
-  config_validation.validate(config, world_size)
-
-
 def dry_run(config):
   """--dry_run: resolve and validate as a run would, print the config and rank 0's start-up
   summary (at WORLD_SIZE processes, default one data-parallel replica), and exit."""
   d = config.distributed_strategy
   world_size = int(os.environ.get('WORLD_SIZE', d.tensor_model_parallel_size * d.pipeline_model_parallel_size))
-  resolve(config, world_size)
-  for warning in config_validation.warnings(config):
-    print(f'warning: {warning}')
+  for note in from_files.resolve(config, world_size) + config_validation.warnings(config):
+    print(note)
   print(summaries.dry_run(config, world_size, config_validation.check))
 
 
@@ -177,7 +168,8 @@ def run(config, workdir=None):
   exp_manager's run directory (workdirs.resolve). Returns (last logged record, params)."""
   # --- setup: everything that can be checked is checked before anything big is allocated
   world_size = int(os.environ.get('WORLD_SIZE', '1'))
-  resolve(config, world_size)
+  for note in from_files.resolve(config, world_size):
+    logging.info('%s', note)
   workdir = workdirs.resolve(config, workdir)
   for warning in config_validation.warnings(config):
     logging.warning('config: %s', warning)
@@ -203,7 +195,7 @@ def run(config, workdir=None):
 
     # --- data: each DP rank reads its slice of every global batch
     # (an empty test split fails here, naming data.splits_string or data.test_dir)
-    splits = (('train',) + (('valid',) if validates(config.trainer) else ())
+    splits = (('train',) + (('valid',) if validates(config) else ())
               + (('test',) if config.trainer.limit_test_batches else ()))
     data = {split: Loader(config, split, mesh.dp_rank, mesh.dp) for split in splits}
     for loader in data.values():

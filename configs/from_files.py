@@ -1,5 +1,6 @@
 """What the files a user brings put into the config, before it is validated: an HF
-config.json (model_source=hf) and a starting LoRA adapter (load_lora_from_ckpt). Each either
+config.json (model_source=hf), the tokenizer's vocabulary (an NxD Megatron file without
+model.vocab_size) and a starting LoRA adapter (load_lora_from_ckpt). Each either
 fills what the run leaves unset or is refused with both values; nothing is dropped silently.
 """
 from ml_collections import config_dict
@@ -9,6 +10,18 @@ from checkpoint.manager import IncompatibleCheckpoint
 from configs import validate
 from data import tokenizer as tokenizers
 from model import adapters, hf, lora, transformer
+
+
+def resolve(config, world_size) -> list:
+  """Fill in what the user's files bring (config.json, the tokenizer's vocabulary, a starting
+  adapter's settings), then validate (ConfigError lists every problem). Returns the lines to
+  log about what was filled in."""
+  if config.model_source == 'hf' and config.model.model_config:    # (validate names a missing one)
+    apply_hf_model_config(config)
+  notes = [note for note in (apply_tokenizer_vocab(config),) if note]
+  resolve_adapter_settings(config)   # LoRA settings left unset: the starting adapter's
+  validate.validate(config, world_size)
+  return notes
 
 
 def apply_hf_model_config(config):
