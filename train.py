@@ -13,17 +13,15 @@ import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
-import torch
 
 from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
 from model import lora, objectives, transformer
-from optim import schedules, update
-from parallel import (comm, grads, memory, mesh as meshes, passes, pipeline, precision,
-                      reference as references, tensor)
-from parallel import device as devices, summary as summaries, xla
+from optim import update
+from parallel import comm, grads, memory, mesh as meshes, passes, reference as references, tensor
+from parallel import device as devices, summary as summaries, training, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
@@ -35,32 +33,8 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve and validate the config 
 
 
 # ======================================================================================
-# step
+# step bookkeeping (the step itself: parallel/step.py)
 # ======================================================================================
-
-
-def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None):
-  """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
-  loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
-                                                  reference=reference)
-  gradients = updater.gradients()
-  grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
-             config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp,
-             bucket_bytes=updater.bucket_bytes)
-  lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
-                       config.trainer.max_steps, config.model.hidden_size)
-  loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
-  grad_norm, updated = updater.step(gradients, lr, step, loss)
-  lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
-  if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
-    raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')
-  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated if lazy else not updated,
-          'metrics': metrics}
-
-
-def nonfinite_error(step, values=''):
-  return FloatingPointError(f'non-finite loss or gradient at step {step + 1}{values}; lower model.optim.lr, '
-                            'check the data, or set trainer.nonfinite_policy=skip')
 
 
 def _check_skips(flags, skips, t):
@@ -69,7 +43,7 @@ def _check_skips(flags, skips, t):
   number of skips in a row; raises at the limit, or at once under nonfinite_policy=error."""
   for step, skipped in flags:
     if skipped and t.nonfinite_policy == 'error':
-      raise nonfinite_error(step)
+      raise training.nonfinite_error(step)
     skips = skips + 1 if skipped else 0
     if skipped:
       logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
@@ -112,25 +86,6 @@ def validation_due(t, train_data, step, last, before, after):
 def last_step(t, train_data):
   """The run's length: trainer.max_steps, or earlier the step completing max_epochs passes."""
   return min(t.max_steps, train_data.steps_for_epochs(t.max_epochs)) if t.max_epochs > 0 else t.max_steps
-
-
-def param_boxes(config, mesh):
-  """name -> this rank's box of each parameter of its pipeline stage."""
-  return tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
-
-
-def placement(config, mesh):
-  """name -> (this rank's box, the global shape) of each parameter of its stage."""
-  specs = transformer.param_specs(config.model, mesh.tp)
-  return {n: (box, specs[n].shape) for n, box in param_boxes(config, mesh).items()}
-
-
-def init_params(config, mesh, names=None):
-  """This rank's boxes of its pipeline stage's parameters (slices of the single-device init),
-  or of those among `names`."""
-  boxes = {n: b for n, b in param_boxes(config, mesh).items() if names is None or n in names}
-  return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
-                          dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
 
 
 # ======================================================================================
@@ -183,7 +138,7 @@ def run(config, workdir=None):
                             'locking the workdir')
   log, checkpoints = None, None
   try:
-    sizes = summaries.local_sizes(config, mesh)
+    sizes = training.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp)
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
@@ -203,8 +158,8 @@ def run(config, workdir=None):
         logging.info('%s', loader.source.summary())
 
     # --- init, then restore (or init_from): parameters, optimizer state and data position
-    params = init_params(config, mesh)
-    updater = update.Updater(params, config, mesh, placement(config, mesh),
+    params = training.init_params(config, mesh)
+    updater = update.Updater(params, config, mesh, training.placement(config, mesh),
                              trainable=lora.trainable(config.model, params))
     checkpoints = session.Session(config, workdir, mesh, updater)
     start_step, consumed_samples = checkpoints.restore_or_init()
@@ -212,8 +167,8 @@ def run(config, workdir=None):
     if objectives.for_config(config).reference is not None:
       frozen_ref = references.setup(
           config, mesh, ops, params, tuple(data.values()),
-          lambda: checkpoints.load_init_weights(init_params(config, mesh)),
-          lambda: checkpoints.starting_adapters(init_params(config, mesh, set(updater.trainable))))
+          lambda: checkpoints.load_init_weights(training.init_params(config, mesh)),
+          lambda: checkpoints.starting_adapters(training.init_params(config, mesh, set(updater.trainable))))
     if lead:
       workdirs.write_config(workdir, config)
     log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
@@ -247,7 +202,7 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   pending, compiled = [], None          # XLA: skip flags not yet read; graphs compiled after step 2
   total = last_step(t, train_data)
   for step in range(start_step, total):
-    out = train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
+    out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
                      reference)
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
     if step == start_step:

@@ -2,18 +2,10 @@
 estimate per rank and bytes per parameter, and what LoRA trains. One text for the training log
 (and, with the planner, for --dry_run).
 """
-import math
-
 import torch
 
 from model import lora, transformer
-from parallel import device as devices, memory, mesh as meshes, pipeline, tensor
-
-
-def local_sizes(config, mesh):
-  """name -> elements of each parameter box this rank will hold (nothing allocated)."""
-  boxes = tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
-  return {n: math.prod(sl.stop - sl.start for sl in box) for n, box in boxes.items()}
+from parallel import device as devices, memory, mesh as meshes, tensor, training
 
 
 def startup(config, mesh, sizes, est) -> str:
@@ -72,7 +64,7 @@ def dry_run(config, world_size, check) -> str:
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   mesh = meshes.Mesh(dp=world_size // (tp * pp), pp=pp, tp=tp, kv_replicator=d.kv_replicator,
                      device=torch.device(devices.kind(config.device)))
-  sizes = local_sizes(config, mesh)
+  sizes = training.local_sizes(config, mesh)
   est = memory.estimate(config, sizes, mesh.dp)
   try:
     memory.check_fits(config, mesh, est, check)

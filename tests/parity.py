@@ -9,7 +9,7 @@ import train
 from configs import llama_tiny
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, tensor
+from parallel import mesh as meshes, training, tensor
 from tests import world
 
 STEPS = 10
@@ -81,11 +81,11 @@ def apply_family(model, family):
 def steps_on_rank(config, steps):
   """`steps` training steps of `config` on this rank (no loop, no files); its parameters."""
   mesh = meshes.init(config)
-  params = train.init_params(config, mesh)
+  params = training.init_params(config, mesh)
   updater = update.Updater(params, config, mesh)
   for step in range(steps):
     batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
-    train.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+    training.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
   return {n: p.detach().numpy() for n, p in params.items()}
 
 

@@ -13,7 +13,7 @@ from data.loader import Loader
 from optim import update
 from model import transformer
 from model.layers import LOCAL_OPS
-from parallel import grads, memory, mesh as meshes
+from parallel import grads, memory, mesh as meshes, training
 from tests import procs, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,18 +87,18 @@ def test_max_epochs_stops_validates_every_epoch_and_tests_the_test_records(tmp_p
 
 def run_losses(config, workdir):
   seen = []
-  real_step = train.train_step
+  real_step = training.train_step
 
   def spy(*args, **kwargs):
     out = real_step(*args, **kwargs)
     seen.append(out['loss'].item())
     return out
 
-  train.train_step = spy
+  training.train_step = spy
   try:
     _, params = train.run(config, workdir)
   finally:
-    train.train_step = real_step
+    training.train_step = real_step
   return seen, params
 
 
@@ -143,9 +143,9 @@ def test_nonfinite_loss_stops_naming_the_step_or_skips(policy):
   batches = Loader(c).global_batch(0)
   if policy == 'error':
     with pytest.raises(FloatingPointError, match='step 8 '):   # the 8th step: logged as step 8
-      train.train_step(params, updater, batches, c, 7, mesh, LOCAL_OPS)
+      training.train_step(params, updater, batches, c, 7, mesh, LOCAL_OPS)
   else:
-    out = train.train_step(params, updater, batches, c, 7, mesh, LOCAL_OPS)
+    out = training.train_step(params, updater, batches, c, 7, mesh, LOCAL_OPS)
     assert out['skipped']
     for k in params:
       torch.testing.assert_close(params[k].detach(), before[k], equal_nan=True)
@@ -157,8 +157,8 @@ def test_skipped_steps_warn_log_null_and_stop_after_max_consecutive_skips(tmp_pa
     with torch.no_grad():
       params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
     return params
-  init = train.init_params
-  monkeypatch.setattr(train, 'init_params', poisoned)
+  init = training.init_params
+  monkeypatch.setattr(training, 'init_params', poisoned)
   c = tiny_config(nonfinite_policy='skip', max_consecutive_skips=3, val_check_interval=0)
   with caplog.at_level('WARNING'), pytest.raises(FloatingPointError, match='3 steps in a row .* step 3'):
     train.run(c, str(tmp_path))

@@ -1,10 +1,9 @@
 """optim/update.py: the one update path, owned rows, frozen parameters, named state."""
 import torch
 
-import train
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, tensor
+from parallel import mesh as meshes, training, tensor
 from tests import parity
 
 
@@ -12,11 +11,11 @@ def _stepped(trainable=None, precision_type='fp32'):
   config = parity.parity_config()
   config.precision.type = precision_type
   mesh = meshes.Mesh()
-  params = train.init_params(config, mesh)
+  params = training.init_params(config, mesh)
   before = {n: p.detach().clone() for n, p in params.items()}
   updater = update.Updater(params, config, mesh, trainable=trainable)
   batches = Loader(config).global_batch(0)
-  train.train_step(params, updater, batches, config, 0, mesh, tensor.make_ops(mesh))
+  training.train_step(params, updater, batches, config, 0, mesh, tensor.make_ops(mesh))
   return params, before, updater, config
 
 
@@ -55,8 +54,8 @@ def _sr_step(recipe, world_size):
   """One stochastically rounded update from the same global gradient, on this rank's shards."""
   config = parity.parity_config(zero1=world_size > 1, precision=recipe)
   mesh = meshes.init(config)
-  params = train.init_params(config, mesh)
-  updater = update.Updater(params, config, mesh, train.placement(config, mesh))
+  params = training.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh, training.placement(config, mesh))
   # exactly representable halves: the reduce-scatter sum is exact, so only the rounding could differ
   grads = {n: torch.randint(-64, 64, p.shape, generator=torch.Generator().manual_seed(i)).float() / 1024
            / world_size for i, (n, p) in enumerate(params.items())}

@@ -160,12 +160,12 @@ def test_resume_on_xla_is_exact(tmp_path):
 
 
 NONFINITE_STEP = '''
-import torch, torch_xla, train
+import torch, torch_xla
 from configs import llama_tiny
 from data.loader import Loader
 from model import transformer
 from optim import update
-from parallel import mesh as meshes, tensor
+from parallel import mesh as meshes, training, tensor
 c = llama_tiny.get_config('test')
 c.trainer.nonfinite_policy = 'skip'
 mesh = meshes.Mesh(device=torch_xla.device())
@@ -174,7 +174,7 @@ with torch.no_grad():
   params['layers.0.mlp.up_proj.weight'][0, 0] = float('nan')
 before = {k: v.detach().cpu().clone() for k, v in params.items()}
 updater = update.Updater(params, c, mesh)
-out = train.train_step(params, updater, Loader(c).global_batch(0), c, 0, mesh, tensor.make_ops(mesh))
+out = training.train_step(params, updater, Loader(c).global_batch(0), c, 0, mesh, tensor.make_ops(mesh))
 torch_xla.sync()
 assert torch.is_tensor(out['skipped']) and bool(out['skipped'].cpu())
 for k, v in params.items():

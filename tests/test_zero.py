@@ -9,7 +9,7 @@ import pytest
 import train
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, tensor, zero
+from parallel import mesh as meshes, training, tensor, zero
 from tests import parity, world
 
 LAYOUTS = {
@@ -41,11 +41,11 @@ def _state_bytes(zero1, precision_type):
   config.model.vocab_size = 1000          # large enough that padding is a small share
   config.precision.type = precision_type
   mesh = meshes.init(config)
-  params = train.init_params(config, mesh)
+  params = training.init_params(config, mesh)
   updater = update.Updater(params, config, mesh)
   ops = tensor.make_ops(mesh)
   batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(0)
-  train.train_step(params, updater, batches, config, 0, mesh, ops)
+  training.train_step(params, updater, batches, config, 0, mesh, ops)
   return updater.state_bytes()
 
 

@@ -22,14 +22,13 @@ from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections import config_flags  # pylint: disable=wrong-import-position
 import torch  # pylint: disable=wrong-import-position
 
-import train  # pylint: disable=wrong-import-position
 from configs import validate  # pylint: disable=wrong-import-position
 from data.loader import Loader  # pylint: disable=wrong-import-position
 from model import transformer  # pylint: disable=wrong-import-position
 from optim import update  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, tensor  # pylint: disable=wrong-import-position
+from parallel import device as devices, mesh as meshes, tensor, training  # pylint: disable=wrong-import-position
 
-# Importing train defines --config too: allow_override lets this definition replace that one.
+# train.py defines --config too (a test process imports both): this definition replaces that one.
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           allow_override=True)
 _STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
@@ -42,7 +41,7 @@ def bench(config, steps, warmup):
   mesh = meshes.init(config)
   device = mesh.device
   ops = tensor.config_ops(config, mesh)
-  params = train.init_params(config, mesh)
+  params = training.init_params(config, mesh)
   updater = update.Updater(params, config, mesh)
   loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
   batches = [loader.global_batch(i * config.data.global_batch_size) for i in range(steps + warmup)]
@@ -50,7 +49,7 @@ def bench(config, steps, warmup):
   for step, micro_batches in enumerate(batches):
     devices.synchronize(device)
     start = time.perf_counter()
-    train.train_step(params, updater, micro_batches, config, step, mesh, ops)
+    training.train_step(params, updater, micro_batches, config, step, mesh, ops)
     devices.synchronize(device)
     times.append(time.perf_counter() - start)
   step_time = statistics.median(times[warmup:])

@@ -26,12 +26,11 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import torch  # pylint: disable=wrong-import-position
 import torch.nn.functional as F  # pylint: disable=wrong-import-position
 
-import train  # pylint: disable=wrong-import-position
 from configs import llama_tiny  # pylint: disable=wrong-import-position
 from data.loader import Loader  # pylint: disable=wrong-import-position
 from model import hf, transformer  # pylint: disable=wrong-import-position
 from optim import optimizers, schedules, update  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, tensor  # pylint: disable=wrong-import-position
+from parallel import device as devices, mesh as meshes, training, tensor  # pylint: disable=wrong-import-position
 
 RECIPES = {'fp32': 'fp32', 'mixed': 'mixed_precision', 'bf16': 'bf16SR'}
 
@@ -129,7 +128,7 @@ def run(precision, steps, warmup, config=None):
   config = config or bench_config(precision)
   mesh = meshes.init(config)
   ops = tensor.make_ops(mesh)
-  params = train.init_params(config, mesh)
+  params = training.init_params(config, mesh)
   updater = update.Updater(params, config, mesh)
   model, optimizer = hf_model(config, params, precision)
   loader = Loader(config, 'train', 0, 1)
@@ -142,7 +141,7 @@ def run(precision, steps, warmup, config=None):
     losses['hf'].append(hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr))
     times['hf'].append(time.perf_counter() - start)
     start = time.perf_counter()
-    losses['flatron'].append(train.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item())
+    losses['flatron'].append(training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item())
     times['flatron'].append(time.perf_counter() - start)
   tokens = config.data.global_batch_size * config.data.seq_length
   hf_params = list(model.parameters())

@@ -1,0 +1,62 @@
+"""One training step, and the parameters it updates on this rank: the public API the loop
+(train.py), the benchmarks (tools/bench*.py) and the tests share.
+
+    params = training.init_params(config, mesh)
+    updater = update.Updater(params, config, mesh, training.placement(config, mesh))
+    out = training.train_step(params, updater, micro_batches, config, i, mesh, tensor.config_ops(config, mesh))
+"""
+import math
+
+import torch
+
+from model import transformer
+from optim import schedules
+from parallel import grads, passes, pipeline, precision, tensor
+
+
+def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None):
+  """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
+  loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
+                                                  reference=reference)
+  gradients = updater.gradients()
+  grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
+             config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp,
+             bucket_bytes=updater.bucket_bytes)
+  lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
+                       config.trainer.max_steps, config.model.hidden_size)
+  loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
+  grad_norm, updated = updater.step(gradients, lr, step, loss)
+  lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
+  if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
+    raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')
+  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated if lazy else not updated,
+          'metrics': metrics}
+
+
+def nonfinite_error(step, values=''):
+  return FloatingPointError(f'non-finite loss or gradient at step {step + 1}{values}; lower model.optim.lr, '
+                            'check the data, or set trainer.nonfinite_policy=skip')
+
+
+def param_boxes(config, mesh):
+  """name -> this rank's box of each parameter of its pipeline stage."""
+  return tensor.boxes(config.model, mesh, pipeline.config_owned_names(config, mesh))
+
+
+def placement(config, mesh):
+  """name -> (this rank's box, the global shape) of each parameter of its stage."""
+  specs = transformer.param_specs(config.model, mesh.tp)
+  return {n: (box, specs[n].shape) for n, box in param_boxes(config, mesh).items()}
+
+
+def init_params(config, mesh, names=None):
+  """This rank's boxes of its pipeline stage's parameters (slices of the single-device init),
+  or of those among `names`."""
+  boxes = {n: b for n, b in param_boxes(config, mesh).items() if names is None or n in names}
+  return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
+                          dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
+
+
+def local_sizes(config, mesh):
+  """name -> elements of each parameter box this rank will hold (nothing allocated)."""
+  return {n: math.prod(sl.stop - sl.start for sl in box) for n, box in param_boxes(config, mesh).items()}
