@@ -9,7 +9,7 @@ import train
 from configs import llama_tiny
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, training, tensor
+from parallel import mesh as meshes, tensor, training
 from tests import world
 
 STEPS = 10

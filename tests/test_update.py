@@ -3,7 +3,7 @@ import torch
 
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, training, tensor
+from parallel import mesh as meshes, tensor, training
 from tests import parity
 
 

@@ -165,7 +165,7 @@ from configs import llama_tiny
 from data.loader import Loader
 from model import transformer
 from optim import update
-from parallel import mesh as meshes, training, tensor
+from parallel import mesh as meshes, tensor, training
 c = llama_tiny.get_config('test')
 c.trainer.nonfinite_policy = 'skip'
 mesh = meshes.Mesh(device=torch_xla.device())

@@ -9,7 +9,7 @@ import pytest
 import train
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, training, tensor, zero
+from parallel import mesh as meshes, tensor, training, zero
 from tests import parity, world
 
 LAYOUTS = {

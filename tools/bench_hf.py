@@ -30,7 +30,7 @@ from configs import llama_tiny  # pylint: disable=wrong-import-position
 from data.loader import Loader  # pylint: disable=wrong-import-position
 from model import hf, transformer  # pylint: disable=wrong-import-position
 from optim import optimizers, schedules, update  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, training, tensor  # pylint: disable=wrong-import-position
+from parallel import device as devices, mesh as meshes, tensor, training  # pylint: disable=wrong-import-position
 
 RECIPES = {'fp32': 'fp32', 'mixed': 'mixed_precision', 'bf16': 'bf16SR'}
 
