@@ -9,10 +9,11 @@ shards; optim/update.py), and `consumed_samples` (the whole data position). Ever
 """
 import os
 import sys
-import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+import logs
 
 from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
@@ -33,26 +34,8 @@ _DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve and validate the config 
 
 
 # ======================================================================================
-# step bookkeeping (the step itself: parallel/step.py)
+# validation (the step itself: parallel/training.py; its log lines: logs.py)
 # ======================================================================================
-
-
-def _check_skips(flags, skips, t):
-  """Warn about and count skipped updates, given [(step, skipped)] in order (one step on eager
-  devices; on XLA the steps since the last log step, read in one transfer). Returns the
-  number of skips in a row; raises at the limit, or at once under nonfinite_policy=error."""
-  for step, skipped in flags:
-    if skipped and t.nonfinite_policy == 'error':
-      raise training.nonfinite_error(step)
-    skips = skips + 1 if skipped else 0
-    if skipped:
-      logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
-                      'is trainer.max_consecutive_skips=%d)', step + 1, skips, t.max_consecutive_skips)
-      if skips >= t.max_consecutive_skips:
-        raise FloatingPointError(
-            f'{skips} steps in a row had a non-finite loss or gradient (the last: step {step + 1}); '
-            'lower model.optim.lr, check the data, or raise trainer.max_consecutive_skips')
-  return skips
 
 
 def evaluate_and_log(prefix, params, loader, num_batches, config, mesh, ops, reference, log, step, consumed_samples):
@@ -78,7 +61,7 @@ def validation_due(t, train_data, step, last, before, after):
   """Whether to validate after `step` (consumed samples went from `before` to `after`): every
   val_check_interval steps and at the end, and on the step completing every
   check_val_every_n_epoch-th epoch."""
-  periodic = t.val_check_interval and (every(step, t.val_check_interval) or last)
+  periodic = t.val_check_interval and (logs.every(step, t.val_check_interval) or last)
   epochs = t.check_val_every_n_epoch and train_data.crosses_epochs(before, after, t.check_val_every_n_epoch)
   return bool(t.limit_val_batches and (periodic or epochs))
 
@@ -91,11 +74,6 @@ def last_step(t, train_data):
 # ======================================================================================
 # setup, summary
 # ======================================================================================
-
-
-def fmt_eta(seconds):
-  seconds = int(max(seconds, 0))
-  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
 
 
 def check_tokenizer(config):
@@ -132,7 +110,7 @@ def run(config, workdir=None):
     logging.info('%s=%s: %s', key, value, effect)
   mesh = meshes.init(config)
   lead = mesh.rank == 0                    # the one rank that writes files (and prints, by default)
-  workdirs.configure_logging(mesh.rank, int(os.environ.get('LOCAL_RANK', '0')),
+  logs.configure_logging(mesh.rank, int(os.environ.get('LOCAL_RANK', '0')),
                              config.exp_manager.log_local_rank_0_only)
   lock = comm.on_every_rank(lambda: workdirs.Lock(workdir) if lead else None, mesh.host_group,
                             'locking the workdir')
@@ -171,7 +149,7 @@ def run(config, workdir=None):
           lambda: checkpoints.starting_adapters(training.init_params(config, mesh, set(updater.trainable))))
     if lead:
       workdirs.write_config(workdir, config)
-    log = workdirs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
+    log = logs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
                               resumed_at=start_step if start_step > 0 else None, name=config.name)
     return _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data,
                  start_step, consumed_samples, frozen_ref), params
@@ -195,85 +173,45 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     if start_step == 0:                     # the model before training, e.g. a fine-tune's base
       log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples,
                  **{f'sanity_val_{k}': v for k, v in sanity_metrics.items()}})
-  tokens_per_step = config.data.global_batch_size * config.data.seq_length
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
-  window_start, window_steps, record, skips, stopped = time.perf_counter(), 0, {}, 0, None
-  lazy = mesh.device.type == 'xla'
-  pending, compiled = [], None          # XLA: skip flags not yet read; graphs compiled after step 2
   total = last_step(t, train_data)
+  reporter = logs.StepReporter(config, mesh, log, peak, total, start_step)
+  val = None
   for step in range(start_step, total):
     out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
-                     reference)
+                              reference)
+    last = step + 1 == total
+    if config.exp_manager.log_parameter_norm and (logs.every(step + 1, t.log_every_n_steps) or last):
+      out['param_norm'] = grads.global_norm(params, mesh)      # of this step's parameters, read later
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
     before, consumed_samples = consumed_samples, consumed_samples + config.data.global_batch_size
-    window_steps += 1
-    pending.append((step, out['skipped']))
-    last = step + 1 == total
-    logging_step = every(step + 1, t.log_every_n_steps) or last
-    if not lazy or logging_step:
-      flags = [f for _, f in pending]
-      if lazy:                          # one transfer of the window's flags, already computed
-        flags = list(devices.to_host(dict(enumerate(flags))).values())
-      skips = _check_skips([(s, bool(f)) for (s, _), f in zip(pending, flags)], skips, t)
-      out['skipped'], pending = bool(flags[-1]), []
-    if logging_step:
-      devices.synchronize(mesh.device)
-      elapsed = (time.perf_counter() - window_start) / window_steps
-      tokens_per_sec = tokens_per_step / elapsed
-      record = {'step': step + 1, 'loss': out['loss'].item(), 'lr': out['lr'],
-                'grad_norm': out['grad_norm'].item(), 'tokens_per_sec': tokens_per_sec,
-                'mfu': tokens_per_sec * flops_per_token / (peak[0] * mesh.world_size),
-                'step_time': elapsed, 'consumed_samples': consumed_samples}
-      if out['skipped']:
-        record['skipped'] = True
-      record.update({k: v.item() for k, v in out['metrics'].items()})
-      if config.exp_manager.log_parameter_norm:
-        record['param_norm'] = grads.global_norm(params, mesh).item()
-      if lazy:
-        record['xla_compiles'] = compiles = xla.compiles()
-        if compiled is not None and compiles > compiled:
-          logging.warning('step %d: XLA compiled %d new graph(s) since the last log step (a shape or '
-                          'a Python value changed inside the step)', step + 1, compiles - compiled)
-        if step >= start_step + 1:
-          compiled = compiles
-      logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
-                   '%.3f s/step | ETA %s', step + 1, total, record['loss'], record['lr'],
-                   record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
-                   fmt_eta(elapsed * (total - step - 1)))
-      if out['metrics']:
-        logging.info('step %d | %s', step + 1, ' | '.join(f'{k} {record[k]:.4f}' for k in out['metrics']))
-      log.write(record)
-      window_start, window_steps = time.perf_counter(), 0
+    reporter.add(step, out, consumed_samples, flops_per_token)    # reads the step before this one
     stopped = None if last else checkpoints.stop_reason(step + 1)
     saving = checkpoints.due(step + 1, last, stopped is not None)
     val = None                              # a validation metric as monitor: every save is validated
     if validation_due(t, train_data, step + 1, last, before, consumed_samples) or (saving and checkpoints.needs_metrics):
+      reporter.flush()
       val = evaluate_and_log('val', params, data['valid'], t.limit_val_batches, config, mesh, ops, reference, log,
                              step + 1, consumed_samples)
-      record.update(val)
-      window_start = time.perf_counter()    # validation time is not training throughput
-      if lazy and compiled is not None:     # validation's own graph is not a training recompile
-        compiled = xla.compiles()
+      reporter.restart_window()
+    if saving or stopped:
+      reporter.flush()                      # the log is whole up to a committed step
     checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None, metrics=val)
     if stopped:
       checkpoints.close()                   # the save is committed before we say so
       logging.warning('stopped at step %d by %s; resume with --config.exp_manager.resume_if_exists=True',
                       step + 1, stopped)
-      return record
+      return {**reporter.flush(), **(val or {})}
+  record = {**reporter.flush(), **(val or {})}
   if t.limit_test_batches:                  # after training, not after a stop
     record.update(evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh, ops,
                                    reference, log, max(total, start_step), consumed_samples))
   logging.info('done: %d steps | metrics %s | TensorBoard %s', total, os.path.join(workdir, 'metrics.jsonl'),
-               workdirs.tensorboard_dir(workdir, config.name))
+               logs.tensorboard_dir(workdir, config.name))
   return record
-
-
-def every(step, n):
-  """Whether a periodic action with period n (0 = never) is due after `step` steps."""
-  return bool(n) and step % n == 0
 
 
 # Errors of the project's own kinds: one line and exit 2 (a full traceback with --debug).

@@ -32,7 +32,7 @@ def resolve(name: str, local_rank: int = 0) -> torch.device:
     try:
       import torch_xla  # pylint: disable=import-outside-toplevel,unused-import
     except ImportError as e:
-      raise RuntimeError('device=xla needs torch-xla (its own environment: make test-xla, see README)') from e
+      raise RuntimeError('device=xla needs torch-xla (its own environment: make test-xla, see docs/xla.md)') from e
     return xla.device()
   return torch.device('cpu')
 

@@ -1,9 +1,10 @@
-"""Pipeline schedules as data: structure, simulation, bubble and memory vs. the formulas."""
+"""Pipeline schedules as data: complete, ordered, matched (checked by the simulator), and each
+policy's order of computes and transfers."""
 import collections
 
 import pytest
 
-from parallel import pipeline_schedule as ps
+from parallel import pipeline_schedule as ps, schedule_sim
 from parallel.pipeline_schedule import Comm, Compute, P2P, ScheduleError
 
 
@@ -23,14 +24,14 @@ def _all_ranks(p, m, v):
   return [ps.make_schedule(p, m, v, rank) for rank in range(p)]
 
 
-def _short(schedule):
+def short(schedule):
   """Compact text of a schedule: F0.1 is forward of microbatch 0 on chunk 1."""
   return [f'{a.kind}{a.microbatch}.{a.chunk}' if isinstance(a, Compute) else
           '[' + ' '.join(f'{o.kind} {o.tensor}{o.microbatch}.{o.chunk}@{o.peer}' for o in a.ops) + ']'
           for a in schedule]
 
 
-def _check_structure(p, m, v, schedules):
+def check_structure(p, m, v, schedules):
   """Checks the action lists alone, without the simulator."""
   num_stages, sends, recvs = p * v, collections.Counter(), collections.Counter()
   for rank, schedule in enumerate(schedules):
@@ -71,13 +72,13 @@ def _check_structure(p, m, v, schedules):
 @pytest.mark.parametrize('p,m,v', GRID)
 def test_schedules_are_complete_ordered_matched_and_finish(p, m, v):
   schedules = _all_ranks(p, m, v)
-  _check_structure(p, m, v, schedules)
+  check_structure(p, m, v, schedules)
   for fwd_cost, bwd_cost, comm_cost in ((1, 1, 0), (1, 2, 0), (1, 3, 0.25)):
-    ps.simulate(p, m, v, fwd_cost, bwd_cost, comm_cost)      # raises on deadlock or mismatch
+    schedule_sim.simulate(p, m, v, fwd_cost, bwd_cost, comm_cost)      # raises on deadlock or mismatch
 
 
 def test_one_stage_is_forward_backward_pairs_without_comms():
-  assert _short(ps.make_schedule(1, 3, 1, 0)) == ['F0.0', 'B0.0', 'F1.0', 'B1.0', 'F2.0', 'B2.0']
+  assert short(ps.make_schedule(1, 3, 1, 0)) == ['F0.0', 'B0.0', 'F1.0', 'B1.0', 'F2.0', 'B2.0']
 
 
 def test_one_f_one_b_compute_order_is_warmup_steady_cooldown():
@@ -97,7 +98,7 @@ def test_one_f_one_b_pairs_send_forward_with_recv_backward():
   # activation and takes the next gradient in one batch.
   steady = ps.one_f_one_b(2, 3, 0)
   assert Comm((P2P('send', 'act', 2, 0, 1), P2P('recv', 'grad', 1, 0, 1))) in steady
-  assert _short(ps.one_f_one_b(2, 2, 1)) == [
+  assert short(ps.one_f_one_b(2, 2, 1)) == [
       '[recv act0.0@0]', 'F0.0', '[recv act1.0@0]', 'B0.0', '[send grad0.0@0]', 'F1.0', 'B1.0',
       '[send grad1.0@0]']
 
@@ -113,95 +114,3 @@ def test_interleaved_layout_and_peers():
                    for op in ops)
   # Rank 3's chunk 0 (virtual stage 3) feeds rank 0's chunk 1 (virtual stage 4).
   assert any(P2P('send', 'act', 0, 0, 0) in a.ops for a in _all_ranks(p, m, v)[3] if isinstance(a, Comm))
-
-
-@pytest.mark.parametrize('p', range(1, 9))
-@pytest.mark.parametrize('m', [1, 2, 3, 5, 8, 13, 16, 32])
-def test_one_f_one_b_bubble_and_memory_match_the_formulas(p, m):
-  for bwd_cost in (1.0, 2.0, 3.0):
-    sim = ps.simulate(p, m, 1, 1.0, bwd_cost)
-    assert sim.bubble_ratio == pytest.approx((p - 1) / m, abs=1e-9)
-    assert sim.idle_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
-    assert sim.busy == (m * (1.0 + bwd_cost),) * p
-  # Stage r holds at most p - r microbatches' activations (stage 0: min(p, m)).
-  assert sim.peak_in_flight == tuple(min(p - r, m) for r in range(p))
-
-
-@pytest.mark.parametrize('p,m,v', [g for g in GRID if g[2] > 1])
-def test_interleaved_bubble_and_memory(p, m, v):
-  # Each rank runs 2*(p-r-1) + (v-1)*p forwards before its first backward, so it holds at
-  # most that + 1 chunk activations: on rank 0, v*p + p - 1, i.e. p + (p-1)/v full-stage
-  # microbatches against 1F1B's p.
-  bound = tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
-  for bwd_cost in (1.0, 2.0, 3.0):
-    sim = ps.simulate(p, m, v, 1.0, bwd_cost)
-    if m % p == 0:
-      assert sim.bubble_ratio == pytest.approx((p - 1) / (v * m), abs=1e-9)
-      assert sim.peak_in_flight == bound
-    else:                   # between the interleaved formula and plain 1F1B
-      assert (p - 1) / (v * m) - 1e-9 <= sim.bubble_ratio <= (p - 1) / m + 1e-9
-      assert all(peak <= b for peak, b in zip(sim.peak_in_flight, bound))
-
-
-def test_gpipe_has_the_same_bubble_but_holds_every_microbatch():
-  p, m = 4, 8
-  sim = ps.simulate(p, m, 1, 1.0, 1.0, schedules=[ps.gpipe(p, m, r) for r in range(p)])
-  assert sim.bubble_ratio == pytest.approx((p - 1) / m, abs=1e-9)
-  assert sim.peak_in_flight == (m,) * p
-  _check_structure(p, m, 1, [ps.gpipe(p, m, r) for r in range(p)])
-
-
-def _one_f_one_b_2x3():
-  return [list(ps.one_f_one_b(2, 3, rank)) for rank in range(2)]
-
-
-def test_swapped_comm_groups_deadlock_and_the_error_names_the_ranks():
-  schedules = _one_f_one_b_2x3()
-  assert _short(schedules[0])[3:5] == ['[send act1.0@1]', '[recv grad0.0@1]']
-  # Rank 0 now waits for microbatch 0's gradient before handing over microbatch 1, which
-  # rank 1 needs first.
-  schedules[0][3], schedules[0][4] = schedules[0][4], schedules[0][3]
-  with pytest.raises(ScheduleError, match=r'deadlock: ranks \[0, 1\].*rank 0 at action #3 waits on '
-                     r"\[P2P\(kind='recv', tensor='grad', microbatch=0"):
-    ps.simulate(2, 3, 1, schedules=schedules)
-
-
-def test_swapped_receives_are_a_mismatch():
-  schedules = _one_f_one_b_2x3()
-  schedules[1][0], schedules[1][2] = schedules[1][2], schedules[1][0]
-  with pytest.raises(ScheduleError, match=r'mismatch: message #0 from rank 0 to rank 1'):
-    ps.simulate(2, 3, 1, schedules=schedules)
-
-
-def test_compute_before_its_input_arrives_is_reported():
-  schedules = _one_f_one_b_2x3()
-  schedules[1][0], schedules[1][1] = schedules[1][1], schedules[1][0]
-  with pytest.raises(ScheduleError, match='rank 1: .* runs before it received its input'):
-    ps.simulate(2, 3, 1, schedules=schedules)
-
-
-def test_wrong_peer_is_reported():
-  schedules = _one_f_one_b_2x3()
-  schedules[0][1] = Comm((P2P('send', 'act', 0, 0, 0),))
-  with pytest.raises(ScheduleError, match='no such peer stage'):
-    ps.simulate(2, 3, 1, schedules=schedules)
-
-
-def test_invalid_sizes_are_rejected():
-  with pytest.raises(ValueError, match='interleaving needs p >= 2'):
-    ps.make_schedule(1, 4, 2, 0)
-  with pytest.raises(ValueError, match='m >= 1'):
-    ps.make_schedule(4, 0, 1, 0)
-  with pytest.raises(ValueError, match='rank < p'):
-    ps.make_schedule(4, 4, 2, 4)
-
-
-def test_bubble_table():
-  rows = ps.bubble_table()
-  print('\n  p   m   v   simulated   (p-1)/(v*m)')
-  for row in rows:
-    print(f'{row.p:3d} {row.m:3d} {row.v:3d}   {row.simulated:9.4f}   {row.formula:11.4f}')
-  assert len(rows) == 18
-  for row in rows:
-    if row.m % row.p == 0:
-      assert row.simulated == pytest.approx(row.formula, abs=1e-9)

@@ -1,13 +1,10 @@
 """checkpoint/workdir.py: where the run directory is (explicit_log_dir, exp_dir/name,
---workdir), the exclusive workdir lock, metrics records (null for non-finite, no duplicates
-after a resume), which ranks print and with what prefix."""
-import json
+--workdir) and the exclusive workdir lock."""
 import os
 import socket
 import subprocess
 import sys
 
-from absl import logging as absl_logging
 import pytest
 
 from checkpoint import workdir
@@ -35,24 +32,6 @@ def test_the_run_directory_is_explicit_log_dir_else_exp_dir_and_name_else_workdi
     workdir.resolve(named(explicit='logs/x'), 'runs/a')
   with pytest.raises(workdir.WorkdirError, match=r'differs from exp_manager.exp_dir \(\+ name\) = exps/run7'):
     workdir.resolve(named(exp_dir='exps'), 'runs/a')
-
-
-@pytest.mark.parametrize('rank,local_rank,rank_0_only,info', [
-    (0, 0, True, True), (2, 0, True, False), (2, 0, False, True), (3, 1, False, False)])
-def test_info_lines_on_rank_0_or_every_local_rank_0_and_other_ranks_prefixed(caplog, rank, local_rank, rank_0_only,
-                                                                            info):
-  level = absl_logging.get_absl_logger().level      # restored as it was (set_verbosity would pin it)
-  try:
-    absl_logging.set_verbosity(absl_logging.INFO)
-    workdir.configure_logging(rank, local_rank, rank_0_only)
-    with caplog.at_level('INFO'):
-      absl_logging.info('step %d/%d', 1, 2)
-      absl_logging.warning('careful')
-  finally:
-    workdir.configure_logging(0, 0, True)
-    absl_logging.get_absl_logger().setLevel(level)
-  prefix = f'[rank {rank}] ' if rank else ''
-  assert caplog.messages == [prefix + 'step 1/2'] * info + [prefix + 'careful']
 
 
 def test_a_second_run_on_a_workdir_fails_naming_the_holder(tmp_path):
@@ -88,23 +67,3 @@ def test_the_train_loop_refuses_a_locked_workdir(tmp_path):
     assert not os.path.exists(tmp_path / 'metrics.jsonl')
   finally:
     lock.release()
-
-
-def test_metrics_write_null_for_non_finite_numbers_and_drop_steps_after_a_resume(tmp_path):
-  log = workdir.MetricsLog(str(tmp_path), lead=True, tensorboard=False)
-  for step in (1, 2, 3):
-    log.write({'step': step, 'loss': float('nan') if step == 2 else 1.0 / step, 'x': float('inf')})
-  log.close()
-  lines = open(tmp_path / 'metrics.jsonl').read().splitlines()
-  assert json.loads(lines[1]) == {'step': 2, 'loss': None, 'x': None} and 'NaN' not in ''.join(lines)
-  log = workdir.MetricsLog(str(tmp_path), lead=True, tensorboard=False, resumed_at=1)
-  log.write({'step': 2, 'loss': 0.5})
-  log.close()
-  assert [json.loads(line)['step'] for line in open(tmp_path / 'metrics.jsonl')] == [1, 2]
-
-
-def test_metrics_are_written_by_the_lead_rank_only(tmp_path):
-  log = workdir.MetricsLog(str(tmp_path), lead=False, tensorboard=True)
-  log.write({'step': 1, 'loss': 1.0})
-  log.close()
-  assert os.listdir(tmp_path) == []

@@ -1,0 +1,207 @@
+"""What a run reports: the console (which ranks print, [rank N] prefixes), metrics.jsonl and
+TensorBoard, and the training steps' lines, read one step late.
+
+    <workdir>/metrics.jsonl   one JSON object per record; non-finite numbers are written as null
+    <workdir>/tensorboard/<name>/  event files of run `name` (exp_manager.create_tensorboard_logger),
+                              with the run name also as a text summary
+
+Only the lead rank touches these files; on the other ranks the writer is a no-op.
+"""
+import json
+import logging
+import math
+import os
+import time
+
+from absl import logging as absl_logging
+import torch
+
+from parallel import device as devices, training, xla
+
+
+def prints(rank, local_rank, rank_0_only) -> bool:
+  """Whether a rank prints info lines (step lines, summaries): global rank 0, and with
+  exp_manager.log_local_rank_0_only=False also every host's local rank 0."""
+  return rank == 0 or (not rank_0_only and local_rank == 0)
+
+
+_RECORDS = logging.getLogRecordFactory()     # the factory before configure_logging's
+
+
+def configure_logging(rank, local_rank, rank_0_only):
+  """Info lines on the printing ranks (`prints`), warnings only on the others. Every line of a
+  rank other than 0 starts with [rank N], so one log holding several hosts reads apart (set in
+  the record factory: absl's and the standard loggers, whatever handler prints them)."""
+  prefix = f'[rank {rank}] ' if rank else ''
+
+  def with_rank(*args, **kwargs):
+    record = _RECORDS(*args, **kwargs)
+    record.msg = prefix + str(record.msg)
+    return record
+  logging.setLogRecordFactory(with_rank if prefix else _RECORDS)
+  if not prints(rank, local_rank, rank_0_only):
+    absl_logging.set_verbosity(absl_logging.WARNING)
+
+
+def tensorboard_dir(workdir, name):
+  return os.path.join(workdir, 'tensorboard', name)
+
+
+def _finite(value):
+  return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def keep_records_up_to(path, step):
+  """Drop records after `step` (a resumed run logs those steps again); atomic rewrite."""
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    kept = [line for line in f if line.strip() and json.loads(line).get('step', 0) <= step]
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
+
+
+class MetricsLog:
+  """metrics.jsonl and TensorBoard scalars (run `name`) on the lead rank; a no-op elsewhere.
+  `resumed_at`: the step a resumed run continues from (later records of the earlier run are
+  dropped)."""
+
+  def __init__(self, workdir, lead, tensorboard, resumed_at=None, name='flatron'):
+    self.file = self.writer = None
+    if not lead:
+      return
+    path = os.path.join(workdir, 'metrics.jsonl')
+    if resumed_at is not None:
+      keep_records_up_to(path, resumed_at)
+    self.file = open(path, 'a' if resumed_at is not None else 'w')
+    if tensorboard:
+      from torch.utils.tensorboard import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self.writer = SummaryWriter(tensorboard_dir(workdir, name))
+      self.writer.add_text('run_name', name, resumed_at or 0)
+
+  def write(self, record):
+    if self.file is None:
+      return
+    record = {k: _finite(v) for k, v in record.items()}
+    self.file.write(json.dumps(record, allow_nan=False) + '\n')
+    self.file.flush()
+    if self.writer:
+      for key, value in record.items():
+        if key != 'step' and isinstance(value, (int, float)) and not isinstance(value, bool):
+          self.writer.add_scalar(key, value, record['step'])
+
+  def close(self):
+    if self.file is not None:
+      self.file.close()
+    if self.writer:
+      self.writer.close()
+
+
+def every(step, n):
+  """Whether a periodic action with period n (0 = never) is due after `step` steps."""
+  return bool(n) and step % n == 0
+
+
+def fmt_eta(seconds):
+  seconds = int(max(seconds, 0))
+  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+class StepReporter:
+  """Each training step's values read one step late: `add` keeps step s's device tensors and
+  reads step s-1's in one transfer, after step s is dispatched, so the host never waits on the
+  step it just launched (nanodo's pattern, on every device). `flush` reads the pending step
+  now: before anything that needs the log in order (validation, a save, the end).
+
+  Reading a step counts skipped updates (raising at trainer.max_consecutive_skips, or at once
+  under nonfinite_policy=error) and, on log steps, writes the record and the step line."""
+
+  def __init__(self, config, mesh, log, peak, total, start_step):
+    self.config, self.mesh, self.log, self.total = config, mesh, log, total
+    self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
+    self.flops_per_token_peak = peak[0] * mesh.world_size
+    self.pending, self.record, self.skips = None, {}, 0
+    self.window_start, self.window_steps, self.step_time = time.perf_counter(), 0, float('nan')
+    self.first_logged = start_step + 2      # XLA compiles the step's graphs by then (step 2 retraces once)
+    self.compiled = None
+
+  def add(self, step, out, consumed_samples, flops_per_token):
+    """Keep step `step`'s outputs (device tensors); read the step before it."""
+    previous, self.pending = self.pending, (step, out, consumed_samples, flops_per_token)
+    self.window_steps += 1
+    if previous is not None:
+      self._read(*previous)
+
+  def flush(self):
+    if self.pending is not None:
+      pending, self.pending = self.pending, None
+      self._read(*pending)
+    return self.record
+
+  def restart_window(self):
+    """After validation or a save: its time is not training throughput, nor its graphs recompiles."""
+    self.window_start, self.window_steps = time.perf_counter(), 0
+    if self.compiled is not None:
+      self.compiled = xla.compiles()
+
+  def _read(self, step, out, consumed_samples, flops_per_token):
+    t = self.config.trainer
+    values = {'loss': out['loss'], 'grad_norm': out['grad_norm'], 'skipped': out['skipped'], **out['metrics']}
+    if out.get('param_norm') is not None:
+      values['param_norm'] = out['param_norm']
+    host = devices.to_host({k: v for k, v in values.items() if torch.is_tensor(v)})   # one transfer
+    scalars = {k: host.get(k, v) for k, v in values.items()}
+    skipped = bool(scalars.pop('skipped'))
+    self._count_skip(step, skipped)
+    if not (every(step + 1, t.log_every_n_steps) or step + 1 == self.total):
+      return
+    devices.synchronize(self.mesh.device)
+    # synchronized, every step added so far is done (the one read late and the one after it);
+    # a window with none (the last step, read at the end) keeps the time of the one before
+    if self.window_steps:
+      self.step_time = (time.perf_counter() - self.window_start) / self.window_steps
+    elapsed = self.step_time
+    tokens_per_sec = self.tokens_per_step / elapsed
+    record = {'step': step + 1, 'loss': float(scalars.pop('loss')), 'lr': out['lr'],
+              'grad_norm': float(scalars.pop('grad_norm')), 'tokens_per_sec': tokens_per_sec,
+              'mfu': tokens_per_sec * flops_per_token / self.flops_per_token_peak,
+              'step_time': elapsed, 'consumed_samples': consumed_samples}
+    if skipped:
+      record['skipped'] = True
+    record.update({k: float(v) for k, v in scalars.items()})
+    self._check_compiles(step, record)
+    absl_logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
+                 '%.3f s/step | ETA %s', step + 1, self.total, record['loss'], record['lr'],
+                 record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
+                 fmt_eta(elapsed * (self.total - step - 1)))
+    if out['metrics']:
+      absl_logging.info('step %d | %s', step + 1, ' | '.join(f'{k} {record[k]:.4f}' for k in out['metrics']))
+    self.log.write(record)
+    self.record = record
+    self.window_start, self.window_steps = time.perf_counter(), 0
+
+  def _count_skip(self, step, skipped):
+    t = self.config.trainer
+    if skipped and t.nonfinite_policy == 'error':
+      raise training.nonfinite_error(step)
+    self.skips = self.skips + 1 if skipped else 0
+    if skipped:
+      absl_logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
+                      'is trainer.max_consecutive_skips=%d)', step + 1, self.skips, t.max_consecutive_skips)
+      if self.skips >= t.max_consecutive_skips:
+        raise FloatingPointError(
+            f'{self.skips} steps in a row had a non-finite loss or gradient (the last: step {step + 1}); '
+            'lower model.optim.lr, check the data, or raise trainer.max_consecutive_skips')
+
+  def _check_compiles(self, step, record):
+    """XLA: the graph count, and a warning when it grew after the first steps."""
+    if self.mesh.device.type != 'xla':
+      return
+    record['xla_compiles'] = compiles = xla.compiles()
+    if self.compiled is not None and compiles > self.compiled:
+      absl_logging.warning('step %d: XLA compiled %d new graph(s) since the last log step (a shape or '
+                      'a Python value changed inside the step)', step + 1, compiles - self.compiled)
+    if step + 1 >= self.first_logged:
+      self.compiled = compiles
