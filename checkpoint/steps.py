@@ -23,6 +23,8 @@ import re
 import string
 
 from checkpoint import storage, store
+from config_checks import one_of, positive
+from model import objectives
 
 MARKER = 'COMMITTED'
 _REJECTED = re.compile(r'\.rejected\d*$')       # steps moved aside by `reject` keep their marker
@@ -53,6 +55,32 @@ def template_problems(template, key='exp_manager.checkpoint_callback_params.file
     if first is not None and second is not None and not literal:
       problems.append(f'{key}={template!r}: put a separator between {{{first}}} and {{{second}}} '
                       'so the step can be read back')
+  return problems
+
+
+def check(config) -> list:
+  """Problems with exp_manager.checkpoint_callback_params (what is kept, ranked by what, under
+  which names) and the run's names (config.name, exp_manager.name: directories)."""
+  e, key = config.exp_manager, 'exp_manager.checkpoint_callback_params'
+  p, problems = e.checkpoint_callback_params, []
+  if p.save_top_k == 0 or p.save_top_k < -1:
+    problems.append(f'{key}.save_top_k={p.save_top_k} must be > 0 (steps kept) or -1 (keep all)')
+  positive(problems, f'{key}.every_n_train_steps', p.every_n_train_steps, allow_zero=True)
+  for name_key, name in (('name', config.name), ('exp_manager.name', e.name)):
+    if name is not None and (not name or '/' in name):
+      problems.append(f'{name_key}={name!r} names a directory (TensorBoard, exp_dir/<name>): use a '
+                      'non-empty name without "/"')
+  try:
+    metrics = objectives.for_config(config).metrics
+  except ValueError:
+    metrics = ()                        # an unknown objective is objectives.check's to report
+  one_of(problems, f'{key}.monitor', p.monitor, ('step', 'val_loss') + tuple(f'val_{m}' for m in metrics))
+  one_of(problems, f'{key}.mode', p.mode, MODES)
+  if p.monitor != 'step' and config.trainer.limit_val_batches <= 0:
+    problems.append(f'{key}.monitor={p.monitor!r} ranks steps by validation, but trainer.limit_val_batches='
+                    f'{config.trainer.limit_val_batches}; raise limit_val_batches or monitor \'step\'')
+  if p.filename is not None:
+    problems += template_problems(p.filename, f'{key}.filename')
   return problems
 
 

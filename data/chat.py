@@ -20,11 +20,9 @@ from datetime import datetime
 
 import numpy as np
 
+from data import tokenizer as tokenizers
 from data.errors import DataError
 
-# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES).
-SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token',
-                       'cls_token', 'mask_token')
 # Names a message's reasoning comes under; templates read `reasoning_content` (or `thinking`).
 REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')
 
@@ -40,7 +38,7 @@ def load_template(tokenizer_dir):
     with open(jinja_file, encoding='utf-8') as f:
       return f.read()
   config_file = os.path.join(tokenizer_dir, 'tokenizer_config.json')
-  template = _read_config(config_file).get('chat_template')
+  template = tokenizers.read_config(tokenizer_dir).get('chat_template')
   if template is None or isinstance(template, str):
     return template
   if isinstance(template, list):
@@ -52,31 +50,8 @@ def load_template(tokenizer_dir):
                   'in chat_template.jinja beside it')
 
 
-def special_tokens(tokenizer_dir) -> dict:
-  """{bos_token: '<s>', ...} from tokenizer_config.json (strings or {'content': ...} dicts),
-  with special_tokens_map.json (older saves) filling the names the config lacks."""
-  found = {}
-  for name in ('tokenizer_config.json', 'special_tokens_map.json'):
-    config = _read_config(os.path.join(tokenizer_dir, name))
-    for key in SPECIAL_TOKEN_NAMES:
-      value = config.get(key)
-      value = value.get('content') if isinstance(value, dict) else value
-      if isinstance(value, str) and key not in found:
-        found[key] = value
-  return found
-
-
-def _read_config(path) -> dict:
-  if not os.path.isfile(path):
-    return {}
-  with open(path, encoding='utf-8') as f:
-    try:
-      config = json.load(f)
-    except json.JSONDecodeError as e:
-      raise DataError(f'{path}: not valid JSON ({e}); fix the file') from None
-  if not isinstance(config, dict):
-    raise DataError(f'{path}: expected a JSON object of tokenizer settings; fix the file')
-  return config
+# The {bos_token: ..., ...} a template renders with; tokenizer.py reads them for its ids too.
+special_tokens = tokenizers.special_tokens
 
 
 @functools.lru_cache(maxsize=16)

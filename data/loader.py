@@ -27,6 +27,7 @@ a pass as done on the step whose global batch completes it.
 import numpy as np
 import torch
 
+from config_checks import one_of, positive
 from data import blend, gpt_dataset, masks, preference, sft, synthetic, tokenizer
 from data.errors import DataError
 
@@ -121,3 +122,59 @@ def corpus_source(config, split):
         cache_dir=c.get('index_mapping_dir'), vocab_size=config.model.vocab_size))
     weights.append(weight)
   return datasets[0] if len(datasets) == 1 else blend.BlendedDataset(datasets, weights)
+
+
+# --- config checks (configs/validate.py gathers them) ---------------------------------
+
+
+def _records(config) -> bool:
+  """Whether the data are SFT / preference records (else a corpus or the synthetic stream)."""
+  return bool(config.data.train_dir) or config.model.objective in preference.OBJECTIVES
+
+
+def check(config, dp) -> list:
+  """Problems with the data section at data-parallel size `dp`."""
+  problems, data = [], config.data
+  positive(problems, 'data.micro_batch_size', data.micro_batch_size)
+  positive(problems, 'data.seq_length', data.seq_length)
+  if data.micro_batch_size > 0 and data.global_batch_size % (data.micro_batch_size * dp):
+    problems.append(f'data.global_batch_size={data.global_batch_size} is not divisible by micro_batch_size x '
+                    f'data-parallel size = {data.micro_batch_size} x {dp}; use a multiple of '
+                    f'{data.micro_batch_size * dp}')
+  one_of(problems, 'data.tokenizer.type', data.tokenizer.type, tokenizer.TYPES)
+  if data.data_prefix and len(data.data_prefix) > 1 and len(data.data_prefix) % 2:
+    problems.append('data.data_prefix must be (prefix,) or (weight1, prefix1, weight2, prefix2, ...)')
+  if not data.data_prefix and data.synthetic_vocab_size > config.model.vocab_size:
+    problems.append(f'data.synthetic_vocab_size={data.synthetic_vocab_size} exceeds '
+                    f'model.vocab_size={config.model.vocab_size}')
+  return problems
+
+
+def check_epochs(config) -> list:
+  """trainer.max_epochs, check_val_every_n_epoch and limit_test_batches against the data:
+  the synthetic stream has no epochs, records need data.test_dir, a corpus a test share."""
+  problems, t, data = [], config.trainer, config.data
+  if t.max_epochs != -1:
+    positive(problems, 'trainer.max_epochs', t.max_epochs)
+  if t.check_val_every_n_epoch is not None:
+    positive(problems, 'trainer.check_val_every_n_epoch', t.check_val_every_n_epoch)
+  synthetic_stream = not data.data_prefix and not _records(config)
+  for key, value, off in (('max_epochs', t.max_epochs, '-1'),
+                          ('check_val_every_n_epoch', t.check_val_every_n_epoch, 'None')):
+    if synthetic_stream and value is not None and value > 0:
+      problems.append(f'trainer.{key}={value} counts passes over the train split, but the synthetic stream '
+                      f'(data.data_prefix=()) has no epochs; set data.data_prefix or data.train_dir, or '
+                      f'trainer.{key}={off}')
+  positive(problems, 'trainer.limit_test_batches', t.limit_test_batches, allow_zero=True)
+  if t.limit_test_batches > 0 and _records(config) and not data.test_dir:
+    problems.append(f'trainer.limit_test_batches={t.limit_test_batches} evaluates the test records: set '
+                    'data.test_dir (same formats as data.val_dir), or trainer.limit_test_batches=0')
+  elif t.limit_test_batches > 0 and data.data_prefix and not _records(config):
+    try:
+      if gpt_dataset.parse_splits(data.splits_string)[2] == 0:
+        problems.append(f'data.splits_string={data.splits_string!r} gives the test split no documents but '
+                        f'trainer.limit_test_batches={t.limit_test_batches}; give its third part a share '
+                        "(e.g. '980,10,10') or set trainer.limit_test_batches=0")
+    except DataError as e:
+      problems.append(str(e))
+  return problems

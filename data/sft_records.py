@@ -69,7 +69,7 @@ def _data_files(directory, what):
 def _read_file(path, limit, what):
   """(where, value) of each record in the file: a list, or an iterator for JSON lines."""
   if path.endswith('.jsonl'):
-    return _read_json_lines(path)
+    return read_json_lines(path)
   if path.endswith('.json'):
     return _read_json(path, limit)
   if path.endswith('.arrow'):
@@ -78,7 +78,9 @@ def _read_file(path, limit, what):
                   'save_to_disk directory)')
 
 
-def _read_json_lines(path):
+def read_json_lines(path):
+  """(where, value) of each non-blank line of the JSON lines file `path`, lazily; `where` is
+  'file line 7', for errors (tools/preprocess.py reads its documents with this too)."""
   # Read here, not by `datasets`: it merges all lines into one schema (a missing key becomes
   # null, types get cast) and loses line numbers, which errors must name.
   import json
@@ -107,7 +109,7 @@ def _read_json(path, limit):
                       'fix the JSON list of records') from None
     value = None        # several values: JSON lines
   if not isinstance(value, list):
-    return _read_json_lines(path)
+    return read_json_lines(path)
   value = value if limit is None else value[:limit]
   return [(f'{path} record {i}', v) for i, v in enumerate(value)]
 

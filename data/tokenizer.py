@@ -13,11 +13,15 @@ import shutil
 
 from data.errors import DataError
 
+TYPES = ('none', 'sentencepiece', 'huggingface', 'gpt2')     # data.tokenizer.type; none: no tokenizer
 GPT2_EOT = '<|endoftext|>'
 # Special-token spellings of the common families, tried when tokenizer_config.json is absent.
 BOS_NAMES = ('<s>', '<|begin_of_text|>', '<bos>', '[BOS]', GPT2_EOT)
 EOS_NAMES = ('</s>', '<|end_of_text|>', '<eos>', '[EOS]', GPT2_EOT)
 PAD_NAMES = ('<pad>', '<|pad|>', '[PAD]', '<|finetune_right_pad_id|>')
+# transformers' named special tokens (PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ('bos_token', 'eos_token', 'unk_token', 'sep_token', 'pad_token',
+                       'cls_token', 'mask_token')
 
 
 def _field(cfg, name):
@@ -51,14 +55,15 @@ class SentencePieceTokenizer:
 
 
 class HuggingFaceTokenizer:
-  """A `tokenizers.Tokenizer`; special ids from a sibling tokenizer_config.json if present."""
+  """A `tokenizers.Tokenizer`; special ids from the sibling tokenizer_config.json (or
+  special_tokens_map.json) where present, as `special_tokens` reads them."""
 
   def __init__(self, tokenizer_json=None, tok=None, special=None):
     from tokenizers import Tokenizer
     if tok is None:
       self.path = _require_file(tokenizer_json, 'data.tokenizer.model (a tokenizer.json)')
       tok = Tokenizer.from_file(tokenizer_json)
-      special = special or _special_tokens_from_config(os.path.dirname(tokenizer_json))
+      special = special or special_tokens(os.path.dirname(tokenizer_json))
     self.tok = tok
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
     special = special or {}
@@ -94,21 +99,36 @@ class HuggingFaceTokenizer:
     return self.tok.decode(list(map(int, ids)), skip_special_tokens=False)
 
 
-def _special_tokens_from_config(directory) -> dict:
-  path = os.path.join(directory, 'tokenizer_config.json')
+def read_config(directory, name='tokenizer_config.json') -> dict:
+  """A tokenizer directory's JSON settings file (tokenizer_config.json, special_tokens_map.json)
+  as a dict, {} when absent. Its special tokens and chat template are optional, so the fix
+  offered for a broken file is to repair or delete it."""
+  path = os.path.join(directory, name)
   if not os.path.isfile(path):
     return {}
-  with open(path) as f:
+  with open(path, encoding='utf-8') as f:
     try:
-      cfg = json.load(f)
+      config = json.load(f)
     except json.JSONDecodeError as e:
-      raise DataError(f'{path}: not valid JSON ({e}); fix or delete it (the special tokens '
-                      'then come from their usual names)') from None
-  out = {}
-  for key in ('bos_token', 'eos_token', 'pad_token'):
-    value = cfg.get(key)
-    out[key] = value.get('content') if isinstance(value, dict) else value
-  return out
+      raise DataError(f'{path}: not valid JSON ({e}); fix or delete it (the special tokens then come '
+                      'from their usual names; a chat template may stand in chat_template.jinja)') from None
+  if not isinstance(config, dict):
+    raise DataError(f'{path}: expected a JSON object of tokenizer settings; fix or delete it')
+  return config
+
+
+def special_tokens(directory) -> dict:
+  """{bos_token: '<s>', ...} from tokenizer_config.json (strings or {'content': ...} dicts),
+  with special_tokens_map.json (older saves) filling the names the config lacks."""
+  found = {}
+  for name in ('tokenizer_config.json', 'special_tokens_map.json'):
+    config = read_config(directory, name)
+    for key in SPECIAL_TOKEN_NAMES:
+      value = config.get(key)
+      value = value.get('content') if isinstance(value, dict) else value
+      if isinstance(value, str) and key not in found:
+        found[key] = value
+  return found
 
 
 def gpt2_bpe(vocab_file, merge_file) -> HuggingFaceTokenizer:

@@ -29,6 +29,8 @@ import re
 import torch
 import torch.nn.functional as F
 
+from config_checks import one_of, positive
+
 # NxD Training's fused names and peft's per-projection names, and what each covers.
 TARGET_GROUPS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj'),
                  'all-linear': ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')}
@@ -94,6 +96,41 @@ def target_modules(peft) -> tuple:
       if module not in out:
         out.append(module)
   return tuple(m for m in MODULES if m in out)
+
+
+def check(peft) -> list:
+  """Problems with model_alignment_strategy.peft; nothing to check while lora_rank is 0."""
+  key = 'model_alignment_strategy.peft'
+  problems = []
+  positive(problems, f'{key}.lora_rank', peft.lora_rank, allow_zero=True)
+  if peft.lora_rank <= 0:
+    return problems
+  positive(problems, f'{key}.lora_alpha', option(peft, 'lora_alpha'))
+  dropout = option(peft, 'lora_dropout')
+  if not 0.0 <= dropout < 1.0:
+    problems.append(f'{key}.lora_dropout={dropout} must be in [0, 1)')
+  one_of(problems, f'{key}.lora_bias', option(peft, 'lora_bias'), BIASES)
+  try:
+    if not target_modules(peft):
+      problems.append(f'{key}.target_modules is empty; name the projections to adapt, e.g. (\'qkv_proj\',)')
+  except ValueError as e:
+    problems.append(str(e))
+  for name in ('rank_pattern', 'alpha_pattern'):
+    for pair in option(peft, name):
+      if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[1], (int, float)) or pair[1] <= 0:
+        problems.append(f'{key}.{name}: {pair!r} is not a (pattern, positive number) pair, e.g. (\'q_proj\', 8)')
+        continue
+      try:
+        re.compile(str(pair[0]))
+      except re.error as e:
+        problems.append(f'{key}.{name}: {pair[0]!r} is not a valid regular expression ({e})')
+  if peft.merge_lora and peft.save_lora_base:
+    problems.append(f'{key}: merge_lora and save_lora_base both set; a merged checkpoint already holds '
+                    'the whole model, choose one')
+  if peft.load_lora_from_ckpt and not peft.lora_save_dir:
+    problems.append(f'{key}.load_lora_from_ckpt needs lora_save_dir (a flatron step or peft directory, '
+                    'with lora_load_tag its sub-directory)')
+  return problems
 
 
 def module_path(linear) -> str:

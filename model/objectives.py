@@ -29,6 +29,7 @@ import typing
 import torch
 import torch.nn.functional as F
 
+from config_checks import one_of, positive
 from model import lora
 
 
@@ -140,6 +141,31 @@ def for_config(config) -> Objective:
                      PREFERENCE_METRICS + ('nll_loss', 'log_odds_ratio', 'log_odds_chosen'),
                      extra_count=_chosen_token_count if settings.nll_reduction == 'token' else None)
   raise ValueError(f'model.objective={name!r} is unknown; valid: {", ".join(NAMES)}')
+
+
+def check(config) -> list:
+  """Problems with model.objective and the preference settings (model_alignment_strategy) it reads."""
+  problems = []
+  objective, strategy = config.model.objective, config.model_alignment_strategy
+  one_of(problems, 'model.objective', objective, NAMES)
+  if objective == 'dpo':
+    one_of(problems, 'model_alignment_strategy.dpo.loss_type', strategy.dpo.loss_type, LOSS_TYPES)
+    positive(problems, 'model_alignment_strategy.dpo.kl_beta', strategy.dpo.kl_beta)
+    if not 0.0 <= strategy.dpo.label_smoothing < 0.5:
+      problems.append(f'model_alignment_strategy.dpo.label_smoothing={strategy.dpo.label_smoothing} '
+                      'must be in [0, 0.5)')
+    one_of(problems, 'model_alignment_strategy.dpo.reference_model', strategy.dpo.reference_model,
+           REFERENCE_MODELS)
+    if strategy.dpo.reference_model == 'base' and not lora.settings(config.model):
+      problems.append('model_alignment_strategy.dpo.reference_model=base needs LoRA (the base with the adapters '
+                      'off); without LoRA the reference is the starting model: set it to start')
+  if objective == 'orpo':
+    positive(problems, 'model_alignment_strategy.orpo.beta', strategy.orpo.beta)
+    one_of(problems, 'model_alignment_strategy.orpo.nll_reduction', strategy.orpo.nll_reduction, NLL_REDUCTIONS)
+  if objective in ('dpo', 'orpo') and not config.data.train_dir:
+    problems.append(f'model.objective={objective} trains on preference pairs: set data.train_dir '
+                    '(and data.val_dir) to (prompt, chosen, rejected) records')
+  return problems
 
 
 def reference_copy(config) -> str:

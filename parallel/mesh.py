@@ -14,7 +14,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from config_checks import positive
 from parallel import device as devices, xla
+
+# distributed_strategy's degrees: every other layout check divides by them.
+SIZE_KEYS = ('tensor_model_parallel_size', 'pipeline_model_parallel_size',
+             'virtual_pipeline_model_parallel_size', 'kv_replicator')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +61,23 @@ class Mesh:
   def describe(self):
     return (f'rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp} '
             f'tp {self.tp_rank}/{self.tp}')
+
+
+def check_sizes(strategy) -> list:
+  """Problems with the degrees in SIZE_KEYS (distributed_strategy); none means all are > 0."""
+  problems = []
+  for key in SIZE_KEYS:
+    positive(problems, f'distributed_strategy.{key}', strategy[key])
+  return problems
+
+
+def check(strategy, world_size) -> list:
+  """Whether `world_size` processes make a dp x pp x tp grid (degrees already checked)."""
+  tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
+  if world_size % (tp * pp):
+    return [f'world size {world_size} is not divisible by tensor_model_parallel_size x '
+            f'pipeline_model_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} processes']
+  return []
 
 
 def _groups(grid, rank, make_group):

@@ -25,6 +25,28 @@ def stage_bounds(num_layers, pp, vp=1, cuts=()):
   return [(edges[s], edges[s + 1]) for s in range(stages)]
 
 
+def check(num_layers, strategy) -> list:
+  """Whether `num_layers` layers split into distributed_strategy's pp x virtual stages
+  (degrees already > 0): a layer per chunk, equal chunks when interleaved, valid cuts."""
+  problems = []
+  pp, vp = strategy.pipeline_model_parallel_size, strategy.virtual_pipeline_model_parallel_size
+  if num_layers < pp * vp:
+    problems.append(f'model.num_layers={num_layers} < pipeline_model_parallel_size x '
+                    f'virtual_pipeline_model_parallel_size = {pp} x {vp}: every chunk needs a layer')
+  elif vp > 1 and num_layers % (pp * vp):
+    problems.append(f'model.num_layers={num_layers} is not divisible by pp x virtual = {pp * vp} '
+                    '(interleaved schedules need equal chunks)')
+  if strategy.pipeline_cuts:
+    cuts = list(strategy.pipeline_cuts)
+    if len(cuts) != pp * vp - 1 or cuts != sorted(set(cuts)) or not all(0 < x < num_layers for x in cuts):
+      problems.append(f'distributed_strategy.pipeline_cuts={tuple(cuts)} must be pp x virtual - 1 = '
+                      f'{pp * vp - 1} increasing layer indices in (0, {num_layers})')
+  if vp > 1 and pp == 1:
+    problems.append(f'distributed_strategy.virtual_pipeline_model_parallel_size={vp} needs '
+                    'pipeline_model_parallel_size > 1 (interleaving splits a stage across PP ranks)')
+  return problems
+
+
 def config_bounds(config, pp):
   """stage_bounds for a config's model and distributed_strategy at PP degree `pp`."""
   d = config.distributed_strategy

@@ -17,10 +17,12 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
+from config_checks import one_of
 from model import layers
 from parallel import xla
 
 PARTS = ('attention', 'mlp', 'norm', 'activation')
+GRANULARITIES = (None, 'selective', 'full')
 
 
 def checkpointed(fn, *args):
@@ -71,3 +73,12 @@ def policy(granularity, recompute=('attention',)):
     return Recompute(**{part: pick(part) for part in PARTS})
   raise ValueError(f'activations_checkpoint_granularity={granularity!r}; valid: None, selective, full')
 
+
+def check(model_cfg) -> list:
+  """Problems with model.activations_checkpoint_granularity / _recompute, before `policy` meets them."""
+  problems = []
+  one_of(problems, 'model.activations_checkpoint_granularity', model_cfg.activations_checkpoint_granularity,
+         GRANULARITIES)
+  for part in model_cfg.activations_checkpoint_recompute:
+    one_of(problems, 'model.activations_checkpoint_recompute', part, PARTS)
+  return problems

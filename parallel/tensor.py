@@ -19,6 +19,35 @@ ROW_PARALLEL = ('o_proj', 'down_proj')
 VOCAB_TABLES = ('embed_tokens.weight', 'lm_head.weight')
 
 
+def check(model_cfg, strategy, seq_length) -> list:
+  """Whether the model splits over distributed_strategy's TP degree (degrees already > 0):
+  heads and FFN columns evenly, KV heads evenly or replicated exactly, SP's sequence evenly."""
+  problems, tp, replicator = [], strategy.tensor_model_parallel_size, strategy.kv_replicator
+  heads, kv = model_cfg.num_attention_heads, transformer.kv_heads(model_cfg)
+  if heads % tp:
+    problems.append(f'model.num_attention_heads={heads} is not divisible by '
+                    f'distributed_strategy.tensor_model_parallel_size={tp}')
+  if model_cfg.ffn_hidden_size % tp:
+    problems.append(f'model.ffn_hidden_size={model_cfg.ffn_hidden_size} is not divisible by '
+                    f'distributed_strategy.tensor_model_parallel_size={tp}')
+  if 0 < kv < tp:                  # kv <= 0 is model/checks.py's to report; both branches divide by it
+    if kv * replicator != tp:
+      problems.append(f'tensor_model_parallel_size={tp} > model.num_kv_heads={kv}: set '
+                      f'distributed_strategy.kv_replicator={tp // kv if tp % kv == 0 else "?"} so that '
+                      f'num_kv_heads x kv_replicator = tp (now {kv} x {replicator})'
+                      + ('' if tp % kv == 0 else '; tp must be a multiple of num_kv_heads'))
+  elif kv > 0:
+    if kv % tp:
+      problems.append(f'model.num_kv_heads={kv} is not divisible by tensor_model_parallel_size={tp}')
+    if replicator != 1:
+      problems.append(f'distributed_strategy.kv_replicator={replicator} needs tp > num_kv_heads '
+                      f'({tp} <= {kv}); set it to 1')
+  if strategy.sequence_parallel and seq_length % tp:
+    problems.append(f'data.seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp} '
+                    '(needed by sequence_parallel)')
+  return problems
+
+
 def _module(name):
   """The linear layer a parameter belongs to (a LoRA factor: the layer it adapts)."""
   split = lora.split_name(name)

@@ -1,4 +1,4 @@
-"""The public Python API the README lists ("Python API"), one test per entry, each called
+"""The public Python API docs/hf-models.md lists ("Python API"), one test per entry, each called
 exactly as documented: a forking researcher's scripts must not break silently."""
 import os
 import shutil

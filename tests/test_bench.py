@@ -1,9 +1,16 @@
-"""tools/bench.py reports figures that agree with each other and with the FLOPs formula."""
+"""tools/bench.py reports figures that agree with each other and with the FLOPs formula; every
+tool imports beside train.py (and the others) without defining a flag."""
+import importlib
+import os
+
+from absl import flags
 import pytest
 
 from configs import llama_tiny
 from model import transformer
 from tools import bench
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
 
 
 def test_bench_figures_are_consistent():
@@ -28,3 +35,14 @@ def test_bench_hf_trains_the_same_model_on_both_sides():
   assert r['hf'] > 0 and r['flatron'] > 0 and r['flatron_bytes'] > 0 and r['hf_bytes'] > 0
   assert r['losses']['hf'] == pytest.approx(r['losses']['flatron'], rel=1e-5)
   assert r['losses']['flatron'][-1] < r['losses']['flatron'][0]
+
+
+def test_importing_the_tools_defines_no_flags():
+  """A test process imports train.py and several tools: their flags exist only under
+  `python -m tools.X`, so none can clash (DuplicateFlagError) with train.py's or another's."""
+  import train  # pylint: disable=import-outside-toplevel,unused-import
+  before = set(flags.FLAGS)
+  names = sorted(n[:-3] for n in os.listdir(TOOLS) if n.endswith('.py') and n != '__init__.py')
+  modules = [importlib.import_module(f'tools.{name}') for name in names]
+  assert set(flags.FLAGS) == before
+  assert all(hasattr(m, 'define_flags') for m in modules)       # what `python -m tools.X` calls first

@@ -1,6 +1,7 @@
 """tools/convert.py: HF -> flatron checkpoint -> HF is bit-exact, and the checkpoint trains."""
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from safetensors.torch import load_file
 
 from configs import llama_tiny
 from model import hf, transformer
+from tests import procs
 from tools import convert
 
 
@@ -40,6 +42,24 @@ def test_round_trip_is_bit_exact_and_loadable_by_init_from(tmp_path):
 # --- exports are self-contained HF directories --------------------------------------------
 
 EOS_TEXT = 'a b c d e f g h'
+
+
+def test_the_command_line_takes_the_subcommand_first_and_names_a_wrong_one(tmp_path, capsys):
+  c = llama_tiny.get_config('test')
+  hf.save_hf(str(tmp_path / 'hf'), c.model, transformer.init(c.model, 3))
+  cli = [sys.executable, '-m', 'tools.convert']
+  done = procs.run(cli + ['hf-to-flatron', f'--src={tmp_path / "hf"}', '--dst', str(tmp_path / 'ckpt')], timeout=120)
+  assert done.returncode == 0 and done.stdout == f'{tmp_path / "ckpt" / "step_00000000"}\n', done.stderr
+  done = procs.run(cli + ['hf-to-peft', '--src=a', '--dst=b'], timeout=120)
+  assert done.returncode == 2 and done.stderr == ("error: unknown subcommand 'hf-to-peft'; the subcommands are "
+                                                  'hf-to-flatron, flatron-to-hf, export-peft, merge-peft\n')
+  for argv, base, says in (([], None, 'name a subcommand'), (['export-peft', 'x'], None, 'unexpected arguments x'),
+                           (['merge-peft'], None, 'merge-peft needs --base'),
+                           (['export-peft'], 'b', '--base is for merge-peft only')):
+    with pytest.raises(SystemExit) as e:
+      convert.check_command_line(['convert', *argv], 'src', 'dst', base)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith('error: ') and err.count('\n') == 1 and says in err, err
 
 
 def _source_model(path):

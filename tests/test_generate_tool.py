@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 
 
 def generate(*flags):
-  out = procs.run([sys.executable, 'tools/generate.py', *flags], timeout=120)
+  out = procs.run([sys.executable, '-m', 'tools.generate', *flags], timeout=120)
   return out.returncode, out.stdout.strip(), out.stderr.strip()
 
 

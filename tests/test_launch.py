@@ -113,21 +113,6 @@ def test_inconsistent_settings_name_the_variable_and_the_fix():
   assert '--nproc_per_node=0 is not an integer >= 1' in error({}, nproc_per_node=0)
 
 
-def test_the_cli_prints_the_command_or_one_error_line(capsys):
-  launch.main(['--dry_run', '--nproc_per_node=32', '--', 'train.py', '--config=c.py'], env=SLURM)
-  out = capsys.readouterr().out
-  assert out.endswith(' --nnodes=4 --nproc_per_node=32 --rdzv_backend=c10d --rdzv_endpoint=node001:29500 '
-                      '--rdzv_id=4242 train.py --config=c.py\n')
-  with pytest.raises(SystemExit) as e:
-    launch.main(['--dry_run', '--', 'train.py'], env=dict(SLURM, SLURM_NODEID='9'))
-  err = capsys.readouterr().err
-  assert e.value.code == 2 and err.count('\n') == 1 and 'SLURM_NODEID=9' in err
-  for argv, says in ((['train.py'], 'the training command goes after --'), (['--'], 'no training command')):
-    with pytest.raises(SystemExit) as e:
-      launch.main(argv, env={})
-    assert e.value.code == 2 and says in capsys.readouterr().err
-
-
 # Variables a test process may have inherited (a CI job under SLURM) that would steer the launcher.
 STEERING = ('SLURM_', 'OMPI_', 'MASTER_ADDR', 'MASTER_PORT', 'NNODES', 'NODE_RANK', 'NPROC_PER_NODE')
 COMMON = ['--config=configs/llama_tiny.py:test', '--config.trainer.max_steps=3',
@@ -140,8 +125,26 @@ def launcher_env(**variables):
   return dict(env, OMP_NUM_THREADS='1', **variables)
 
 
+def launch_cli(*argv, **variables):
+  """`python -m tools.launch ARGV` under exactly these scheduler variables."""
+  return procs.run([sys.executable, '-m', 'tools.launch', *argv], timeout=60, env=launcher_env(**variables))
+
+
+def test_the_cli_prints_the_command_or_one_error_line():
+  out = launch_cli('--dry_run', '--nproc_per_node=32', '--', 'train.py', '--config=c.py', '--', '--help', **SLURM)
+  assert out.returncode == 0, out.stderr
+  assert out.stdout.endswith(' --nnodes=4 --nproc_per_node=32 --rdzv_backend=c10d --rdzv_endpoint=node001:29500 '
+                             '--rdzv_id=4242 train.py --config=c.py -- --help\n')   # after --: untouched
+  out = launch_cli('--dry_run', '--', 'train.py', **dict(SLURM, SLURM_NODEID='9'))
+  assert out.returncode == 2 and out.stderr.count('\n') == 1 and 'SLURM_NODEID=9' in out.stderr
+  for argv, says in ((['train.py'], 'the training command goes after --'), (['--'], 'no training command'),
+                     (['--nproc_per_node=two', '--', 't.py'], "flag --nproc_per_node=two: invalid literal")):
+    out = launch_cli(*argv)
+    assert out.returncode == 2 and out.stderr.count('\n') == 1 and says in out.stderr, out.stderr
+
+
 def test_two_launchers_as_two_slurm_nodes_log_the_single_node_losses(tmp_path):
-  single = procs.run([sys.executable, 'tools/launch.py', '--nproc_per_node=2', '--', 'train.py', *COMMON,
+  single = procs.run([sys.executable, '-m', 'tools.launch', '--nproc_per_node=2', '--', 'train.py', *COMMON,
                       f'--workdir={tmp_path / "single"}'], timeout=300, env=launcher_env())
   assert single.returncode == 0, single.stderr[-3000:]
   torchrun = launch.torchrun_program()[0]
@@ -150,7 +153,7 @@ def test_two_launchers_as_two_slurm_nodes_log_the_single_node_losses(tmp_path):
   port = world.free_port()
   slurm = dict(SLURM_JOB_ID='4242', SLURM_JOB_NUM_NODES='2', SLURM_JOB_NODELIST='127.0.0.1',
                SLURM_STEP_NUM_TASKS='2', MASTER_PORT=str(port))
-  cmd = [sys.executable, 'tools/launch.py', '--', 'train.py', *COMMON, f'--workdir={tmp_path / "multi"}']
+  cmd = [sys.executable, '-m', 'tools.launch', '--', 'train.py', *COMMON, f'--workdir={tmp_path / "multi"}']
   logs = [tmp_path / f'node{rank}.log' for rank in (0, 1)]
   # Both launchers run at once, as on two nodes; output goes to files, so neither blocks on a
   # full pipe while the other is waited for.

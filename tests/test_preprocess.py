@@ -1,5 +1,6 @@
 """tools/preprocess.py: JSONL and plain text to .bin/.idx, parallel = serial, clear errors."""
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 
 from data import indexed, tokenizer
 from data.errors import DataError
+from tests import procs
 from tools import preprocess
 
 TEXTS = ['O Romeo, Romeo! wherefore art thou Romeo?', 'Deny thy father and refuse thy name;',
@@ -29,20 +31,25 @@ def jsonl(tmp_path):
 
 
 def cli(sp_model, *args):
-  return ['--tokenizer-type', 'sentencepiece', '--tokenizer-model', sp_model, '--quiet', *args]
+  """`python -m tools.preprocess` with the test tokenizer and ARGS."""
+  return procs.run([sys.executable, '-m', 'tools.preprocess', '--tokenizer-type=sentencepiece',
+                    f'--tokenizer-model={sp_model}', '--quiet', *args], timeout=120)
 
 
-def test_jsonl_to_indexed_dataset(sp_model, jsonl, tmp_path, capsys):
+def sp(model):
+  return {'type': 'sentencepiece', 'model': model}
+
+
+def test_jsonl_to_indexed_dataset(sp_model, jsonl, tmp_path):
   out = str(tmp_path / 'out')
-  preprocess.main(cli(sp_model, '--input', jsonl, '--json-key', 'content', '--output-prefix', out,
-                      '--workers', '1'))
-  tok = tokenizer.load_tokenizer({'type': 'sentencepiece', 'model': sp_model})
+  done = cli(sp_model, f'--input={jsonl}', '--json-key', 'content', f'--output-prefix={out}', '--workers=1')
+  assert done.returncode == 0, done.stderr
+  tok = tokenizer.load_tokenizer(sp(sp_model))
   ds = indexed.IndexedDataset(out)
   assert len(ds) == ds.num_documents == len(TEXTS) and ds.dtype == np.uint16
   for i, text in enumerate(TEXTS):
     assert ds[i].tolist() == tok.encode(text) + [tok.eod_id]
-  summary = capsys.readouterr().out
-  assert f'{len(TEXTS)} documents' in summary and 'docs/s' in summary and 'tokens/s' in summary
+  assert f'{len(TEXTS)} documents' in done.stdout and 'docs/s' in done.stdout and 'tokens/s' in done.stdout
 
 
 def test_parallel_workers_write_identical_files(sp_model, tmp_path):
@@ -51,9 +58,8 @@ def test_parallel_workers_write_identical_files(sp_model, tmp_path):
   path.write_text(''.join(json.dumps({'text': ' '.join(g.choice(TEXTS, 3))}) + '\n'
                           for _ in range(300)))
   serial, parallel = str(tmp_path / 'serial'), str(tmp_path / 'parallel')
-  for prefix, workers in ((serial, '1'), (parallel, '2')):
-    preprocess.main(cli(sp_model, '--input', str(path), '--output-prefix', prefix,
-                        '--workers', workers))
+  for prefix, workers in ((serial, 1), (parallel, 2)):
+    preprocess.preprocess([str(path)], prefix, sp(sp_model), workers=workers, quiet=True)
   for ext in ('.bin', '.idx'):
     assert Path(serial + ext).read_bytes() == Path(parallel + ext).read_bytes()
 
@@ -77,57 +83,42 @@ def test_progress_line_reports_rates(sp_model, jsonl, tmp_path, capsys):
   assert f'{len(TEXTS)} docs (' in err and 'docs/s' in err and 'tokens/s' in err
 
 
-def cli_error(capsys, argv) -> str:
-  """main's one-line `error: ...` on stderr, after exit status 2 (no traceback)."""
-  capsys.readouterr()
-  with pytest.raises(SystemExit) as exit_info:
-    preprocess.main(argv)
-  assert exit_info.value.code == 2
-  err = capsys.readouterr().err
-  assert err.startswith('error: ') and err.count('\n') == 1, err
-  return err
-
-
-def test_missing_input_is_named(sp_model, tmp_path, capsys):
-  err = cli_error(capsys, cli(sp_model, '--input', str(tmp_path / 'absent.jsonl'),
-                              '--output-prefix', str(tmp_path / 'o')))
-  assert 'absent.jsonl' in err
-
-
-def test_bad_json_line_is_named(sp_model, tmp_path, capsys):
+def test_bad_input_on_the_command_line_is_one_line(sp_model, tmp_path):
+  """Exit status 2 and one `error: ...` line naming the file and line (no traceback), nothing written."""
   path = tmp_path / 'bad.jsonl'
   path.write_text('{"text": "fine"}\n{"text": oops}\n')
-  err = cli_error(capsys, cli(sp_model, '--input', str(path), '--output-prefix',
-                              str(tmp_path / 'o'), '--workers', '1'))
-  assert 'bad.jsonl:2: not valid JSON' in err
+  done = cli(sp_model, f'--input={path}', f'--output-prefix={tmp_path / "o"}', '--workers=1')
+  assert done.returncode == 2 and done.stderr.startswith('error: ') and done.stderr.count('\n') == 1, done.stderr
+  assert 'bad.jsonl line 2: not valid JSON' in done.stderr
   assert not indexed.exists(str(tmp_path / 'o'))
+  good = tmp_path / 'good.jsonl'
+  good.write_text('{"text": "fine"}\n')
+  done = cli(sp_model, '--input', str(good), str(path), f'--output-prefix={tmp_path / "o"}')   # as a shell's glob
+  assert done.returncode == 2 and 'bad.jsonl line 2' in done.stderr, done.stderr
 
 
-def test_missing_json_key_is_named(sp_model, jsonl, tmp_path, capsys):
-  err = cli_error(capsys, cli(sp_model, '--input', jsonl, '--output-prefix', str(tmp_path / 'o'),
-                              '--workers', '1'))
-  assert "docs.jsonl:1: no 'text' field; set --json-key" in err
+def test_missing_input_is_named(sp_model, tmp_path):
+  with pytest.raises(FileNotFoundError, match='absent.jsonl'):
+    preprocess.preprocess([str(tmp_path / 'absent.jsonl')], str(tmp_path / 'o'), sp(sp_model), quiet=True)
 
 
-def test_errors_are_data_errors(sp_model, jsonl, tmp_path):
-  with pytest.raises(DataError, match="docs.jsonl:1: no 'text' field"):
-    preprocess.preprocess([jsonl], str(tmp_path / 'o'),
-                          {'type': 'sentencepiece', 'model': sp_model}, quiet=True)
+def test_missing_json_key_is_named(sp_model, jsonl, tmp_path):
+  with pytest.raises(DataError, match="docs.jsonl line 1: no 'text' field; set --json-key"):
+    preprocess.preprocess([jsonl], str(tmp_path / 'o'), sp(sp_model), quiet=True)
 
 
 @pytest.mark.parametrize('name,text,text_docs', [
     ('empty.jsonl', '', 'file'), ('blank.jsonl', '\n  \n\n', 'file'),
     ('blank.txt', '\n\n \n', 'line'), ('blank.txt', '\n\n \n', 'paragraph'),
     ('blank.txt', '\n\n \n', 'file')])
-def test_no_documents_is_an_error_naming_the_inputs(sp_model, tmp_path, capsys, name, text,
-                                                     text_docs):
+def test_no_documents_is_an_error_naming_the_inputs(sp_model, tmp_path, name, text, text_docs):
   (tmp_path / name).write_text(text)
   (tmp_path / 'also_blank.txt').write_text('\n')
   out = str(tmp_path / 'out')
-  err = cli_error(capsys, cli(sp_model, '--input', str(tmp_path / name),
-                              str(tmp_path / 'also_blank.txt'), '--text-docs', text_docs,
-                              '--output-prefix', out, '--workers', '1'))
-  assert f'no documents in {tmp_path / name}, {tmp_path / "also_blank.txt"}' in err
+  with pytest.raises(DataError) as e:
+    preprocess.preprocess([str(tmp_path / name), str(tmp_path / 'also_blank.txt')], out, sp(sp_model),
+                          text_docs=text_docs, quiet=True)
+  assert f'no documents in {tmp_path / name}, {tmp_path / "also_blank.txt"}' in str(e.value)
   assert not Path(out + '.bin').exists() and not Path(out + '.idx').exists()
 
 

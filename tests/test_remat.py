@@ -180,7 +180,7 @@ def test_each_mode_keeps_less():
 
 
 def test_activation_memory_tool_prints_the_table():
-  from tools import activation_memory  # pylint: disable=import-outside-toplevel  (imports train)
+  from tools import activation_memory  # pylint: disable=import-outside-toplevel
   c = llama_tiny.get_config('test')
   table = activation_memory.cells(c, 'fp32', tp=1)
   assert len(table) == 8 and all(measured == formula for measured, formula in table.values())

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from data.errors import DataError
+from tests import procs
 from tests.test_generate_tool import model_dir  # noqa: F401  pylint: disable=unused-import  (the tiny HF model)
 from tools import sft_eval
 
@@ -104,17 +105,26 @@ def test_a_bad_record_names_file_and_line(tmp_path, record, message):
   assert f'{path} line 2' in str(e.value)
 
 
-def test_missing_or_empty_data_is_one_line_error(tmp_path, model_dir, capsys):  # noqa: F811
+def test_missing_or_empty_data_is_named_before_any_generation(tmp_path, model_dir, capsys):  # noqa: F811
+  from checkpoint import store  # pylint: disable=import-outside-toplevel
   missing = str(tmp_path / 'nope.jsonl')
-  with pytest.raises(SystemExit, match=f'error: {missing}: no such file'):
-    sft_eval.main([f'--model={model_dir[0]}', f'--data={missing}'])
+  with pytest.raises(DataError, match=f'{missing}: no such file'):
+    sft_eval.run([model_dir[0]], missing)
   empty = write(tmp_path / 'empty.jsonl', '')
-  with pytest.raises(SystemExit, match=f'error: {empty}: no records'):
-    sft_eval.main([f'--model={model_dir[0]}', f'--data={empty}'])
+  with pytest.raises(DataError, match=f'{empty}: no records'):
+    sft_eval.run([model_dir[0]], empty)
   data = write(tmp_path / 'd.jsonl', PROMPT)
-  with pytest.raises(SystemExit, match='error: .*neither an HF model directory'):   # before any generation
-    sft_eval.main([f'--model={model_dir[0]}', f'--model={tmp_path}', f'--data={data}'])
+  with pytest.raises(store.CheckpointError, match='neither an HF model directory'):
+    sft_eval.run([model_dir[0], str(tmp_path)], data)
   assert capsys.readouterr().out == ''
+
+
+def test_the_command_line_says_a_bad_input_in_one_line(tmp_path, model_dir):  # noqa: F811
+  missing = str(tmp_path / 'nope.jsonl')
+  done = procs.run([sys.executable, '-m', 'tools.sft_eval', f'--model={model_dir[0]}', f'--data={missing}'],
+                   timeout=120)
+  assert done.returncode != 0 and done.stdout == ''
+  assert done.stderr.startswith(f'error: {missing}: no such file') and done.stderr.count('\n') == 1, done.stderr
 
 
 # ---- end to end
@@ -124,8 +134,7 @@ def test_end_to_end_replies_are_generate_tools_and_json_has_one_entry_per_record
   path = model_dir[0]
   data = write(tmp_path / 'val.jsonl', CHAT, PROMPT, CHAT)
   out = str(tmp_path / 'results' / 'eval.json')
-  sft_eval.main([f'--model={path}', f'--model={path}', f'--data={data}', '--limit=2', '--max_new_tokens=6',
-                 f'--out={out}'])
+  sft_eval.run([path, path], data, limit=2, max_new_tokens=6, out=out)
   with open(out, encoding='utf-8') as f:
     results = json.load(f)
   expected = [generate.reply(path, messages=CHAT['messages'][:4], max_new_tokens=6),

@@ -2,9 +2,9 @@
 against parallel/memory.py's formula, for every recompute mode on one rank, TP2 and TP2+SP,
 on both attention paths, at the config's micro batch and sequence length.
 
-    python tools/activation_memory.py --config=configs/llama_tiny.py
-    python tools/activation_memory.py --config=configs/llama7b.py:smoke --dtype=bf16
-    python tools/activation_memory.py --config=configs/llama7b.py --dtype=bf16 --nomeasure
+    python -m tools.activation_memory --config=configs/llama_tiny.py
+    python -m tools.activation_memory --config=configs/llama7b.py:smoke --dtype=bf16
+    python -m tools.activation_memory --config=configs/llama7b.py --dtype=bf16 --nomeasure
 
 TP2 runs on two spawned CPU processes (gloo). Dropout counts when the config has it.
 --nomeasure prints the formula alone (full-size models take minutes to measure on CPU).
@@ -13,25 +13,18 @@ import copy
 import os
 import pickle
 import socket
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
+from ml_collections import config_flags
+import torch
+import torch.multiprocessing as mp
 
-from absl import app, flags  # pylint: disable=wrong-import-position
-from ml_collections import config_flags  # pylint: disable=wrong-import-position
-import torch  # pylint: disable=wrong-import-position
-import torch.multiprocessing as mp  # pylint: disable=wrong-import-position
+import tools
+from model import transformer
+from parallel import memory, mesh as meshes
 
-from model import transformer  # pylint: disable=wrong-import-position
-from parallel import memory, mesh as meshes  # pylint: disable=wrong-import-position
-
-# train.py defines a --config flag too (and a test process may import both): allow_override
-# lets either definition replace the other, both reading the same file.
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
-                                          allow_override=True)
-_DTYPE = flags.DEFINE_enum('dtype', 'fp32', ['fp32', 'bf16'], 'Parameter (and activation) dtype.')
-_MEASURE = flags.DEFINE_bool('measure', True, 'Measure; with --nomeasure print the formula only.')
+FLAGS = flags.FLAGS
 
 MODES = {'none': (None, ()), 'selective (attention)': ('selective', ('attention',)),
          'selective (attention, mlp)': ('selective', ('attention', 'mlp')), 'full': ('full', ())}
@@ -140,13 +133,20 @@ def render(config, table, dtype_name):
   return '\n'.join(lines)
 
 
+def define_flags():
+  config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).')
+  flags.mark_flag_as_required('config')
+  flags.DEFINE_enum('dtype', 'fp32', ['fp32', 'bf16'], 'Parameter (and activation) dtype.')
+  flags.DEFINE_bool('measure', True, 'Measure; with --nomeasure print the formula only.')
+
+
 def main(argv):
-  del argv
-  config = _CONFIG.value
-  table = measure(config, _DTYPE.value) if _MEASURE.value else cells(config, _DTYPE.value, measure=False)
-  print(render(config, table, _DTYPE.value))
+  tools.no_arguments(argv)
+  config = FLAGS.config
+  table = measure(config, FLAGS.dtype) if FLAGS.measure else cells(config, FLAGS.dtype, measure=False)
+  print(render(config, table, FLAGS.dtype))
 
 
 if __name__ == '__main__':
-  flags.mark_flag_as_required('config')
+  define_flags()
   app.run(main)

@@ -1,38 +1,32 @@
 """Time training steps: tokens/s, achieved FLOP/s and MFU against the device's peak.
 
-    python tools/bench.py --config=configs/llama_tiny.py
-    python tools/bench.py --config=configs/llama_50m.py --steps=5 --warmup=2
+    python -m tools.bench --config=configs/llama_tiny.py
+    python -m tools.bench --config=configs/llama_50m.py --steps=5 --warmup=2
 
 Warm-up steps are excluded; the figure is the median of the timed steps. The peak is the
 datasheet bf16 dense figure on CUDA and a measured 2048^3 matmul elsewhere (printed), per
 process; MFU divides by peak x world size. Under torchrun every rank prints its view:
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 tools/bench.py \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m tools.bench \
         --config=configs/llama_tiny.py --config.distributed_strategy.tensor_model_parallel_size=2
 """
 import os
 import resource
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
+from ml_collections import config_flags
+import torch
 
-from absl import app, flags  # pylint: disable=wrong-import-position
-from ml_collections import config_flags  # pylint: disable=wrong-import-position
-import torch  # pylint: disable=wrong-import-position
+import tools
+from configs import validate
+from data.loader import Loader
+from model import transformer
+from optim import update
+from parallel import device as devices, mesh as meshes, tensor, training
 
-from configs import validate  # pylint: disable=wrong-import-position
-from data.loader import Loader  # pylint: disable=wrong-import-position
-from model import transformer  # pylint: disable=wrong-import-position
-from optim import update  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, tensor, training  # pylint: disable=wrong-import-position
-
-# train.py defines --config too (a test process imports both): this definition replaces that one.
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
-                                          allow_override=True)
-_STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps.')
-_WARMUP = flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
+FLAGS = flags.FLAGS
 
 
 def bench(config, steps, warmup):
@@ -64,17 +58,24 @@ def bench(config, steps, warmup):
           'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def define_flags():
+  config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).')
+  flags.mark_flag_as_required('config')
+  flags.DEFINE_integer('steps', 10, 'Timed steps.')
+  flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
+
+
 def main(argv):
-  del argv
-  r = bench(_CONFIG.value, _STEPS.value, _WARMUP.value)
+  tools.no_arguments(argv)
+  r = bench(FLAGS.config, FLAGS.steps, FLAGS.warmup)
   print(f"{r['name']}: {r['params']:,} params on {r['device']} ({r['threads']} threads), "
         f"{r['tokens_per_step']:,} tokens/step")
-  print(f"  step time (median of {_STEPS.value}) {r['step_time'] * 1e3:.1f} ms | "
+  print(f"  step time (median of {FLAGS.steps}) {r['step_time'] * 1e3:.1f} ms | "
         f"{r['tokens_per_sec']:,.0f} tokens/s | {r['flops'] / 1e9:.1f} GFLOP/s achieved")
   print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s per process ({r['peak_source']}) | "
         f"MFU {100 * r['mfu']:.1f}% | {r['mesh']} | peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
 
 
 if __name__ == '__main__':
-  flags.mark_flag_as_required('config')
+  define_flags()
   app.run(main)

@@ -1,21 +1,24 @@
 """Measure checkpoint save/load on this machine (one process):
 
-    python -m checkpoint.bench [--mb=200] [--dir=/tmp/x]
+    python -m tools.bench_checkpoint [--mb=200] [--dir=/tmp/x]
 
 Prints save and load throughput, how long save() blocks (sync vs async), peak extra host
 memory during a save (RSS sampled by a thread, above the RSS before save()), and the files
 per checkpoint with per-rank OCDBT databases vs one file per chunk (plain `file` kvstore).
 """
-import argparse
 import os
 import tempfile
 import threading
 import time
 
+from absl import app, flags
 import tensorstore as ts
 import torch
 
+import tools
 from checkpoint import manager, storage, store
+
+FLAGS = flags.FLAGS
 
 
 def llama_like_arrays(total_mb):
@@ -79,13 +82,15 @@ def plain_file_count(path, arrays, layout):
   return count_files(path)
 
 
-def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument('--mb', type=int, default=200)
-  parser.add_argument('--dir', default=None)
-  args = parser.parse_args()
-  root = args.dir or tempfile.mkdtemp(prefix='ckpt_bench_')
-  arrays, nbytes = llama_like_arrays(args.mb)
+def define_flags():
+  flags.DEFINE_integer('mb', 200, 'MiB of arrays to save and load.')
+  flags.DEFINE_string('dir', None, 'Write the checkpoints here (default: a new temporary directory).')
+
+
+def main(argv):
+  tools.no_arguments(argv)
+  root = FLAGS.dir or tempfile.mkdtemp(prefix='ckpt_bench_')
+  arrays, nbytes = llama_like_arrays(FLAGS.mb)
   layout, mb = full_layout(arrays), nbytes / 2**20
   print(f'{len(arrays)} arrays, {mb:.0f} MiB, in {root}')
 
@@ -128,4 +133,5 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

@@ -1,7 +1,7 @@
 """flatron against Hugging Face on the same model, side by side in one process, and the ceiling.
 
-    python tools/bench_hf.py                        # the 32M Llama of issue 18, fp32 / mixed / bf16
-    python tools/bench_hf.py --precisions=fp32 --steps=3
+    python -m tools.bench_hf                        # the 32M Llama of issue 18, fp32 / mixed / bf16
+    python -m tools.bench_hf --precisions=fp32 --steps=3
 
 Both sides train the same Llama (transformers' LlamaForCausalLM with torch.optim.AdamW, and
 flatron's loop step), from the same weights, on the same token batches, steps interleaved
@@ -13,25 +13,23 @@ It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of p
 gradients + optimizer state each side holds and the process's peak RSS (both sides together), then the ceiling: the step's GEMMs and attention
 alone (forward and backward, timed one by one), and the fraction of it each side reaches.
 """
-import argparse
 import os
 import resource
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault('HF_HUB_OFFLINE', '1')
+from absl import app, flags
+import torch
+import torch.nn.functional as F
 
-import torch  # pylint: disable=wrong-import-position
-import torch.nn.functional as F  # pylint: disable=wrong-import-position
+import tools
+from configs import llama_tiny
+from data.loader import Loader
+from model import hf, transformer
+from optim import optimizers, schedules, update
+from parallel import device as devices, mesh as meshes, tensor, training
 
-from configs import llama_tiny  # pylint: disable=wrong-import-position
-from data.loader import Loader  # pylint: disable=wrong-import-position
-from model import hf, transformer  # pylint: disable=wrong-import-position
-from optim import optimizers, schedules, update  # pylint: disable=wrong-import-position
-from parallel import device as devices, mesh as meshes, tensor, training  # pylint: disable=wrong-import-position
-
+FLAGS = flags.FLAGS
 RECIPES = {'fp32': 'fp32', 'mixed': 'mixed_precision', 'bf16': 'bf16SR'}
 
 
@@ -51,6 +49,7 @@ def bench_config(precision):
 
 
 def hf_model(config, params, precision):
+  os.environ.setdefault('HF_HUB_OFFLINE', '1')     # read when transformers is first imported
   import transformers  # pylint: disable=import-outside-toplevel
   hf_config = transformers.LlamaConfig(**{k: v for k, v in hf.config_to_hf(config.model).items()
                                           if k not in ('architectures', 'model_type')})
@@ -156,21 +155,23 @@ def run(precision, steps, warmup, config=None):
   return result
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--precisions', default='fp32,mixed,bf16')
-  parser.add_argument('--steps', type=int, default=5)
-  parser.add_argument('--warmup', type=int, default=2)
-  parser.add_argument('--threads', type=int, default=2)
-  args = parser.parse_args()
-  torch.set_num_threads(args.threads)
+def define_flags():
+  tools.define_list_of('precisions', list(RECIPES), RECIPES, 'Precisions to compare, in order')
+  flags.DEFINE_integer('steps', 5, 'Timed steps per side.')
+  flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps per side.')
+  flags.DEFINE_integer('threads', 2, 'torch threads.')
+
+
+def main(argv):
+  tools.no_arguments(argv)
+  torch.set_num_threads(FLAGS.threads)
   peak = devices.measured_matmul_flops(torch.device('cpu'), n=2048)
-  print(f'{args.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s', flush=True)
+  print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s', flush=True)
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
         ' ceiling tok/s (GEMM + attention) | flatron / ceiling | process peak RSS MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
-  for precision in args.precisions.split(','):
-    r = run(precision, args.steps, args.warmup)
+  for precision in FLAGS.precisions:
+    r = run(precision, FLAGS.steps, FLAGS.warmup)
     config = r['config']
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
@@ -187,4 +188,5 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

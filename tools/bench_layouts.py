@@ -1,7 +1,7 @@
 """Multi-rank efficiency: each 2-process layout against 1 process at equal total threads.
 
-    python tools/bench_layouts.py                      # dp2, tp2, pp2 (1F1B) and pp2 with deallocated outputs
-    python tools/bench_layouts.py --layouts=dp2,pp2 --steps=3
+    python -m tools.bench_layouts                      # dp2, tp2, pp2 (1F1B) and pp2 with deallocated outputs
+    python -m tools.bench_layouts --layouts=dp2,pp2 --steps=3
 
 Runs tools/bench.py once in one process with 2 threads, then under torchrun with 2
 processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
@@ -9,13 +9,17 @@ peak RSS per rank, and for pipelines the measured bubble (1 - efficiency) beside
 formula (p - 1) / (m + p - 1) for p stages and m micro batches. Every process is killed
 (its process group) if the bench fails or times out.
 """
-import argparse
 import os
 import re
 import signal
 import subprocess
 import sys
 
+from absl import app, flags
+
+import tools
+
+FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGY = '--config.distributed_strategy.'
 LAYOUTS = {
@@ -49,27 +53,32 @@ def _run(cmd, env, timeout):
   return min(tok), max(rss)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--config', default='configs/llama_tiny.py')
-  parser.add_argument('--layouts', default='dp2,tp2,tp2_sp,pp2,pp2_dealloc')
-  parser.add_argument('--steps', type=int, default=5)
-  parser.add_argument('--warmup', type=int, default=2)
-  parser.add_argument('--timeout', type=int, default=900)
-  args = parser.parse_args()
-  flags = [f'--config={args.config}', f'--steps={args.steps}', f'--warmup={args.warmup}'] + MODEL
-  bench = os.path.join('tools', 'bench.py')
-  one, one_rss = _run([sys.executable, bench] + flags, dict(os.environ, OMP_NUM_THREADS='2'), args.timeout)
+def define_flags():
+  flags.DEFINE_string('config', 'configs/llama_tiny.py', 'Config file for tools/bench.py (MODEL resizes it).')
+  tools.define_list_of('layouts', ['dp2', 'tp2', 'tp2_sp', 'pp2', 'pp2_dealloc'], LAYOUTS, 'Layouts to run')
+  flags.DEFINE_integer('steps', 5, 'Timed steps.')
+  flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps.')
+  flags.DEFINE_integer('timeout', 900, 'Seconds each bench may take before its processes are killed.')
+
+
+def main(argv):
+  tools.no_arguments(argv)
+  bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + MODEL
+  bench = ['-m', 'tools.bench']
+  one, one_rss = _run([sys.executable, *bench] + bench_flags, dict(os.environ, OMP_NUM_THREADS='2'),
+                      FLAGS.timeout)
   print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB')
   print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | bubble measured | 1F1B formula |')
   print('|---|---|---|---|---|---|')
   micro = 16 // 2                  # MODEL's global batch / micro batch: the pipeline's m
-  for name in args.layouts.split(','):
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', bench]
-    tok, rss = _run(cmd + flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'), args.timeout)
+  for name in FLAGS.layouts:
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *bench]
+    tok, rss = _run(cmd + bench_flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'),
+                    FLAGS.timeout)
     bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
     print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | {bubble} |', flush=True)
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

@@ -1,9 +1,9 @@
 """Hugging Face Llama directory <-> flatron checkpoint, and LoRA adapters <-> peft, bit-exact.
 
-    python tools/convert.py hf-to-flatron --src=/models/llama --dst=runs/ft/checkpoints
-    python tools/convert.py flatron-to-hf --src=runs/ft/checkpoints/step_00001000 --dst=/models/out
-    python tools/convert.py export-peft --src=runs/lora/checkpoints/step_00000100 --dst=/adapters/mine
-    python tools/convert.py merge-peft --src=/adapters/mine --base=/models/llama --dst=/models/merged
+    python -m tools.convert hf-to-flatron --src=/models/llama --dst=runs/ft/checkpoints
+    python -m tools.convert flatron-to-hf --src=runs/ft/checkpoints/step_00001000 --dst=/models/out
+    python -m tools.convert export-peft --src=runs/lora/checkpoints/step_00000100 --dst=/adapters/mine
+    python -m tools.convert merge-peft --src=/adapters/mine --base=/models/llama --dst=/models/merged
 
 A converted checkpoint is step 0 with parameters only; train from it with
 `--config.exp_manager.init_from=<dst>/step_00000000` (or point init_from at the HF directory
@@ -14,22 +14,18 @@ merge-peft folds any peft LoRA directory into its HF base.
 """
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=wrong-import-position
+import tools
+from checkpoint import manager as managers, state as states, steps as checkpoint_steps
+from configs import base as base_config
+from data import tokenizer as tokenizers
+from model import adapters, hf, lora
+from optim import update
+from parallel import mesh as meshes
 
-from checkpoint import manager as managers, state as states, steps as checkpoint_steps  # pylint: disable=wrong-import-position
-from configs import base as base_config  # pylint: disable=wrong-import-position
-from data import tokenizer as tokenizers  # pylint: disable=wrong-import-position
-from model import adapters, hf, lora  # pylint: disable=wrong-import-position
-from optim import update  # pylint: disable=wrong-import-position
-from parallel import mesh as meshes  # pylint: disable=wrong-import-position
-
-_SRC = flags.DEFINE_string('src', None, 'HF directory, flatron checkpoint step, or peft directory (merge-peft).')
-_DST = flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron), HF directory, or peft directory.')
-_BASE = flags.DEFINE_string('base', None, 'merge-peft: the HF directory of the adapter\'s base model.')
+FLAGS = flags.FLAGS
 COMMANDS = ('hf-to-flatron', 'flatron-to-hf', 'export-peft', 'merge-peft')
 
 
@@ -108,19 +104,43 @@ def merge_peft(src, base, dst):
   return carry_tokenizer(dst, base)
 
 
+def define_flags():
+  flags.DEFINE_string('src', None, 'HF directory, flatron checkpoint step, or peft directory (merge-peft).')
+  flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron), HF directory, or peft directory.')
+  flags.DEFINE_string('base', None, 'merge-peft: the HF directory of the adapter\'s base model.')
+
+
+def check_command_line(argv, src, dst, base):
+  """The subcommand named by argv (the program, then it); exits with one line saying what to
+  fix when the command line cannot run."""
+  usage = f'python -m tools.convert {{{"|".join(COMMANDS)}}} --src=... --dst=... (merge-peft: --base=...)'
+  if len(argv) < 2:
+    tools.fail(f'name a subcommand, then its flags: {usage}')
+  command = argv[1]
+  if command not in COMMANDS:
+    tools.fail(f'unknown subcommand {command!r}; the subcommands are {", ".join(COMMANDS)}')
+  if len(argv) > 2:
+    tools.fail(f'unexpected arguments {" ".join(argv[2:])}: one subcommand, then flags: {usage}')
+  if not (src and dst):
+    tools.fail(f'{command} needs --src and --dst: {usage}')
+  if (command == 'merge-peft') != bool(base):
+    tools.fail('merge-peft needs --base (the adapter\'s HF base model)' if command == 'merge-peft'
+               else f'--base is for merge-peft only; leave it out of {command}')
+  return command
+
+
 def main(argv):
-  if len(argv) != 2 or argv[1] not in COMMANDS or not (_SRC.value and _DST.value) or \
-      (argv[1] == 'merge-peft') != bool(_BASE.value):
-    raise app.UsageError(f'usage: convert.py {"|".join(COMMANDS)} --src=... --dst=... (merge-peft: --base=...)')
-  if argv[1] == 'hf-to-flatron':
-    print(hf_to_flatron(_SRC.value, _DST.value))
+  command = check_command_line(argv, FLAGS.src, FLAGS.dst, FLAGS.base)
+  if command == 'hf-to-flatron':
+    print(hf_to_flatron(FLAGS.src, FLAGS.dst))
     return
-  if argv[1] == 'merge-peft':
-    carried = merge_peft(_SRC.value, _BASE.value, _DST.value)
+  if command == 'merge-peft':
+    carried = merge_peft(FLAGS.src, FLAGS.base, FLAGS.dst)
   else:
-    carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[argv[1]](_SRC.value, _DST.value)
-  print(f'{_DST.value} (with {carried})')
+    carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[command](FLAGS.src, FLAGS.dst)
+  print(f'{FLAGS.dst} (with {carried})')
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)

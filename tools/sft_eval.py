@@ -1,8 +1,8 @@
 """Score a fine-tune on held-out SFT records: greedy replies against the references, as NxD
 Training's examples/sft_evaluation/ does (exact match, ROUGE-L, BLEU).
 
-    python tools/sft_eval.py --model=runs/sft/checkpoints --data=.data/chitchat/val.jsonl
-    python tools/sft_eval.py --model=.data/models/smollm2-135m-instruct --model=runs/sft/checkpoints \
+    python -m tools.sft_eval --model=runs/sft/checkpoints --data=.data/chitchat/val.jsonl
+    python -m tools.sft_eval --model=.data/models/smollm2-135m-instruct --model=runs/sft/checkpoints \
         --data=.data/chitchat/val.jsonl --limit=32 --out=runs/sft/sft_eval.json    # before | after
 
 Each --model (a flatron checkpoint step, a checkpoint directory - its newest committed step -
@@ -23,17 +23,18 @@ and per model its metrics and each record's {prompt, reference, reply, exact, ro
 The tokenizer is the model's own (an HF directory's, or the run's data.tokenizer) unless
 --tokenizer_dir names an HF directory; it applies to every --model.
 """
-import argparse
 import json
 import os
 import sys
 import typing
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from data import sft_records  # noqa: E402  pylint: disable=wrong-import-position
-from data.errors import DataError  # noqa: E402  pylint: disable=wrong-import-position
+import tools
+from data import sft_records
+from data.errors import DataError
 
+FLAGS = flags.FLAGS
 INSTALL = 'pip install rouge-score sacrebleu (both are in requirements.txt)'
 LOG_EVERY = 16
 
@@ -197,22 +198,26 @@ def run(models, data, limit=None, max_new_tokens=64, tokenizer_dir=None, out=Non
   return results
 
 
-def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--model', action='append', required=True,
-                 help='a checkpoint step or directory, or an HF model directory; repeat for one column each')
-  p.add_argument('--data', required=True, help='SFT records: .jsonl/.json/.arrow (e.g. .data/chitchat/val.jsonl)')
-  p.add_argument('--limit', type=int, help='evaluate the first N records (default: all)')
-  p.add_argument('--max_new_tokens', type=int, default=64)
-  p.add_argument('--tokenizer_dir', help='an HF directory with tokenizer.json (default: each model\'s)')
-  p.add_argument('--out', help='write the metrics and per-record replies as JSON here')
-  args = p.parse_args(argv)
+def define_flags():
+  flags.DEFINE_multi_string('model', None, 'A checkpoint step or directory, or an HF model directory; repeat for '
+                            'one column each.')
+  flags.DEFINE_string('data', None, 'SFT records: .jsonl/.json/.arrow (e.g. .data/chitchat/val.jsonl).')
+  flags.DEFINE_integer('limit', None, 'Evaluate the first N records (default: all).')
+  flags.DEFINE_integer('max_new_tokens', 64, 'Tokens to generate at most per reply.')
+  flags.DEFINE_string('tokenizer_dir', None, 'An HF directory with tokenizer.json (default: each model\'s).')
+  flags.DEFINE_string('out', None, 'Write the metrics and per-record replies as JSON here.')
+  flags.mark_flags_as_required(['model', 'data'])
+
+
+def main(argv):
+  tools.no_arguments(argv)
   from checkpoint import store  # pylint: disable=import-outside-toplevel
   try:
-    return run(args.model, args.data, args.limit, args.max_new_tokens, args.tokenizer_dir, args.out)
+    run(FLAGS.model, FLAGS.data, FLAGS.limit, FLAGS.max_new_tokens, FLAGS.tokenizer_dir, FLAGS.out)
   except (ValueError, MissingLibrary, store.CheckpointError, FileNotFoundError) as e:   # DataError too
     raise SystemExit(f'error: {e}') from None
 
 
 if __name__ == '__main__':
-  main()
+  define_flags()
+  app.run(main)
