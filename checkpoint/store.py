@@ -17,7 +17,7 @@ two processes ever write the same file), then rank 0 merges them by reference
 (`experimental_copy_range_to`, no data copied). A checkpoint is then ~3 files per writing rank
 (manifest, B+tree data, chunk data; data files roll over at 2 GiB) plus ~2 for the root,
 whatever the number of arrays and chunks. The plain `file` kvstore makes one file per chunk
-plus one per array: measured by checkpoint/bench.py for 44 arrays / 200 MiB, 8 array files
+plus one per array: measured by tools/bench_checkpoint.py for 44 arrays / 200 MiB, 8 array files
 (10 with metadata.json and COMMITTED) vs 116 with 1 writer; 4 writers: 20 files in all.
 Remote stores work the same (tested on S3 through moto); OCDBT there also saves requests.
 

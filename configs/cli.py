@@ -7,16 +7,25 @@ import os
 from ml_collections import config_dict
 
 NOT_MODELS = ('__init__.py', 'base.py', 'cli.py', 'from_files.py', 'presets.py', 'validate.py', 'yaml_config.py',
-              'nxdt.py', 'nxdt_keys.py')  # nxdt.py needs a YAML: --config=configs/nxdt.py:file.yaml
+              'nxd_yaml.py', 'nxd_yaml_keys.py', 'nxdt.py')  # nxd_yaml.py needs a YAML: --config=configs/nxd_yaml.py:file.yaml
 
 
-def flat_keys(config, prefix=''):
-  """Every leaf key of a ConfigDict as a dotted path."""
-  out = []
-  for key, value in config.items():
+def flatten(tree, prefix='', leaves=()) -> dict:
+  """{dotted path: value} of every leaf of nested dicts or ConfigDicts; an empty section and
+  the paths in `leaves` are leaves themselves."""
+  out = {}
+  for key, value in tree.items():
     path = f'{prefix}{key}'
-    out += flat_keys(value, path + '.') if isinstance(value, config_dict.ConfigDict) else [path]
+    if isinstance(value, (dict, config_dict.ConfigDict)) and value and path not in leaves:
+      out.update(flatten(value, path + '.', leaves))
+    else:
+      out[path] = value
   return out
+
+
+def flat_keys(config):
+  """Every leaf key of a ConfigDict as a dotted path."""
+  return list(flatten(config))
 
 
 def load(spec):

@@ -1,6 +1,6 @@
 """A 56M-parameter Llama (8 layers, h 512, GQA 8/4, vocab 32000): the CPU benchmark size.
 
-    python tools/bench.py --config=configs/llama_50m.py
+    python -m tools.bench --config=configs/llama_50m.py
     python train.py --config=configs/llama_50m.py --workdir=runs/l50m
 
 Large enough that matmuls dominate on a CPU, small enough for a laptop.

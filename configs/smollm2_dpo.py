@@ -2,9 +2,9 @@
 `make dpo`.
 
     make dpo
-    python tools/dpo_demo.py > .data/dpo_args     # or by hand
+    python -m tools.dpo_demo > .data/dpo_args     # or by hand
     python train.py --config=configs/smollm2_dpo.py --workdir=runs/dpo $(cat .data/dpo_args)
-    python tools/dpo_demo.py --report runs/dpo
+    python -m tools.dpo_demo --report runs/dpo
 
 The policy is the base plus rank-16 LoRA adapters; the reference is the same base with the
 adapters switched off, so DPO costs no memory for a second model. Each row holds one pair

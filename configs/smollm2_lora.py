@@ -6,7 +6,7 @@
 configs/smollm2_sft.py with the base frozen and rank-16 adapters on every linear layer
 (model_alignment_strategy.peft, NxD Training's keys). Checkpoints hold the adapters and their
 optimizer state only; the base comes from exp_manager.init_from on resume, and
-`tools/convert.py export-peft` hands the adapter to peft as it is.
+`python -m tools.convert export-peft` hands the adapter to peft as it is.
 """
 from configs import presets, smollm2_sft
 

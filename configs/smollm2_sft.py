@@ -2,9 +2,9 @@
 conversations: the `make sft` demo.
 
     make sft                                         # fetches model + data, fine-tunes, reports
-    python tools/sft_demo.py > .data/sft_args        # or by hand: prepare, then
+    python -m tools.sft_demo > .data/sft_args        # or by hand: prepare, then
     python train.py --config=configs/smollm2_sft.py --workdir=runs/sft $(cat .data/sft_args)
-    python tools/sft_demo.py --report runs/sft       # held-out loss and replies, before and after
+    python -m tools.sft_demo --report runs/sft       # held-out loss and replies, before and after
 
 The architecture comes from the model's own config.json (`model_source=hf`) and the weights
 from its directory (`exp_manager.init_from`); records are chat messages rendered with the

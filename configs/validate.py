@@ -27,12 +27,13 @@ def check(config, world_size=1) -> list:
   problems = _check_run(config) + loader.check_epochs(config)
   problems += model_checks.check(model, config.data.seq_length) + remat.check(model) + _check_optim(config)
   sizes = meshes.check_sizes(strategy)
-  if sizes:                   # the layout checks and dp divide by them; the later sections wait for a fix
-    return problems + sizes
-  problems += (meshes.check(strategy, world_size) + tensor.check(model, strategy, config.data.seq_length)
-               + pipeline.check(model.num_layers, strategy))
-  dp = max(1, world_size // (strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size))
-  problems += loader.check(config, dp)
+  if sizes:                   # the layout checks and the batch check divide by the degrees: they wait for a fix
+    problems += sizes
+  else:
+    problems += (meshes.check(strategy, world_size) + tensor.check(model, strategy, config.data.seq_length)
+                 + pipeline.check(model.num_layers, strategy))
+    dp = max(1, world_size // (strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size))
+    problems += loader.check(config, dp)
   problems += lora.check(config.model_alignment_strategy.peft) + objectives.check(config)
   return problems + precision.check(config.precision) + checkpoint_steps.check(config)
 

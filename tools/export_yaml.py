@@ -1,11 +1,11 @@
-"""A flatron config written as NxD Training YAML (the other way: configs/nxdt.py reads it).
+"""A flatron config written as NxD Training YAML (the other way: configs/nxd_yaml.py reads it).
 
     python -m tools.export_yaml --config=configs/llama7b.py > llama7b.yaml
     python -m tools.export_yaml --config=configs/smollm2_lora.py --config.trainer.max_steps=50 --out=lora.yaml
 
 Every key lands at its NxD Training place and name (e.g. data.seq_length also as
 model.encoder_seq_length, model.optim.do_layer_norm_weight_decay as model.do_layer_norm_weight_decay);
-flatron's own keys keep their paths, so `--config=configs/nxdt.py:llama7b.yaml` gives back the
+flatron's own keys keep their paths, so `--config=configs/nxd_yaml.py:llama7b.yaml` gives back the
 same config.
 """
 import sys
@@ -14,7 +14,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import tools
-from configs import nxdt
+from configs import nxd_yaml
 
 FLAGS = flags.FLAGS
 
@@ -27,7 +27,7 @@ def define_flags():
 
 def main(argv):
   tools.no_arguments(argv)
-  text = nxdt.to_yaml(FLAGS.config)
+  text = nxd_yaml.to_yaml(FLAGS.config)
   if FLAGS.out:
     with open(FLAGS.out, 'w', encoding='utf-8') as f:
       f.write(text)

@@ -11,7 +11,7 @@ expanded here: node[001-004,007] -> node001; no scontrol needed):
   #SBATCH --ntasks-per-node=1          # one launcher per node; torchrun starts the 32 ranks
   #SBATCH --exclusive
   srun python -m tools.launch --nproc_per_node=32 -- \\
-      train.py --config=configs/nxdt.py:my.yaml --workdir=runs/my
+      train.py --config=configs/nxd_yaml.py:my.yaml --workdir=runs/my
 
 OpenMPI (MPI on EKS sets MASTER_ADDR itself; elsewhere export it to every node with -x):
 

@@ -1,10 +1,10 @@
-"""Where every NxD Training key goes in flatron: the table configs/nxdt.py applies.
+"""Where every NxD Training key goes in flatron: the table configs/nxd_yaml.py applies.
 
 `RULES` holds the keys whose flatron place or meaning differs: renamed (with a conversion),
 or not applicable here (with the reason, and the values that mean what flatron does anyway;
 any other value is an error). A key at the same path in configs/base.py maps to itself and
 needs no entry. `DOCUMENTED` lists the keys of NxD Training's "YAML Configuration Settings"
-page and example configs; `table()` is the README's side-by-side table of them.
+page and example configs; `table()` is docs/nxd-migration.md's side-by-side table of them.
 """
 import dataclasses
 from typing import Any, Callable, Optional
@@ -126,7 +126,7 @@ RULES = {
     'model.optim.capturable': _na('set by the device: capturable on XLA, not elsewhere', True, False),
     'model_alignment_strategy.peft.lora_verbose': _na('the start-up summary always shows the adapters', True, False),
     'model_alignment_strategy.peft.save_lora_config_adapter': _na(
-        'adapters are saved with their config; tools/convert.py export-peft writes a peft directory', True, False),
+        'adapters are saved with their config; python -m tools.convert export-peft writes a peft directory', True, False),
     'model_alignment_strategy.peft.merge_sharded_lora': _na('checkpoints are layout-free: adapters are never '
                                                             'sharded on disk', True, False),
 }
@@ -239,7 +239,7 @@ def missing_feature(key, value=None):
 
 
 def lacks() -> str:
-  """The README's list of what a migrating user still lacks: each missing feature, its keys
+  """docs/nxd-migration.md's list of what a migrating user still lacks: each missing feature, its keys
   and the example files that need it."""
   return '\n'.join(f'- **{feature}**: ' + ', '.join(f'`{k}*`' if k.endswith('.') else f'`{k}`' for k, _ in keys)
                    for feature, keys in MISSING_FEATURES.items())
@@ -269,7 +269,7 @@ def describe(key):
 
 
 def table() -> str:
-  """The README's side-by-side table of every documented NxD key."""
+  """docs/nxd-migration.md's side-by-side table of every documented NxD key."""
   rows = ['| NxD Training key | flatron key | note |', '|---|---|---|']
   for key in DOCUMENTED:
     target, note = describe(key)

@@ -1,4 +1,4 @@
-"""configs/nxdt.py: NxD Training YAML -> flatron config, the report of keys not honoured, the
+"""configs/nxd_yaml.py: NxD Training YAML -> flatron config, the report of keys not honoured, the
 export back to YAML; the 22 example configs of NxD Training 2.26 load (those needing MoE or
 context parallelism refused in one line), seven train 3 steps with size and data overrides only,
 and --dry_run checks a file without touching anything."""
@@ -11,12 +11,12 @@ import numpy as np
 
 import pytest
 
-from configs import base, from_files, llama3_8b, llama7b, llama_tiny, nxdt, nxdt_keys, smollm2_lora, smollm2_sft
+from configs import base, from_files, llama3_8b, llama7b, llama_tiny, nxd_yaml, nxd_yaml_keys, smollm2_lora, smollm2_sft
 from model import hf
 from tests import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'nxdt')
+FIXTURES = os.path.join(ROOT, 'tests', 'fixtures', 'nxd_yaml')
 CURRENT = os.path.join(FIXTURES, '2.26')       # the keys and values of SDK 2.26's examples/conf
 RELEASE = sorted(os.listdir(CURRENT))
 # fixture -> (the hand-written config it mirrors, the config.json both read their architecture from)
@@ -50,7 +50,7 @@ def _with_architecture(config, config_json):
 @pytest.mark.parametrize('name', sorted(MIRRORS))
 def test_each_example_maps_to_the_hand_written_config(name):
   module, config_json = MIRRORS[name]
-  mapped = nxdt.load(fixture(name))
+  mapped = nxd_yaml.load(fixture(name))
   expected = module.get_config()
   if config_json:                              # the hand-written file is megatron-sourced for llama3_8b
     assert mapped.config.model_source == 'hf'
@@ -60,20 +60,20 @@ def test_each_example_maps_to_the_hand_written_config(name):
 
 @pytest.mark.parametrize('name', sorted(MIRRORS))
 def test_every_key_of_an_example_is_honoured_or_reported_with_its_reason(name):
-  mapped = nxdt.load(fixture(name))
+  mapped = nxd_yaml.load(fixture(name))
   reported = {key for key, _, _ in mapped.not_honoured}
   assert all(reason for _, _, reason in mapped.not_honoured)
   from configs import yaml_config  # pylint: disable=import-outside-toplevel
-  keys = nxdt._flatten(yaml_config.read(fixture(name)))  # pylint: disable=protected-access
+  keys = nxd_yaml._flatten(yaml_config.read(fixture(name)))  # pylint: disable=protected-access
   for key in keys:
-    target, note = nxdt.describe(key)
+    target, note = nxd_yaml.describe(key)
     assert (key in reported) == (target == '—' or note.startswith('read only with')
                                  or key == 'model.encoder_seq_length' and key in reported), key
   assert 'trainer.devices' in reported and 'exp_manager.save_xser' in reported
 
 
 def test_the_sft_example_loads_weights_only_from_resume_from_checkpoint():
-  c = nxdt.load(fixture('smollm2_SFT_config.yaml')).config
+  c = nxd_yaml.load(fixture('smollm2_SFT_config.yaml')).config
   assert c.exp_manager.init_from == '.data/models/smollm2-135m-instruct'
   assert c.exp_manager.resume_from_checkpoint is None
   assert c.data.tokenizer.model == '.data/models/smollm2-135m-instruct/tokenizer.json'
@@ -82,7 +82,7 @@ def test_the_sft_example_loads_weights_only_from_resume_from_checkpoint():
 def test_unknown_keys_are_one_error_listing_all_with_did_you_mean(tmp_path):
   path = write_yaml(tmp_path, 'trainer:\n  max_stepz: 3\nmodel:\n  num_layer: 2\n  hidden_size: 64\nfoo: 1\n')
   with pytest.raises(ValueError) as e:
-    nxdt.load(path)
+    nxd_yaml.load(path)
   text = str(e.value)
   assert '3 key(s)' in text and 'foo' in text
   assert 'trainer.max_stepz (did you mean trainer.max_steps' in text
@@ -100,15 +100,15 @@ def test_unknown_keys_are_one_error_listing_all_with_did_you_mean(tmp_path):
 ])
 def test_values_flatron_cannot_honour_are_errors_naming_the_key(tmp_path, text, message):
   with pytest.raises(ValueError) as e:
-    nxdt.load(write_yaml(tmp_path, text))
+    nxd_yaml.load(write_yaml(tmp_path, text))
   assert message in str(e.value)
 
 
 def test_precision_knobs_are_read_only_with_type_manual(tmp_path):
   knobs = '  master_weights: True\n  xla_use_bf16: "1"\n  neuron_rt_stochastic_rounding_en: "1"\n'
-  manual = nxdt.load(write_yaml(tmp_path, 'precision:\n  type: manual\n' + knobs)).config.precision
+  manual = nxd_yaml.load(write_yaml(tmp_path, 'precision:\n  type: manual\n' + knobs)).config.precision
   assert (manual.parameter_dtype, manual.master_weights, manual.stochastic_rounding) == ('bf16', True, True)
-  mapped = nxdt.load(write_yaml(tmp_path, 'precision:\n  type: mixed_precision\n' + knobs, 'm.yaml'))
+  mapped = nxd_yaml.load(write_yaml(tmp_path, 'precision:\n  type: mixed_precision\n' + knobs, 'm.yaml'))
   assert mapped.config.precision.to_dict() == dict(base.get_config().precision.to_dict(), type='mixed_precision')
   assert {k for k, _, _ in mapped.not_honoured} == {'precision.master_weights', 'precision.xla_use_bf16',
                                                     'precision.neuron_rt_stochastic_rounding_en'}
@@ -117,24 +117,24 @@ def test_precision_knobs_are_read_only_with_type_manual(tmp_path):
 @pytest.mark.parametrize('module', [llama_tiny, llama7b, llama3_8b, smollm2_sft, smollm2_lora])
 def test_export_to_yaml_reads_back_to_the_same_config(tmp_path, module):
   config = module.get_config()
-  path = write_yaml(tmp_path, nxdt.to_yaml(config))
-  assert nxdt.load(path).config.to_dict() == config.to_dict()
+  path = write_yaml(tmp_path, nxd_yaml.to_yaml(config))
+  assert nxd_yaml.load(path).config.to_dict() == config.to_dict()
 
 
 def test_every_documented_key_is_honoured_or_not_applicable():
-  known = nxdt._known(base.get_config())  # pylint: disable=protected-access
-  for key in nxdt.DOCUMENTED:
-    target, note = nxdt.describe(key)
+  known = nxd_yaml._known(base.get_config())  # pylint: disable=protected-access
+  for key in nxd_yaml.DOCUMENTED:
+    target, note = nxd_yaml.describe(key)
     if target == '—':
       assert note.startswith(('not applicable: ', 'not yet: ')) and len(note) > 20, key
-      assert note.startswith('not applicable: ') or nxdt.missing_feature(key), key   # 'not yet': MoE and CP only
+      assert note.startswith('not applicable: ') or nxd_yaml.missing_feature(key), key   # 'not yet': MoE and CP only
     else:
       assert target.split(' ')[0] in known, (key, target)
 
 
 def test_the_readme_table_is_the_code_s():
   with open(os.path.join(ROOT, 'docs', 'nxd-migration.md'), encoding='utf-8') as f:
-    assert nxdt.table() in f.read(), 'docs/nxd-migration.md is out of date: paste configs.nxdt.table()'
+    assert nxd_yaml.table() in f.read(), 'docs/nxd-migration.md is out of date: paste configs.nxd_yaml.table()'
 
 
 def test_export_tool_writes_yaml_that_train_py_reads_back(tmp_path):
@@ -144,14 +144,14 @@ def test_export_tool_writes_yaml_that_train_py_reads_back(tmp_path):
   assert done.returncode == 0, done.stderr
   expected = llama7b.get_config()
   expected.trainer.max_steps = 7
-  assert nxdt.load(str(out)).config.to_dict() == expected.to_dict()
+  assert nxd_yaml.load(str(out)).config.to_dict() == expected.to_dict()
   assert 'encoder_seq_length: 4096' in out.read_text()
 
 
 def test_neuron_runtime_keys_are_reported_as_not_applicable_on_a_cpu_run(tmp_path):
   text = ("device: cpu\ncompiler_flags: '--model-type transformer'\ncompiler_cache_url: /home/ubuntu/neuron_cache\n"
           'neuron_rt_exec_timeout: 100\nbucket_size_collectives: 1024\n')
-  mapped = nxdt.load(write_yaml(tmp_path, text))
+  mapped = nxd_yaml.load(write_yaml(tmp_path, text))
   reasons = {k: why for k, _, why in mapped.not_honoured}
   assert set(reasons) == {'compiler_flags', 'compiler_cache_url', 'neuron_rt_exec_timeout'}
   assert 'NEURON_CC_FLAGS' in reasons['compiler_flags'] and 'cpu' in reasons['neuron_rt_exec_timeout']
@@ -160,7 +160,7 @@ def test_neuron_runtime_keys_are_reported_as_not_applicable_on_a_cpu_run(tmp_pat
 
 def test_an_unknown_tokenizer_key_is_named_too(tmp_path):
   with pytest.raises(ValueError, match='data.tokenizer.modle'):
-    nxdt.load(write_yaml(tmp_path, 'data:\n  tokenizer:\n    library: huggingface\n    modle: /x\n'))
+    nxd_yaml.load(write_yaml(tmp_path, 'data:\n  tokenizer:\n    library: huggingface\n    modle: /x\n'))
 
 
 # --- NxD Training 2.26's example configs ----------------------------------------------------
@@ -185,28 +185,28 @@ def test_the_fixtures_are_the_22_files_of_the_release():
 def test_every_file_of_the_current_release_loads_or_names_the_one_missing_feature(name):
   if needs(name):
     with pytest.raises(ValueError) as e:
-      nxdt.load(current(name))
+      nxd_yaml.load(current(name))
     assert len(str(e.value).splitlines()) == 1
     assert f'needs {needs(name)} (' in str(e.value) and 'which flatron does not have yet' in str(e.value)
     return
-  mapped = nxdt.load(current(name))
+  mapped = nxd_yaml.load(current(name))
   from configs import yaml_config  # pylint: disable=import-outside-toplevel
   reported = {key for key, _, _ in mapped.not_honoured}
-  for key in nxdt._flatten(yaml_config.read(current(name))):  # pylint: disable=protected-access
-    target, note = nxdt.describe(key)
+  for key in nxd_yaml._flatten(yaml_config.read(current(name))):  # pylint: disable=protected-access
+    target, note = nxd_yaml.describe(key)
     if target == '—' or note.startswith('read only with'):
       assert key in reported, key          # every key not honoured is in the printed table
 
 
 def test_the_readme_lists_what_a_migrating_user_still_lacks():
   with open(os.path.join(ROOT, 'docs', 'nxd-migration.md'), encoding='utf-8') as f:
-    assert nxdt.lacks() in f.read(), 'docs/nxd-migration.md is out of date: paste configs.nxdt.lacks()'
+    assert nxd_yaml.lacks() in f.read(), 'docs/nxd-migration.md is out of date: paste configs.nxd_yaml.lacks()'
   lacking = {needs(n) for n in RELEASE} - {None}
-  assert lacking == set(nxdt_keys.MISSING_FEATURES)     # each listed feature is still refused, and only those
+  assert lacking == set(nxd_yaml_keys.MISSING_FEATURES)     # each listed feature is still refused, and only those
 
 
 def test_current_release_keys_map_where_they_mean_something():
-  trn2 = nxdt.load(current('hf_llama3_70B_trn2_config.yaml'))
+  trn2 = nxd_yaml.load(current('hf_llama3_70B_trn2_config.yaml'))
   c = trn2.config
   assert c.distributed_strategy.pipeline_cuts == (19, 40, 61)          # model.layers.18 ends stage 0
   assert c.model.activations_checkpoint_recompute == ('norm', 'activation')   # LlamaRMSNorm, ActivationMultiplyMLP
@@ -215,26 +215,26 @@ def test_current_release_keys_map_where_they_mean_something():
   assert {'trainer.lnc', 'trainer.sequential_move_factor',
           'exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt'} <= set(reasons)
   assert 'fp32 masters' in reasons['exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt']
-  assert nxdt.load(current('megatron_mistral_config.yaml')).config.model.sliding_window == 4096
-  assert 'model.transpose_nki_inputs' in {k for k, _, _ in nxdt.load(current('hf_llama3_8B_SFT_config.yaml')).not_honoured}
-  gpt = nxdt.load(current('megatron_gpt_config.yaml')).config
+  assert nxd_yaml.load(current('megatron_mistral_config.yaml')).config.model.sliding_window == 4096
+  assert 'model.transpose_nki_inputs' in {k for k, _, _ in nxd_yaml.load(current('hf_llama3_8B_SFT_config.yaml')).not_honoured}
+  gpt = nxd_yaml.load(current('megatron_gpt_config.yaml')).config
   assert (gpt.data.tokenizer.type, gpt.model.vocab_size) == ('gpt2', 0)   # 0: the tokenizer's, at start-up
 
 
 @pytest.mark.parametrize('section, objective', [('dpo', 'dpo'), ('orpo', 'orpo')])
 def test_a_preference_section_selects_its_objective(tmp_path, section, objective):
-  assert nxdt.load(current(f'hf_llama3_8B_{section.upper()}_config.yaml')).config.model.objective == objective
+  assert nxd_yaml.load(current(f'hf_llama3_8B_{section.upper()}_config.yaml')).config.model.objective == objective
   both = 'model_alignment_strategy:\n  dpo: {kl_beta: 0.1}\n  orpo: {beta: 0.1}\n'
   with pytest.raises(ValueError, match='both dpo and orpo sections'):
-    nxdt.load(write_yaml(tmp_path, both))
+    nxd_yaml.load(write_yaml(tmp_path, both))
   clash = f'model:\n  objective: next_token\nmodel_alignment_strategy:\n  {section}: {{}}\n'
   with pytest.raises(ValueError, match=f"model.objective='next_token' but the file has a model_alignment_strategy.{section}"):
-    nxdt.load(write_yaml(tmp_path, clash, 'clash.yaml'))
+    nxd_yaml.load(write_yaml(tmp_path, clash, 'clash.yaml'))
 
 
 def test_megatron_library_with_a_path_is_an_hf_tokenizer(tmp_path):
   text = 'data:\n  tokenizer:\n    library: megatron\n    type: /models/llama_tokenizer\n'
-  t = nxdt.load(write_yaml(tmp_path, text)).config.data.tokenizer
+  t = nxd_yaml.load(write_yaml(tmp_path, text)).config.data.tokenizer
   assert (t.type, t.model) == ('huggingface', '/models/llama_tokenizer/tokenizer.json')
 
 
@@ -285,7 +285,7 @@ TRAINS = {    # the seven named by the issue: size overrides, and data the tests
 def test_the_current_release_files_train_3_steps_with_size_and_data_overrides_only(tmp_path, name):
   paths = _assets(tmp_path)
   overrides = [flag.format(**paths) for flag in SIZE + TRAINS[name]]
-  out = procs.run([sys.executable, 'train.py', f'--config=configs/nxdt.py:{current(name)}',
+  out = procs.run([sys.executable, 'train.py', f'--config=configs/nxd_yaml.py:{current(name)}',
                    f'--workdir={tmp_path / "run"}', *overrides], timeout=240)
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'NxD Training keys not honoured here' in out.stderr and 'trainer.devices' in out.stderr
@@ -304,7 +304,7 @@ def test_dry_run_resolves_validates_and_prints_without_touching_the_workdir(tmp_
   paths = _assets(tmp_path)
   overrides = [flag.format(**paths) for flag in SIZE + TRAINS['hf_llama3_8B_SFT_lora_config.yaml']]
   workdir = tmp_path / 'never'
-  out = procs.run([sys.executable, 'train.py', f'--config=configs/nxdt.py:{current("hf_llama3_8B_SFT_lora_config.yaml")}',
+  out = procs.run([sys.executable, 'train.py', f'--config=configs/nxd_yaml.py:{current("hf_llama3_8B_SFT_lora_config.yaml")}',
                    f'--workdir={workdir}', '--dry_run', *overrides, '--config.data.global_batch_size=4'], timeout=120, env=dict(os.environ, WORLD_SIZE='4'))
   assert out.returncode == 0, out.stderr[-3000:]
   assert 'resolved flatron config:' in out.stdout and 'lora_rank: 16' in out.stdout
@@ -312,6 +312,12 @@ def test_dry_run_resolves_validates_and_prints_without_touching_the_workdir(tmp_
   assert '4 process(es) on cpu: dp=4 x pp=1 x tp=1' in out.stdout and 'memory/rank (estimate)' in out.stdout
   assert 'model 2 layers x hidden 64' in out.stdout and 'LoRA r=16' in out.stdout
   assert not workdir.exists()
-  bad = procs.run([sys.executable, 'train.py', f'--config=configs/nxdt.py:{current("hf_llama3_8B_SFT_config.yaml")}',
+  bad = procs.run([sys.executable, 'train.py', f'--config=configs/nxd_yaml.py:{current("hf_llama3_8B_SFT_config.yaml")}',
                    '--dry_run', *overrides, '--config.data.micro_batch_size=3'], timeout=120)
   assert bad.returncode == 2 and 'global_batch_size=2 is not divisible by micro_batch_size' in bad.stderr
+
+
+def test_the_first_name_of_the_module_still_loads_a_file():
+  from configs import nxdt  # pylint: disable=import-outside-toplevel
+  path = current('megatron_llama_7B_config.yaml')
+  assert nxdt.get_config(path).to_dict() == nxd_yaml.get_config(path).to_dict()
