@@ -21,7 +21,7 @@ import typing
 
 import torch
 
-from optim import optimizers
+from optim import optimizers, schedules
 from parallel import comm, grads as grad_ops, precision, zero
 
 
@@ -86,6 +86,11 @@ class Updater:
     if self.accumulate_fp32:
       return self.main_grads
     return {n: self.params[n].grad for n in self.trainable if self.params[n].grad is not None}
+
+  def lr(self, step):
+    """The learning rate of optimizer step `step` (counted from 0) under model.optim.sched."""
+    c = self.config
+    return schedules.lr_at(step, c.model.optim.sched, c.model.optim.lr, c.trainer.max_steps, c.model.hidden_size)
 
   def step(self, gradients, lr, step, loss=None):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.

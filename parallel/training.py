@@ -10,7 +10,6 @@ import math
 import torch
 
 from model import transformer
-from optim import schedules
 from parallel import grads, passes, pipeline, precision, tensor
 
 
@@ -22,8 +21,7 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp,
              bucket_bytes=updater.bucket_bytes)
-  lr = schedules.lr_at(step, config.model.optim.sched, config.model.optim.lr,
-                       config.trainer.max_steps, config.model.hidden_size)
+  lr = updater.lr(step)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss)
   lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)

@@ -26,7 +26,7 @@ import tools
 from configs import llama_tiny
 from data.loader import Loader
 from model import hf, transformer
-from optim import optimizers, schedules, update
+from optim import optimizers, update
 from parallel import device as devices, mesh as meshes, tensor, training
 
 FLAGS = flags.FLAGS
@@ -135,8 +135,7 @@ def run(precision, steps, warmup, config=None):
   for i in range(steps + warmup):
     batch = loader.global_batch(i * config.data.global_batch_size)
     start = time.perf_counter()
-    lr = schedules.lr_at(i, config.model.optim.sched, config.model.optim.lr, config.trainer.max_steps,
-                         config.model.hidden_size)
+    lr = updater.lr(i)
     losses['hf'].append(hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr))
     times['hf'].append(time.perf_counter() - start)
     start = time.perf_counter()
