@@ -1,8 +1,9 @@
 """model/adapters.py and the adapter settings a run takes from a starting adapter
 (configs/from_files.py: resolve_adapter_settings): every adapter_config.json field peft writes
 is honoured or refused by name, through the three paths that read one (load_lora_from_ckpt,
-generate --adapter, merge-peft), with peft's logits as the oracle; DPO from a loaded adapter
-keeps that adapter as its reference, as trl does."""
+generate --adapter, merge-peft), with peft's logits as the oracle; ours -> peft, peft -> ours and
+the merged export keep the logits; DPO from a loaded adapter keeps that adapter as its
+reference, as trl does."""
 import json
 import os
 
@@ -16,6 +17,7 @@ from checkpoint import manager as managers
 from configs import from_files
 from model import adapters, hf, lora, transformer
 from tests import parity
+from tests.test_lora import IDS as LORA_IDS, hf_dirs, max_err, ours_like, with_peft  # pylint: disable=unused-import
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 transformers = pytest.importorskip('transformers')
@@ -129,6 +131,35 @@ def test_export_peft_writes_what_peft_reads_back(base_dir, tmp_path):
     assert (loaded(IDS).logits - logits(params, cfg)).abs().max().item() < 1e-5
   written = json.load(open(tmp_path / 'ours' / adapters.CONFIG_FILE))
   assert written['rank_pattern'] == settings['rank_pattern'] and written['alpha_pattern'] == {'v_proj': 3.0}
+
+
+def test_peft_directory_and_merged_export_round_trip(hf_dirs, tmp_path):
+  from tools import convert    # pylint: disable=import-outside-toplevel
+  hf_dir = hf_dirs[False]
+  cfg, params = ours_like(hf_dir, with_peft(hf_dir, 'all', True), 'all', True)
+  ours = logits(params, cfg, LORA_IDS)
+  adapters.save_peft(str(tmp_path / 'adapter'), cfg, params, base_model_name_or_path=hf_dir)   # ours -> peft
+  loaded = peft_lib.PeftModel.from_pretrained(hf_model(hf_dir), str(tmp_path / 'adapter')).eval()
+  with torch.no_grad():
+    err_peft = max_err(ours, loaded(LORA_IDS).logits)
+  model = with_peft(hf_dir, 'all', False, seed=5)                  # peft -> ours
+  model.save_pretrained(str(tmp_path / 'theirs'))
+  cfg2, params2 = adapters.load_peft(str(tmp_path / 'theirs'), cfg, hf.load_hf(hf_dir, cfg)[1])
+  assert (cfg2.peft.lora_rank, cfg2.peft.lora_alpha, cfg2.peft.use_rslora) == (4, 8.0, False)
+  assert lora.target_modules(cfg2.peft) == lora.MODULES
+  with torch.no_grad():
+    err_ours = max_err(logits(params2, cfg2, LORA_IDS), model(LORA_IDS).logits)
+  hf.save_hf(str(tmp_path / 'merged'), cfg, lora.merged(params, cfg))    # merged: a plain Llama
+  with torch.no_grad():
+    err_merged = max_err(ours, hf_model(str(tmp_path / 'merged'))(LORA_IDS).logits)
+  convert.merge_peft(str(tmp_path / 'adapter'), hf_dir, str(tmp_path / 'merged2'))
+  with torch.no_grad():
+    err_merge_peft = max_err(ours, hf_model(str(tmp_path / 'merged2'))(LORA_IDS).logits)
+  print(f'export: ours -> peft {err_peft:.2e}, peft -> ours {err_ours:.2e}, merged {err_merged:.2e}, '
+        f'merge-peft {err_merge_peft:.2e}')
+  assert max(err_peft, err_ours, err_merged, err_merge_peft) < 1e-5
+  config = json.load(open(tmp_path / 'adapter' / adapters.CONFIG_FILE))
+  assert (config['r'], config['use_rslora'], config['base_model_name_or_path']) == (4, True, hf_dir)
 
 
 @pytest.mark.parametrize('setting,message', [

@@ -1,7 +1,6 @@
-"""checkpoint/manager.py: commit protocol under SIGKILL, keep-last-K, stale cleanup, async
-overlap and ordering, resume semantics (NxDT exp_manager), corruption fallback agreed by all
-ranks, S3 through moto; steps named by a filename template, kept by a monitored metric, pinned
-by save_last and by a stop."""
+"""checkpoint/manager.py: commit protocol under SIGKILL, keep-last-K, stale cleanup, async overlap
+and ordering, resume semantics (NxDT exp_manager), corruption fallback agreed by all ranks, S3 through
+moto; steps named by a filename template, kept by a monitored metric, pinned by save_last and by a stop."""
 import datetime
 import json
 import logging
@@ -28,8 +27,8 @@ def weights(step):
 LAYOUT = {'w': store.ArrayLayout.from_boxes((64, 32), 'float32', [FULL])}
 
 
-def save(m, step):
-  m.save(step, {'w': weights(step)}, LAYOUT, {'consumed_samples': 8 * step})
+def save(m, step, pin=False, **metadata):
+  m.save(step, {'w': weights(step)}, LAYOUT, {'consumed_samples': 8 * step, **metadata}, pin=pin)
 
 
 def loads_as_saved(m, step):
@@ -115,8 +114,7 @@ def test_a_step_without_marker_is_ignored_then_cleaned(tmp_path):
 
 def test_metadata_records_step_caller_metadata_and_array_shapes(tmp_path):
   m = manager.CheckpointManager(str(tmp_path))
-  m.save(7, {'w': weights(7)}, LAYOUT, {'consumed_samples': 56, 'config': {'model': {'hidden_size': 32}},
-                                        'layout': {'dp': 1, 'pp': 1, 'tp': 1}})
+  save(m, 7, config={'model': {'hidden_size': 32}}, layout={'dp': 1, 'pp': 1, 'tp': 1})   # consumed_samples 56
   meta = json.load(open(os.path.join(m.step_path(7), 'metadata.json')))
   assert meta == {'format_version': manager.FORMAT_VERSION, 'step': 7, 'consumed_samples': 56,
                   'config': {'model': {'hidden_size': 32}}, 'layout': {'dp': 1, 'pp': 1, 'tp': 1},
@@ -160,11 +158,6 @@ def test_a_filename_template_names_finds_cleans_prunes_and_resumes_steps(tmp_pat
   assert dirs(mixed) == ['megatron_llama--2-16', 'megatron_llama--3-24']
 
 
-def save_scored(m, step, val_loss, pin=False):
-  m.save(step, {'w': weights(step)}, LAYOUT, {'consumed_samples': 8 * step, 'metrics': {'val_loss': val_loss}},
-         pin=pin)
-
-
 VAL_LOSSES = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5}
 
 
@@ -172,7 +165,7 @@ VAL_LOSSES = {1: 3.0, 2: 1.0, 3: 2.0, 4: 2.5}
 def test_top_k_by_val_loss_keeps_the_best_and_with_save_last_the_newest(tmp_path, save_last, expected):
   m = manager.CheckpointManager(str(tmp_path), save_top_k=1, monitor='val_loss', mode='min', save_last=save_last)
   for step, loss in VAL_LOSSES.items():
-    save_scored(m, step, loss)
+    save(m, step, metrics={'val_loss': loss})
   assert m.committed_steps() == expected
   assert checkpoint_steps.read_metadata(m.step_path(2))['metrics'] == {'val_loss': 1.0}
   assert resume(m, resume_if_exists=True, resume_ignore_no_checkpoint=False)[0] == expected[-1]   # the newest
@@ -181,9 +174,9 @@ def test_top_k_by_val_loss_keeps_the_best_and_with_save_last_the_newest(tmp_path
 def test_mode_max_keeps_the_highest_a_stop_is_pinned_and_a_step_without_the_metric_ranks_last(tmp_path):
   m = manager.CheckpointManager(str(tmp_path), save_top_k=2, monitor='val_loss', mode='max', save_last=False)
   for step, loss in VAL_LOSSES.items():
-    save_scored(m, step, loss)
+    save(m, step, metrics={'val_loss': loss})
   assert m.committed_steps() == [1, 4]
-  save_scored(m, 5, 0.5, pin=True)          # a stop's save: kept although it ranks last
+  save(m, 5, pin=True, metrics={'val_loss': 0.5})   # a stop's save: kept although it ranks last
   assert m.committed_steps() == [1, 4, 5]
   save(m, 6)                                # no metrics: ranks below every scored step
   assert m.committed_steps() == [1, 4]

@@ -1,5 +1,6 @@
-"""model/hf.py: HF Llama, Mistral, Qwen2 and Gemma 3 import/export gives the same logits, loss
-and gradients, and round-trips bit-exactly."""
+"""model/hf.py: HF Llama, Mistral, Qwen2 and Gemma 3 import/export gives the same logits and
+loss, round-trips bit-exactly, and names the file in its errors (config.json mapping: test_hf_config.py;
+gradients, packed windows and decoding against transformers: test_transformer.py)."""
 import copy
 import json
 import os
@@ -14,20 +15,13 @@ from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip('transformers')
 
-from configs import base as base_config, from_files
-from model import hf, objectives, transformer
+from configs import base as base_config
+from model import hf, transformer
 
 VOCAB = 300        # not a multiple of 128: exercises the vocab padding
 BASE_MODEL = base_config.get_config().model   # what HF does not set comes from here
 SEQ = 16
 TOL = 1e-5
-
-
-def _hf_config(**overrides):
-  kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5)
-  kwargs.update(overrides)
-  return transformers.LlamaConfig(**kwargs)
 
 
 def _randomize(named_tensors, seed, norm_center=1.0):
@@ -46,19 +40,36 @@ def _randomize(named_tensors, seed, norm_center=1.0):
         t.copy_(noise / t.shape[1] ** 0.5)
 
 
-def _hf_model(config, seed=0):
+FAMILY_CLASSES = {'llama': ('LlamaConfig', 'LlamaForCausalLM'),          # HF model_type -> its classes
+                  'mistral': ('MistralConfig', 'MistralForCausalLM'),
+                  'qwen2': ('Qwen2Config', 'Qwen2ForCausalLM'),
+                  'gemma3_text': ('Gemma3TextConfig', 'Gemma3ForCausalLM')}
+
+
+def family_config(family, **overrides):
+  kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5)
+  kwargs.update(overrides)
+  config = getattr(transformers, FAMILY_CLASSES[family][0])(**kwargs)
+  config._attn_implementation = 'eager'
+  return config
+
+
+def family_model(family, overrides, seed=0):
+  """A fresh (no dynamic-RoPE state yet) random fp32 HF model of `family` (HF model_type)."""
   torch.manual_seed(seed)
-  model = transformers.LlamaForCausalLM(config).float().eval()
-  _randomize(model.named_parameters(), seed)
+  model = getattr(transformers, FAMILY_CLASSES[family][1])(family_config(family, **overrides)).float().eval()
+  _randomize(model.named_parameters(), seed, norm_center=0.0 if family == 'gemma3_text' else 1.0)
   return model
 
 
-def _tokens(seed, b=2, s=SEQ + 1):
+def _load_family(path, family):
+  model_class = getattr(transformers, FAMILY_CLASSES[family][1])
+  return model_class.from_pretrained(path, attn_implementation='eager').float().eval()
+
+
+def random_tokens(seed, b=2, s=SEQ + 1):
   return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
-
-
-def _load_pretrained(path):
-  return transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation='eager').float().eval()
 
 
 CASES = {
@@ -77,9 +88,7 @@ CASES = {
 
 @pytest.mark.parametrize('case', CASES)
 def test_hf_to_flatron_logits(case, tmp_path):
-  config = _hf_config(**CASES[case])
-  config._attn_implementation = 'eager'
-  model = _hf_model(config)
+  model = family_model('llama', CASES[case])
   model.save_pretrained(tmp_path, safe_serialization=True,
                         **({'max_shard_size': '40KB'} if case == 'sharded' else {}))
   assert os.path.exists(tmp_path / hf.INDEX_FILE) == (case == 'sharded')
@@ -89,7 +98,7 @@ def test_hf_to_flatron_logits(case, tmp_path):
   assert m.share_embeddings_and_output_weights == (case == 'tied')
   assert m.rope_theta == CASES[case].get('rope_theta', 10000.0)
   assert m.rope_scaling.type == CASES[case].get('rope_scaling', {}).get('rope_type', 'none')
-  tokens = _tokens(1)
+  tokens = random_tokens(1)
   with torch.no_grad():
     ours = transformer.forward(params, tokens, m)[..., :VOCAB]
     theirs = model(tokens).logits
@@ -98,7 +107,7 @@ def test_hf_to_flatron_logits(case, tmp_path):
   assert err < TOL
 
 
-def _flatron_config(**model_overrides):
+def flatron_config(**model_overrides):
   cfg = base_config.get_config()
   cfg.model.update(dict(vocab_size=VOCAB, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
                         num_kv_heads=2, num_layers=2, rope_theta=50000.0, layernorm_epsilon=1e-5))
@@ -118,13 +127,13 @@ def _flatron_params(cfg, seed=3):
     (dict(), 30_000),
 ], ids=['untied', 'tied_bias', 'sharded'])
 def test_flatron_to_hf_logits_and_loss(overrides, max_shard_bytes, tmp_path):
-  cfg = _flatron_config(**overrides)
+  cfg = flatron_config(**overrides)
   params = _flatron_params(cfg)
   hf.save_hf(str(tmp_path), cfg.model, params, max_shard_bytes=max_shard_bytes)
   assert os.path.exists(tmp_path / hf.INDEX_FILE) == (max_shard_bytes is not None)
-  model = _load_pretrained(tmp_path)
+  model = _load_family(tmp_path, 'llama')
 
-  sequence = _tokens(2)
+  sequence = random_tokens(2)
   batch = dict(tokens=sequence[:, :-1], labels=sequence[:, 1:], loss_mask=torch.ones(2, SEQ))
   with torch.no_grad():
     ours_logits = transformer.forward(params, batch['tokens'], cfg.model)[..., :VOCAB]
@@ -140,7 +149,7 @@ def test_flatron_to_hf_logits_and_loss(overrides, max_shard_bytes, tmp_path):
 
 @pytest.mark.parametrize('max_shard_bytes', [None, 30_000], ids=['single', 'sharded'])
 def test_round_trip_bit_exact(max_shard_bytes, tmp_path):
-  cfg = _flatron_config(has_bias=True)
+  cfg = flatron_config(has_bias=True)
   params = {n: t.detach() for n, t in _flatron_params(cfg).items()}
   for name in hf.VOCAB_PARAMS:
     params[name][VOCAB:] = 0   # padded rows are not part of the HF format; they load as zeros
@@ -158,7 +167,7 @@ def test_round_trip_bit_exact(max_shard_bytes, tmp_path):
 
 def test_tied_file_with_lm_head_loads(tmp_path):
   """Some writers store the tied head anyway; it is the embedding, so it is dropped."""
-  cfg = _flatron_config(share_embeddings_and_output_weights=True)
+  cfg = flatron_config(share_embeddings_and_output_weights=True)
   params = _flatron_params(cfg)
   hf.save_hf(str(tmp_path), cfg.model, params)
   file = str(tmp_path / hf.WEIGHTS_FILE)
@@ -171,28 +180,6 @@ def test_tied_file_with_lm_head_loads(tmp_path):
   assert torch.equal(loaded['embed_tokens.weight'][:VOCAB], params['embed_tokens.weight'][:VOCAB])
 
 
-@pytest.mark.parametrize('rope', [
-    dict(rope_theta=5e5, rope_scaling=None),                                  # transformers 4.x
-    dict(rope_parameters={'rope_theta': 5e5, 'rope_type': 'default'}),       # transformers 5.x
-    dict(rope_theta=5e5, rope_scaling={'type': 'default'}),                  # older 4.x spelling
-], ids=['4.x', '5.x', 'legacy_type'])
-def test_rope_theta_from_either_layout(rope):
-  config = dict(model_type='llama', hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, vocab_size=VOCAB, **rope)
-  assert hf.config_from_hf(config, BASE_MODEL).rope_theta == 5e5
-
-
-def test_config_from_hf_sets_the_model_section_and_keeps_the_rest_of_the_base():
-  base = base_config.get_config().model
-  base.optim.lr, base.hidden_dropout = 1e-3, 0.1
-  config = dict(model_type='llama', hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                num_attention_heads=4, vocab_size=VOCAB)
-  m = hf.config_from_hf(config, base)
-  assert (m.num_layers, m.ffn_hidden_size, m.vocab_size) == (3, 96, VOCAB)
-  assert (m.optim.lr, m.hidden_dropout) == (1e-3, 0.1)
-  assert base.num_layers == base_config.get_config().model.num_layers     # a copy: base untouched
-
-
 def test_model_hf_does_not_import_configs():
   code = 'import sys, model.hf; print(sorted(m for m in sys.modules if m.startswith("configs")))'
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True,
@@ -201,7 +188,7 @@ def test_model_hf_does_not_import_configs():
 
 
 def _saved(tmp_path):
-  cfg = _flatron_config()
+  cfg = flatron_config()
   hf.save_hf(str(tmp_path), cfg.model, _flatron_params(cfg))
   return cfg
 
@@ -219,13 +206,6 @@ def test_error_wrong_model_type(tmp_path):
   config_path.write_text(json.dumps(config))
   with pytest.raises(ValueError, match=r'config\.json.*gpt2'):
     hf.load_hf(str(tmp_path), BASE_MODEL)
-
-
-def test_error_unsupported_rope_scaling():
-  config = _hf_config(max_position_embeddings=8192).to_dict()
-  config['rope_scaling'] = {'rope_type': 'yarn', 'factor': 8.0}
-  with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='yarn'"):
-    hf.config_from_hf(config, BASE_MODEL)
 
 
 def test_error_missing_tensor(tmp_path):
@@ -248,18 +228,9 @@ def test_error_shape_mismatch(tmp_path):
     hf.load_hf(str(tmp_path), BASE_MODEL)
 
 
-def test_error_inexpressible_config():
-  with pytest.raises(ValueError, match='normalization'):
-    hf.config_to_hf(_flatron_config(normalization='layernorm').model)
-
-
 # --- the families: Llama, Mistral, Qwen2, Gemma 3 ------------------------------------------
 
 
-FAMILY_CLASSES = {'llama': ('LlamaConfig', 'LlamaForCausalLM'),
-                  'mistral': ('MistralConfig', 'MistralForCausalLM'),
-                  'qwen2': ('Qwen2Config', 'Qwen2ForCausalLM'),
-                  'gemma3_text': ('Gemma3TextConfig', 'Gemma3ForCausalLM')}
 LLAMA3_ROPE = {'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
                'original_max_position_embeddings': 32}
 # head_dim 32 != hidden / heads; the window (5) is shorter than the sequence (17)
@@ -288,31 +259,9 @@ SECTION_KEYS = ('architecture', 'num_layers', 'hidden_size', 'ffn_hidden_size', 
                 'layernorm_epsilon', 'share_embeddings_and_output_weights', 'query_pre_attn_scalar') + hf.GEMMA_KEYS
 
 
-def _family_config(family, **overrides):
-  kwargs = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5)
-  kwargs.update(overrides)
-  config = getattr(transformers, FAMILY_CLASSES[family][0])(**kwargs)
-  config._attn_implementation = 'eager'
-  return config
-
-
-def _family_model(family, overrides, seed=0):
-  """A fresh (no dynamic-RoPE state yet) random fp32 HF model of `family` (HF model_type)."""
-  torch.manual_seed(seed)
-  model = getattr(transformers, FAMILY_CLASSES[family][1])(_family_config(family, **overrides)).float().eval()
-  _randomize(model.named_parameters(), seed, norm_center=0.0 if family == 'gemma3_text' else 1.0)
-  return model
-
-
-def _load_family(path, family):
-  model_class = getattr(transformers, FAMILY_CLASSES[family][1])
-  return model_class.from_pretrained(path, attn_implementation='eager').float().eval()
-
-
-def _imported(case, tmp_path, seed=0):
+def imported(case, tmp_path, seed=0):
   """(HF model, our model section, our params) of FAMILY_CASES[case], through save_pretrained + load_hf."""
-  model = _family_model(*FAMILY_CASES[case], seed)
+  model = family_model(*FAMILY_CASES[case], seed)
   model.save_pretrained(tmp_path / 'theirs')
   m, params = hf.load_hf(str(tmp_path / 'theirs'), BASE_MODEL)
   return model, m, params
@@ -339,7 +288,7 @@ def test_families_import_and_export_with_equal_logits(case, tmp_path):
   """Each family's logits equal transformers' on import; the export loads in transformers as
   the same family with the same logits, and imports back to the same model section."""
   family, overrides = FAMILY_CASES[case]
-  model, m, params = _imported(case, tmp_path)
+  model, m, params = imported(case, tmp_path)
   assert m.architecture == hf.FAMILIES[family][1]
   assert m.qkv_bias == (family == 'qwen2') and not m.has_bias
   assert all(m[key] == (family == 'gemma3_text') for key in hf.GEMMA_KEYS)
@@ -351,7 +300,7 @@ def test_families_import_and_export_with_equal_logits(case, tmp_path):
   if family == 'gemma3_text':
     assert (m.rope_theta, m.rope_local_theta, m.head_dim, m.query_pre_attn_scalar) == (1e6, 1e4, 32, 24)
     assert m.activation == 'geglu' and m.share_embeddings_and_output_weights
-  tokens = _tokens(2)
+  tokens = random_tokens(2)
   with torch.no_grad():
     ours = transformer.forward(params, tokens, m)[..., :VOCAB]
     theirs = model(tokens).logits
@@ -378,103 +327,12 @@ def test_families_import_and_export_with_equal_logits(case, tmp_path):
   assert m2.rope_scaling.to_dict() == m.rope_scaling.to_dict()
 
 
-GRAD_CASES = ('llama_rope_llama3', 'mistral_window5', 'qwen2_window5', 'gemma3')
-
-
-@pytest.mark.parametrize('case', GRAD_CASES)
-def test_loss_and_gradients_equal_transformers(case, tmp_path):
-  """Our masked next-token loss (transformer.loss_sum / token count) and every parameter's
-  gradient equal transformers' `model(tokens, labels=...).loss` and its gradients."""
-  model, m, params = _imported(case, tmp_path)
-  params = {name: t.requires_grad_() for name, t in params.items()}
-  sequence = _tokens(3)
-  loss_mask = torch.ones(2, SEQ)
-  loss_mask[0, :5] = 0                       # a prompt: its next tokens are not trained on
-  batch = dict(tokens=sequence[:, :-1], labels=sequence[:, 1:], loss_mask=loss_mask)
-  ours = transformer.loss_sum(params, batch, m) / objectives.NEXT_TOKEN.count(batch)
-  ours.backward()
-  # HF shifts itself: label j is predicted at position j - 1, so loss_mask[:, j - 1] == 0 is label -100.
-  ignored = torch.cat([torch.zeros(2, 1, dtype=torch.bool), loss_mask == 0], dim=1)
-  theirs = model(sequence, labels=sequence.masked_fill(ignored, -100)).loss
-  theirs.backward()
-  loss_err = abs(ours.item() - theirs.item())
-
-  hf_params = dict(model.named_parameters())   # a tied head is not listed: its grad is the embedding's
-  assert {'model.' + n if n != 'lm_head.weight' else n for n in params} == set(hf_params)
-  worst_abs, worst_rel, worst_name = 0.0, 0.0, ''
-  for name, p in params.items():
-    grad = p.grad
-    if name in hf.VOCAB_PARAMS:
-      assert not grad[VOCAB:].any(), f'{name}: padded vocab rows got a gradient'
-      grad = grad[:VOCAB]
-    expected = hf_params[name if name == 'lm_head.weight' else 'model.' + name].grad
-    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=lambda msg: f'{case} {name}: {msg}')
-    err = (grad - expected).abs().max().item()
-    if err > worst_abs:
-      worst_abs, worst_rel, worst_name = err, err / expected.abs().max().item(), name
-  print(f'{case}: |loss error| = {loss_err:.2e}; worst |grad error| = {worst_abs:.2e} '
-        f'({worst_rel:.1e} of that grad\'s max) in {worst_name}')
-  assert loss_err < TOL
-
-
-def test_sliding_window_inside_packed_documents(tmp_path):
-  """Mistral, window 4, two documents (9 and 8 tokens) packed in one row, positions restarting
-  at the second: each document's logits equal HF's for that document alone."""
-  model = _family_model('mistral', dict(sliding_window=4, num_key_value_heads=2))
-  model.save_pretrained(tmp_path)
-  m, params = hf.load_hf(str(tmp_path), BASE_MODEL)
-  assert m.sliding_window == 4
-  lengths = (9, 8)
-  tokens = _tokens(4, b=1, s=sum(lengths))
-  segment_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
-  position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
-  with torch.no_grad():
-    ours = transformer.forward(params, tokens, m, position_ids_bs=position_ids,
-                               segment_ids_bs=segment_ids)[0, :, :VOCAB]
-    theirs = torch.cat([model(doc[None]).logits[0] for doc in tokens[0].split(lengths)])
-    err = (ours - theirs).abs().max().item()
-    print(f'packed mistral window 4: max |logit error| = {err:.2e}')
-    assert err < TOL
-    # both the window and the document boundary change these logits
-    unsegmented = transformer.forward(params, tokens, m, position_ids_bs=position_ids)[0, :, :VOCAB]
-    assert (unsegmented[lengths[0]:] - theirs[lengths[0]:]).abs().max() > 1e-3
-    no_window = copy.deepcopy(m)
-    no_window.sliding_window = 0
-    full = transformer.forward(params, tokens, no_window, position_ids_bs=position_ids,
-                               segment_ids_bs=segment_ids)[0, :, :VOCAB]
-    for doc_full, doc_theirs in zip(full.split(lengths), theirs.split(lengths)):
-      assert (doc_full - doc_theirs).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize('flash', [True, False], ids=['sdpa', 'explicit'])
-@pytest.mark.parametrize('case', ['mistral_window5', 'gemma3'])
-def test_decode_with_kv_cache_under_sliding_window(case, flash, tmp_path):
-  """A 6-token prompt, then 8 tokens one at a time through the KV cache: the logits equal one
-  forward over all 14 (and transformers'), with the window (5) shorter than the context."""
-  model, m, params = _imported(case, tmp_path)
-  m.fusions.flash_attention = flash
-  tokens = _tokens(5, s=14)
-  with torch.no_grad():
-    full = transformer.forward(params, tokens, m)
-    logits, cache = transformer.decode(params, tokens[:, :6], m)
-    steps = [logits]
-    for i in range(6, 14):
-      logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
-      steps.append(logits)
-    theirs = model(tokens).logits
-  assert cache.length == 14
-  err = (torch.cat(steps, dim=1) - full).abs().max().item()
-  print(f'{case} ({"sdpa" if flash else "explicit"}): decode vs forward max |logit error| = {err:.2e}')
-  assert err < TOL
-  assert (full[..., :VOCAB] - theirs).abs().max().item() < TOL
-
-
 @pytest.mark.parametrize('case', ['mistral_window5', 'mistral_no_window', 'qwen2_window5', 'gemma3'])
 def test_hf_round_trip_bit_exact(case, tmp_path):
   """HF's file -> load_hf -> save_hf -> load_hf: the same tensors bit for bit (and the same as
   HF wrote), and the same model section."""
   family = FAMILY_CASES[case][0]
-  _, m, params = _imported(case, tmp_path)
+  _, m, params = imported(case, tmp_path)
   hf.save_hf(str(tmp_path / 'ours'), m, params)
   m2, params2 = hf.load_hf(str(tmp_path / 'ours'), BASE_MODEL)
   assert params2.keys() == params.keys()
@@ -487,71 +345,3 @@ def test_hf_round_trip_bit_exact(case, tmp_path):
   hf.save_hf(str(tmp_path / 'again'), m2, params2)     # and the config is a fixed point
   assert (tmp_path / 'again' / hf.CONFIG_FILE).read_text() == (tmp_path / 'ours' / hf.CONFIG_FILE).read_text()
   assert json.loads((tmp_path / 'ours' / hf.CONFIG_FILE).read_text())['model_type'] == family
-
-
-def _gemma_dict(**overrides):
-  return _family_config('gemma3_text', **dict(GEMMA3, **overrides)).to_dict()
-
-
-def _raw(model_type, **keys):
-  return dict(dict(model_type=model_type, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB), **keys)
-
-
-@pytest.mark.parametrize('hf_config, match', [
-    (lambda: _gemma_dict(final_logit_softcapping=30.0), r'final_logit_softcapping=30\.0'),
-    (lambda: _gemma_dict(attn_logit_softcapping=50.0), r'attn_logit_softcapping=50\.0'),
-    (lambda: _raw('qwen2', use_sliding_window=True, sliding_window=4,
-                  layer_types=['full_attention', 'chunked_attention']), 'chunked_attention'),
-    (lambda: _raw('llama', rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4}),
-     r"rope_parameters\.rope_type='yarn'"),
-    (lambda: _gemma_dict(rope_parameters={'full_attention': {'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e6},
-                                          'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}),
-     r"rope_parameters\.full_attention\.rope_type='yarn'"),
-    (lambda: _gemma_dict(rope_parameters={'full_attention': {'rope_type': 'default', 'rope_theta': 1e6},
-                                          'sliding_attention': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e4}}),
-     r'rope_parameters\.sliding_attention'),
-    (lambda: _raw('gemma3', architectures=['Gemma3ForConditionalGeneration'], text_config=_gemma_dict()),
-     'Gemma3ForCausalLM'),
-    (lambda: _raw('mistral', layer_types=['full_attention', 'sliding_attention']), 'layer_types'),
-], ids=['final_softcap', 'attn_softcap', 'chunked_attention', 'yarn', 'gemma_yarn', 'gemma_local_scaling',
-        'gemma3_multimodal', 'mistral_layer_types'])
-def test_import_refusals_name_the_key(hf_config, match):
-  with pytest.raises(ValueError, match=match):
-    hf.config_from_hf(hf_config(), BASE_MODEL)
-
-
-def test_export_refusals_name_the_keys():
-  partial_gemma = base_config.get_config().model
-  partial_gemma.qk_norm = True               # Gemma's q/k norms without the rest of its block
-  with pytest.raises(ValueError, match='qk_norm'):
-    hf.config_to_hf(partial_gemma)
-  mixed = _flatron_config(sliding_window=4, layer_types=('full_attention', 'sliding_attention')).model
-  with pytest.raises(ValueError, match='layer_types'):
-    hf.config_to_hf(mixed)
-  mixed.qkv_bias = True                      # ... which HF Qwen2 expresses
-  out = hf.config_to_hf(mixed)
-  assert out['model_type'] == 'qwen2' and out['layer_types'] == ['full_attention', 'sliding_attention']
-  assert out['use_sliding_window'] and out['sliding_window'] == 4
-
-
-def test_model_source_hf_copies_rope_scaling_and_gemma_keys(tmp_path):
-  """from_files.apply_hf_model_config (model_source=hf) copies nested rope_scaling and the Gemma keys."""
-  _hf_config(rope_scaling=LLAMA3_ROPE).save_pretrained(tmp_path / 'llama')
-  config = base_config.get_config()
-  config.model.model_config = str(tmp_path / 'llama')
-  from_files.apply_hf_model_config(config)
-  r = config.model.rope_scaling
-  assert (r.type, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings) == \
-      ('llama3', 8.0, 1.0, 4.0, 32)
-
-  _family_config('gemma3_text', **GEMMA3).save_pretrained(tmp_path / 'gemma')
-  config = base_config.get_config()
-  config.model.model_config = str(tmp_path / 'gemma')
-  from_files.apply_hf_model_config(config)
-  m = config.model
-  assert isinstance(m.layer_types, tuple) and m.layer_types == tuple(GEMMA3['layer_types'])
-  assert (m.rope_theta, m.rope_local_theta, m.sliding_window, m.head_dim, m.query_pre_attn_scalar) == \
-      (1e6, 1e4, 5, 32, 24)
-  assert all(m[key] for key in hf.GEMMA_KEYS) and m.activation == 'geglu' and m.architecture == 'gemma3'
-  assert m.rope_scaling.type == 'none' and m.share_embeddings_and_output_weights

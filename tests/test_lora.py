@@ -1,6 +1,6 @@
-"""LoRA (model/lora.py, model/adapters.py): peft as the oracle for the forward pass and the
-gradients, init, peft / merged export, every layout trains like one device, frozen base,
-adapter-only checkpoints and their resume, config validation."""
+"""LoRA (model/lora.py): peft as the oracle for the forward pass and the gradients, init, every
+layout trains like one device, frozen base, adapter-only checkpoints and their resume, config
+validation (peft directories and the merged export: tests/test_adapters.py)."""
 import copy
 import json
 import os
@@ -11,12 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import train
 from checkpoint import manager as managers, state as states, steps as checkpoint_steps
 from configs import base, validate
 from model import adapters, hf, lora, transformer
 from optim import update
 from parallel import mesh as meshes, tensor
 from tests import parity
+from tools import convert
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 transformers = pytest.importorskip('transformers')
@@ -27,20 +29,16 @@ TARGETS = {'qkv': (('qkv_proj',), ['q_proj', 'k_proj', 'v_proj']),     # ours, p
            'all': (('all-linear',), 'all-linear')}
 
 
-def tiny_llama(tied=False):
-  torch.manual_seed(0)
-  return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      vocab_size=VOCAB, tie_word_embeddings=tied)).float().eval()
-
-
 @pytest.fixture(scope='module')
 def hf_dirs(tmp_path_factory):
   """tied -> an HF Llama directory (hidden 64, GQA, vocab 300)."""
   out = {}
   for tied in (False, True):
     out[tied] = str(tmp_path_factory.mktemp(f'hf_tied{int(tied)}'))
-    tiny_llama(tied).save_pretrained(out[tied])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, tie_word_embeddings=tied)).float().eval().save_pretrained(out[tied])
   return out
 
 
@@ -160,38 +158,6 @@ def test_init_is_the_base_model_and_keyed():
     assert boxes['layers.0.mlp.down_proj.lora_A.weight'][1] != slice(0, cfg.ffn_hidden_size)  # A split
 
 
-# --- 4: peft and merged export -----------------------------------------------------------
-
-
-def test_peft_directory_and_merged_export_round_trip(hf_dirs, tmp_path):
-  from tools import convert    # pylint: disable=import-outside-toplevel
-  hf_dir = hf_dirs[False]
-  cfg, params = ours_like(hf_dir, with_peft(hf_dir, 'all', True), 'all', True)
-  ours = logits(params, cfg, IDS)
-  adapters.save_peft(str(tmp_path / 'adapter'), cfg, params, base_model_name_or_path=hf_dir)   # ours -> peft
-  loaded = peft_lib.PeftModel.from_pretrained(hf_model(hf_dir), str(tmp_path / 'adapter')).eval()
-  with torch.no_grad():
-    err_peft = max_err(ours, loaded(IDS).logits)
-  model = with_peft(hf_dir, 'all', False, seed=5)                  # peft -> ours
-  model.save_pretrained(str(tmp_path / 'theirs'))
-  cfg2, params2 = adapters.load_peft(str(tmp_path / 'theirs'), cfg, hf.load_hf(hf_dir, cfg)[1])
-  assert (cfg2.peft.lora_rank, cfg2.peft.lora_alpha, cfg2.peft.use_rslora) == (4, 8.0, False)
-  assert lora.target_modules(cfg2.peft) == lora.MODULES
-  with torch.no_grad():
-    err_ours = max_err(logits(params2, cfg2, IDS), model(IDS).logits)
-  hf.save_hf(str(tmp_path / 'merged'), cfg, lora.merged(params, cfg))    # merged: a plain Llama
-  with torch.no_grad():
-    err_merged = max_err(ours, hf_model(str(tmp_path / 'merged'))(IDS).logits)
-  convert.merge_peft(str(tmp_path / 'adapter'), hf_dir, str(tmp_path / 'merged2'))
-  with torch.no_grad():
-    err_merge_peft = max_err(ours, hf_model(str(tmp_path / 'merged2'))(IDS).logits)
-  print(f'export: ours -> peft {err_peft:.2e}, peft -> ours {err_ours:.2e}, merged {err_merged:.2e}, '
-        f'merge-peft {err_merge_peft:.2e}')
-  assert max(err_peft, err_ours, err_merged, err_merge_peft) < 1e-5
-  config = json.load(open(tmp_path / 'adapter' / adapters.CONFIG_FILE))
-  assert (config['r'], config['use_rslora'], config['base_model_name_or_path']) == (4, True, hf_dir)
-
-
 # --- 5: every layout trains like one device --------------------------------------------------
 
 LORA_LAYOUTS = {
@@ -249,7 +215,6 @@ def step_path(workdir, step):
 def runs(tmp_path_factory):
   """A base model (an HF directory), a LoRA run of 10 steps straight (and its Updater), and
   one that stops at 5 and resumes to 10."""
-  import train    # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('runs')
   base_cfg = parity.parity_config().model
   weights = transformer.init(base_cfg, 99)
@@ -297,14 +262,12 @@ def test_resume_of_adapter_only_checkpoints_is_bitwise(runs):
 
 
 def test_resume_without_the_base_says_so(runs):
-  import train    # pylint: disable=import-outside-toplevel
   workdir = runs['root'] / 'resumed'
   with pytest.raises(managers.IncompatibleCheckpoint, match='holds LoRA adapters only; set exp_manager.init_from'):
     train.run(lora_config(None, max_steps=12), str(workdir))
 
 
 def test_flatron_to_hf_and_export_peft_of_a_lora_step(runs, tmp_path):
-  from tools import convert    # pylint: disable=import-outside-toplevel
   root, params = runs['root'], runs['straight']
   cfg = lora_config(None).model
   ids = IDS % cfg.vocab_size
@@ -324,7 +287,6 @@ def test_flatron_to_hf_and_export_peft_of_a_lora_step(runs, tmp_path):
 
 @pytest.mark.parametrize('option,stored', [('save_lora_base', 'adapters+base'), ('merge_lora', 'merged')])
 def test_base_and_merged_checkpoints(runs, tmp_path, option, stored):
-  import train    # pylint: disable=import-outside-toplevel
   config = lora_config(str(runs['root'] / 'hf'), exit_interval=2, **{option: True})
   _, params = train.run(config, str(tmp_path))
   meta = checkpoint_steps.read_metadata(step_path(tmp_path, 2))
@@ -372,8 +334,6 @@ def test_target_module_names():
 
 @pytest.mark.parametrize('source', ['peft_dir', 'flatron_step'])
 def test_load_lora_from_ckpt_starts_from_those_adapters(runs, tmp_path, source):
-  import train    # pylint: disable=import-outside-toplevel
-  from tools import convert    # pylint: disable=import-outside-toplevel
   root, trained = runs['root'], runs['straight']
   step = step_path(root / 'straight', 10)
   path = str(tmp_path / 'adapter') if source == 'peft_dir' else step

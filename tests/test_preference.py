@@ -12,7 +12,8 @@ from data import loader, preference
 from data.errors import DataError
 from model import transformer
 from tests.test_chat import SMOL, SPECIALS, theirs
-from tests.test_sft import saved_formats, tiny_model, tok, tok_dir, write_jsonl  # pylint: disable=unused-import
+from tests.test_sft import tiny_model, tok, tok_dir, write_jsonl  # pylint: disable=unused-import
+from tests.test_sft_records import saved_formats
 
 TEXT = [{'prompt': 'What is the capital of France?', 'chosen': ' Paris.', 'rejected': ' Rome.'},
         {'prompt': 'Hello!', 'chosen': ' Hello! How are you today?', 'rejected': ''}]

@@ -1,9 +1,13 @@
-"""The functional transformer: init purity, features, masking, dropout keys, recompute."""
+"""The functional transformer: init purity, features, masking, dropout keys, recompute; against
+transformers' models (built by tests/test_hf.py): the loss and every gradient, sliding windows
+inside packed documents, and KV-cache decoding under a window."""
+import copy
+
 import pytest
 import torch
 
 from configs import base
-from model import transformer
+from model import hf, objectives, transformer
 from parallel import remat
 
 
@@ -186,3 +190,101 @@ def test_decoding_with_a_kv_cache_gives_the_full_forward_logits(overrides):
   torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
   torch.testing.assert_close(two, full[:, 8:], atol=1e-5, rtol=1e-5)
   assert cache.length == 10 and cache.keys[0].shape == (2, 2, 10, 8)
+
+
+# --- against transformers: tests/test_hf.py's models, imported inside each test so that without
+# transformers only these tests skip ------------------------------------------------------------
+
+
+GRAD_CASES = ('llama_rope_llama3', 'mistral_window5', 'qwen2_window5', 'gemma3')
+
+
+@pytest.mark.parametrize('case', GRAD_CASES)
+def test_loss_and_gradients_equal_transformers(case, tmp_path):
+  """Our masked next-token loss (transformer.loss_sum / token count) and every parameter's
+  gradient equal transformers' `model(tokens, labels=...).loss` and its gradients."""
+  from tests.test_hf import SEQ, TOL, VOCAB, imported, random_tokens  # pylint: disable=import-outside-toplevel
+  model, m, params = imported(case, tmp_path)
+  params = {name: t.requires_grad_() for name, t in params.items()}
+  sequence = random_tokens(3)
+  loss_mask = torch.ones(2, SEQ)
+  loss_mask[0, :5] = 0                       # a prompt: its next tokens are not trained on
+  batch = dict(tokens=sequence[:, :-1], labels=sequence[:, 1:], loss_mask=loss_mask)
+  ours = transformer.loss_sum(params, batch, m) / objectives.NEXT_TOKEN.count(batch)
+  ours.backward()
+  # HF shifts itself: label j is predicted at position j - 1, so loss_mask[:, j - 1] == 0 is label -100.
+  ignored = torch.cat([torch.zeros(2, 1, dtype=torch.bool), loss_mask == 0], dim=1)
+  theirs = model(sequence, labels=sequence.masked_fill(ignored, -100)).loss
+  theirs.backward()
+  loss_err = abs(ours.item() - theirs.item())
+
+  hf_params = dict(model.named_parameters())   # a tied head is not listed: its grad is the embedding's
+  assert {'model.' + n if n != 'lm_head.weight' else n for n in params} == set(hf_params)
+  worst_abs, worst_rel, worst_name = 0.0, 0.0, ''
+  for name, p in params.items():
+    grad = p.grad
+    if name in hf.VOCAB_PARAMS:
+      assert not grad[VOCAB:].any(), f'{name}: padded vocab rows got a gradient'
+      grad = grad[:VOCAB]
+    expected = hf_params[name if name == 'lm_head.weight' else 'model.' + name].grad
+    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=lambda msg: f'{case} {name}: {msg}')
+    err = (grad - expected).abs().max().item()
+    if err > worst_abs:
+      worst_abs, worst_rel, worst_name = err, err / expected.abs().max().item(), name
+  print(f'{case}: |loss error| = {loss_err:.2e}; worst |grad error| = {worst_abs:.2e} '
+        f'({worst_rel:.1e} of that grad\'s max) in {worst_name}')
+  assert loss_err < TOL
+
+
+def test_sliding_window_inside_packed_documents(tmp_path):
+  """Mistral, window 4, two documents (9 and 8 tokens) packed in one row, positions restarting
+  at the second: each document's logits equal HF's for that document alone."""
+  from tests.test_hf import BASE_MODEL, TOL, VOCAB, family_model, random_tokens  # pylint: disable=import-outside-toplevel
+  model = family_model('mistral', dict(sliding_window=4, num_key_value_heads=2))
+  model.save_pretrained(tmp_path)
+  m, params = hf.load_hf(str(tmp_path), BASE_MODEL)
+  assert m.sliding_window == 4
+  lengths = (9, 8)
+  tokens = random_tokens(4, b=1, s=sum(lengths))
+  segment_ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+  position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+  with torch.no_grad():
+    ours = transformer.forward(params, tokens, m, position_ids_bs=position_ids,
+                               segment_ids_bs=segment_ids)[0, :, :VOCAB]
+    theirs = torch.cat([model(doc[None]).logits[0] for doc in tokens[0].split(lengths)])
+    err = (ours - theirs).abs().max().item()
+    print(f'packed mistral window 4: max |logit error| = {err:.2e}')
+    assert err < TOL
+    # both the window and the document boundary change these logits
+    unsegmented = transformer.forward(params, tokens, m, position_ids_bs=position_ids)[0, :, :VOCAB]
+    assert (unsegmented[lengths[0]:] - theirs[lengths[0]:]).abs().max() > 1e-3
+    no_window = copy.deepcopy(m)
+    no_window.sliding_window = 0
+    full = transformer.forward(params, tokens, no_window, position_ids_bs=position_ids,
+                               segment_ids_bs=segment_ids)[0, :, :VOCAB]
+    for doc_full, doc_theirs in zip(full.split(lengths), theirs.split(lengths)):
+      assert (doc_full - doc_theirs).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize('flash', [True, False], ids=['sdpa', 'explicit'])
+@pytest.mark.parametrize('case', ['mistral_window5', 'gemma3'])
+def test_decode_with_kv_cache_under_sliding_window(case, flash, tmp_path):
+  """A 6-token prompt, then 8 tokens one at a time through the KV cache: the logits equal one
+  forward over all 14 (and transformers'), with the window (5) shorter than the context."""
+  from tests.test_hf import TOL, VOCAB, imported, random_tokens  # pylint: disable=import-outside-toplevel
+  model, m, params = imported(case, tmp_path)
+  m.fusions.flash_attention = flash
+  tokens = random_tokens(5, s=14)
+  with torch.no_grad():
+    full = transformer.forward(params, tokens, m)
+    logits, cache = transformer.decode(params, tokens[:, :6], m)
+    steps = [logits]
+    for i in range(6, 14):
+      logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
+      steps.append(logits)
+    theirs = model(tokens).logits
+  assert cache.length == 14
+  err = (torch.cat(steps, dim=1) - full).abs().max().item()
+  print(f'{case} ({"sdpa" if flash else "explicit"}): decode vs forward max |logit error| = {err:.2e}')
+  assert err < TOL
+  assert (full[..., :VOCAB] - theirs).abs().max().item() < TOL
