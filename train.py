@@ -3,9 +3,13 @@
     python train.py --config=configs/llama_tiny.py --workdir=runs/tiny
     python train.py --config=configs/llama7b.py:smoke --workdir=runs/s --config.trainer.max_steps=10
 
-Sections: setup / data / init / step / loop (log, validate, stop). State the loop owns is
-plain data: `params` (flat dict of tensors), the updater (optimizer, master weights, ZeRO-1
-shards; optim/update.py), and `consumed_samples` (the whole data position). Every random draw is keyed, so nothing else needs saving.
+    python train.py --config=configs/nxd_yaml.py:their.yaml --dry_run          # check, print, touch nothing
+
+Sections: validation / setup / loop (validate, save, stop); the step itself is
+parallel/training.py and its log lines logs.py. State the loop owns is plain data: `params`
+(flat dict of tensors), the updater (optimizer, master weights, ZeRO-1 shards, the lr schedule;
+optim/update.py), and `consumed_samples` (the whole data position). Every random draw is keyed,
+so nothing else needs saving.
 """
 import os
 import sys
