@@ -118,18 +118,18 @@ class StepReporter:
   Reading a step counts skipped updates (raising at trainer.max_consecutive_skips, or at once
   under nonfinite_policy=error) and, on log steps, writes the record and the step line."""
 
-  def __init__(self, config, mesh, log, peak, total, start_step):
+  def __init__(self, config, mesh, log, peak, total, start_step, flops_per_token):
     self.config, self.mesh, self.log, self.total = config, mesh, log, total
     self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
-    self.flops_per_token_peak = peak[0] * mesh.world_size
+    self.flops_per_token, self.peak = flops_per_token, peak[0] * mesh.world_size
     self.pending, self.record, self.skips = None, {}, 0
     self.window_start, self.window_steps, self.step_time = time.perf_counter(), 0, float('nan')
     self.first_logged = start_step + 2      # XLA compiles the step's graphs by then (step 2 retraces once)
     self.compiled = None
 
-  def add(self, step, out, consumed_samples, flops_per_token):
+  def add(self, step, out, consumed_samples):
     """Keep step `step`'s outputs (device tensors); read the step before it."""
-    previous, self.pending = self.pending, (step, out, consumed_samples, flops_per_token)
+    previous, self.pending = self.pending, (step, out, consumed_samples)
     self.window_steps += 1
     if previous is not None:
       self._read(*previous)
@@ -146,16 +146,19 @@ class StepReporter:
     if self.compiled is not None:
       self.compiled = xla.compiles()
 
-  def _read(self, step, out, consumed_samples, flops_per_token):
+  def _read(self, step, out, consumed_samples):
     t = self.config.trainer
-    values = {'loss': out['loss'], 'grad_norm': out['grad_norm'], 'skipped': out['skipped'], **out['metrics']}
-    if out.get('param_norm') is not None:
-      values['param_norm'] = out['param_norm']
+    logged = every(step + 1, t.log_every_n_steps) or step + 1 == self.total
+    values = {'skipped': out['skipped']}          # every step: the skip count needs it
+    if logged:
+      values.update(loss=out['loss'], grad_norm=out['grad_norm'], **out['metrics'])
+      if out.get('param_norm') is not None:
+        values['param_norm'] = out['param_norm']
     host = devices.to_host({k: v for k, v in values.items() if torch.is_tensor(v)})   # one transfer
     scalars = {k: host.get(k, v) for k, v in values.items()}
     skipped = bool(scalars.pop('skipped'))
     self._count_skip(step, skipped)
-    if not (every(step + 1, t.log_every_n_steps) or step + 1 == self.total):
+    if not logged:
       return
     devices.synchronize(self.mesh.device)
     # synchronized, every step added so far is done (the one read late and the one after it);
@@ -166,16 +169,16 @@ class StepReporter:
     tokens_per_sec = self.tokens_per_step / elapsed
     record = {'step': step + 1, 'loss': float(scalars.pop('loss')), 'lr': out['lr'],
               'grad_norm': float(scalars.pop('grad_norm')), 'tokens_per_sec': tokens_per_sec,
-              'mfu': tokens_per_sec * flops_per_token / self.flops_per_token_peak,
+              'mfu': tokens_per_sec * self.flops_per_token / self.peak,
               'step_time': elapsed, 'consumed_samples': consumed_samples}
     if skipped:
       record['skipped'] = True
     record.update({k: float(v) for k, v in scalars.items()})
     self._check_compiles(step, record)
     absl_logging.info('step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | %s tok/s | MFU %.2f%% | '
-                 '%.3f s/step | ETA %s', step + 1, self.total, record['loss'], record['lr'],
-                 record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
-                 fmt_eta(elapsed * (self.total - step - 1)))
+                      '%.3f s/step | ETA %s', step + 1, self.total, record['loss'], record['lr'],
+                      record['grad_norm'], f'{tokens_per_sec:,.0f}', 100 * record['mfu'], elapsed,
+                      fmt_eta(elapsed * (self.total - step - 1)))
     if out['metrics']:
       absl_logging.info('step %d | %s', step + 1, ' | '.join(f'{k} {record[k]:.4f}' for k in out['metrics']))
     self.log.write(record)
@@ -189,7 +192,7 @@ class StepReporter:
     self.skips = self.skips + 1 if skipped else 0
     if skipped:
       absl_logging.warning('step %d: non-finite loss or gradient; update skipped (%d in a row, the limit '
-                      'is trainer.max_consecutive_skips=%d)', step + 1, self.skips, t.max_consecutive_skips)
+                           'is trainer.max_consecutive_skips=%d)', step + 1, self.skips, t.max_consecutive_skips)
       if self.skips >= t.max_consecutive_skips:
         raise FloatingPointError(
             f'{self.skips} steps in a row had a non-finite loss or gradient (the last: step {step + 1}); '
@@ -202,6 +205,6 @@ class StepReporter:
     record['xla_compiles'] = compiles = xla.compiles()
     if self.compiled is not None and compiles > self.compiled:
       absl_logging.warning('step %d: XLA compiled %d new graph(s) since the last log step (a shape or '
-                      'a Python value changed inside the step)', step + 1, compiles - self.compiled)
+                           'a Python value changed inside the step)', step + 1, compiles - self.compiled)
     if step + 1 >= self.first_logged:
       self.compiled = compiles

@@ -179,7 +179,7 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
                  **{f'sanity_val_{k}': v for k, v in sanity_metrics.items()}})
   flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
   total = last_step(t, train_data)
-  reporter = logs.StepReporter(config, mesh, log, peak, total, start_step)
+  reporter = logs.StepReporter(config, mesh, log, peak, total, start_step, flops_per_token)
   val = None
   for step in range(start_step, total):
     out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
@@ -192,7 +192,7 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
     before, consumed_samples = consumed_samples, consumed_samples + config.data.global_batch_size
-    reporter.add(step, out, consumed_samples, flops_per_token)    # reads the step before this one
+    reporter.add(step, out, consumed_samples)    # reads the step before this one
     stopped = None if last else checkpoints.stop_reason(step + 1)
     saving = checkpoints.due(step + 1, last, stopped is not None)
     val = None                              # a validation metric as monitor: every save is validated

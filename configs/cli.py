@@ -75,8 +75,9 @@ def explain(argv, error) -> str:
 def command_line_wins(config, overrides):
   """config.json, then the YAML, then the command line: with model_source=hf, a model key given
   on the command line (`overrides`: config_flags' flat dict) joins model.model_config_overrides,
-  so config.json does not replace it at start-up. An explicit model_config_overrides wins."""
-  if config.model_source != 'hf' or 'model.model_config_overrides' in overrides:
+  so config.json does not replace it at start-up (also beside an explicit model_config_overrides:
+  a key typed on the command line is never dropped)."""
+  if config.model_source != 'hf':
     return
   keys = [k.split('.')[1] for k in overrides if k.startswith('model.') and k.split('.')[1] not in
           ('model_config', 'model_config_overrides', 'optim', 'peft', 'fusions')]

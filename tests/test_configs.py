@@ -237,3 +237,16 @@ def test_model_config_overrides_must_name_model_keys():
   problems = validate.check(c)
   assert sum('model_config_overrides' in p for p in problems) == 2
   assert any("'num_layerz'" in p for p in problems) and any("'optim'" in p for p in problems)
+
+
+def test_command_line_model_keys_join_the_overrides_of_config_json():
+  c = base.get_config()
+  c.model_source, c.model.model_config_overrides = 'hf', ('rope_theta',)
+  cli.command_line_wins(c, {'model.num_layers': 2, 'model.optim.lr': 1e-3, 'data.seq_length': 8})
+  assert c.model.model_config_overrides == ('rope_theta', 'num_layers')
+  # beside an explicit model_config_overrides too: a key typed on the command line is never dropped
+  cli.command_line_wins(c, {'model.model_config_overrides': (), 'model.hidden_size': 64})
+  assert c.model.model_config_overrides == ('rope_theta', 'num_layers', 'hidden_size')
+  c.model_source = 'megatron'
+  cli.command_line_wins(c, {'model.ffn_hidden_size': 64})
+  assert 'ffn_hidden_size' not in c.model.model_config_overrides

@@ -68,16 +68,16 @@ def _reporter(**trainer):
   c = base.get_config()
   c.trainer.update(trainer)
   log = _Records()
-  return logs.StepReporter(c, meshes.Mesh(), log, (1e9, 'test'), c.trainer.max_steps, 0), log
+  return logs.StepReporter(c, meshes.Mesh(), log, (1e9, 'test'), c.trainer.max_steps, 0, 100), log
 
 
 def test_each_step_is_read_after_the_next_is_dispatched_and_flush_reads_the_last():
   reporter, log = _reporter(max_steps=3, log_every_n_steps=1)
-  reporter.add(0, _out(0), 8, 100)
+  reporter.add(0, _out(0), 8)
   assert log.records == []                               # step 1 is read once step 2 is dispatched
-  reporter.add(1, _out(1), 16, 100)
+  reporter.add(1, _out(1), 16)
   assert [r['step'] for r in log.records] == [1]
-  reporter.add(2, _out(2), 24, 100)
+  reporter.add(2, _out(2), 24)
   record = reporter.flush()
   assert [(r['step'], r['loss'], r['consumed_samples'], r['rewards/margins']) for r in log.records] == [
       (1, 0.0, 8, 0.0), (2, 1.0, 16, 2.0), (3, 2.0, 24, 4.0)]
@@ -86,8 +86,8 @@ def test_each_step_is_read_after_the_next_is_dispatched_and_flush_reads_the_last
 
 def test_skipped_steps_are_counted_when_read_and_stop_at_the_limit():
   reporter, log = _reporter(max_steps=10, log_every_n_steps=5, nonfinite_policy='skip', max_consecutive_skips=2)
-  reporter.add(0, _out(0, skipped=True), 8, 100)
-  reporter.add(1, _out(1, skipped=True), 16, 100)         # reads step 1: one skip
+  reporter.add(0, _out(0, skipped=True), 8)
+  reporter.add(1, _out(1, skipped=True), 16)         # reads step 1: one skip
   assert reporter.skips == 1 and log.records == []
   with pytest.raises(FloatingPointError, match=r'2 steps in a row .*\(the last: step 2\)'):
-    reporter.add(2, _out(2), 24, 100)
+    reporter.add(2, _out(2), 24)
