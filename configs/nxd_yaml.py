@@ -125,7 +125,7 @@ def _missing_feature(path, flat):
   return None
 
 
-def _objective(tree, config):
+def _objective(tree, config, _report):
   """A model_alignment_strategy.dpo or .orpo section selects its objective, as in NxD."""
   chosen = [k for k in ('dpo', 'orpo') if k in (tree.get('model_alignment_strategy') or {})]
   if len(chosen) > 1:
@@ -178,7 +178,7 @@ def load(path) -> Mapped:
     except (ValueError, TypeError, KeyError) as e:
       problems.append(f'{key}={value!r}: {e}')
   for section, apply in ((tree.get('data', {}).get('tokenizer'), _tokenizer), (tree.get('precision'), _precision),
-                         (tree, lambda tree, config, _: _objective(tree, config))):
+                         (tree, _objective)):
     try:
       apply(section or {}, config, report)
     except (ValueError, TypeError) as e:

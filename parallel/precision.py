@@ -277,12 +277,8 @@ def parallel_layers_reduce_dtype(cfg):
   """The dtype of the tensor-parallel layers' reductions (row-parallel outputs, column-parallel
   input gradients), NxD's precision.parallel_layers_reduce_dtype for every type; None: the
   activations' own dtype (NxD's default: bf16 in the 16-bit recipes, fp32 in fp32)."""
-  name = getattr(cfg, 'parallel_layers_reduce_dtype', None)
-  if name is None:
-    return None
-  if name not in REDUCE_DTYPES:
-    raise ValueError(f'precision.parallel_layers_reduce_dtype={name!r} is unknown; valid: {", ".join(REDUCE_DTYPES)}')
-  return REDUCE_DTYPES[name]
+  name = getattr(cfg, 'parallel_layers_reduce_dtype', None)      # its values: `check`
+  return None if name is None else REDUCE_DTYPES[name]
 
 
 def compute_context(r: Recipe, device_type: str):
