@@ -75,6 +75,8 @@ def get_config(arg=None):
   strategy.pipeline_cuts = ()                 # explicit stage boundaries as layer indices; () = even split
   strategy.sequence_parallel = False          # shard norms/dropout over the sequence inside TP groups (needs t > 1)
   strategy.zero1 = False                      # shard optimizer state + fp32 master weights over DP
+  strategy.zero1_collectives = 'auto'         # auto | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather (auto: fastest on the backend)
+  strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)
   strategy.kv_replicator = 1                  # copies of each KV head when t > num_kv_heads (t = kv_heads * kv_replicator)
   strategy.collective_timeout_s = 300         # a collective that waits longer fails, naming rank and op
 

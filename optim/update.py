@@ -22,7 +22,7 @@ import typing
 import torch
 
 from optim import optimizers, schedules
-from parallel import comm, grads as grad_ops, precision, zero
+from parallel import comm, grad_buffer, grads as grad_ops, precision, zero
 
 
 class Rows(typing.NamedTuple):
@@ -52,12 +52,12 @@ class Updater:
       p.requires_grad_(name in self.trainable)
     self.placement = placement or {n: (tuple(slice(0, s) for s in p.shape), tuple(p.shape))
                                    for n, p in params.items()}
-    self.accumulate_fp32 = (self.recipe.grad_acc_dtype == torch.float32
-                            and self.recipe.param_dtype != torch.float32)
-    self.main_grads = {}
-    if self.accumulate_fp32:
-      for name in self.trainable:
-        params[name].register_post_accumulate_grad_hook(self._accumulate_hook(name))
+    strategy = config.distributed_strategy
+    self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
+    # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward.
+    self.grads = grad_buffer.GradBuffer(params, self.trainable, self.recipe.grad_acc_dtype, self.parts,
+                                        self.index, mesh.dp_group, self.bucket_bytes, self.collective,
+                                        strategy.overlap_grad_reduce)
     self.rows = {n: owned_rows(params[n].shape[0], self.parts, self.index) for n in self.trainable}
     # Without a master copy the shard is a view of the parameter's rows.
     self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
@@ -67,25 +67,14 @@ class Updater:
   def _owned(self, name):
     return self.params[name].detach()[self.rows[name].rows]
 
-  def _accumulate_hook(self, name):
-    def hook(p):
-      if name in self.main_grads:
-        self.main_grads[name] += p.grad.float()
-      else:
-        self.main_grads[name] = p.grad.float()
-      p.grad = None
-    return hook
-
-  @property
-  def reduces_over_dp(self):
-    """Whether `step` does the DP gradient reduction itself (reduce-scatter)."""
-    return self.group is not None
+  def start(self, micro_batches):
+    """A step of `micro_batches` backward passes begins: a bucket's DP reduction starts as soon
+    as its parameters have had them all (distributed_strategy.overlap_grad_reduce)."""
+    self.grads.start(micro_batches)
 
   def gradients(self):
-    """name -> accumulated gradient of this rank's trainable boxes (fp32 where the recipe says)."""
-    if self.accumulate_fp32:
-      return self.main_grads
-    return {n: self.params[n].grad for n in self.trainable if self.params[n].grad is not None}
+    """name -> gradient of the rows this rank owns, summed over DP (views of the buckets)."""
+    return self.grads.reduced()
 
   def lr(self, step):
     """The learning rate of optimizer step `step` (counted from 0) under model.optim.sched."""
@@ -98,7 +87,7 @@ class Updater:
     devices; on XLA a device bool (read on log steps)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
-    owned = zero.reduce_scatter_rows(gradients, self.rows, self.parts, self.group, self.bucket_bytes)
+    owned = {n: g if g.dtype == torch.float32 else g.float() for n, g in gradients.items()}
     norm = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
     if norm.device.type == 'xla':
@@ -138,7 +127,8 @@ class Updater:
       self.master[n].data = self._owned(n)         # a view of the parameter's rows again
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
-    zero.all_gather_rows(rounded, self.params, self.rows, self.parts, self.group, self.bucket_bytes)
+    zero.gather_rows(rounded, self.params, self.trainable, self.parts, self.index, self.group, self.collective,
+                     self.bucket_bytes)
 
   def _widen(self):
     """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their
@@ -177,7 +167,6 @@ class Updater:
     return out
 
   def _clear(self):
-    self.main_grads = {}
     for n in self.trainable:
       self.params[n].grad = None
       self.master[n].grad = None

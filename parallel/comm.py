@@ -35,11 +35,30 @@ def group_rank(group):
   return 0 if group is None else dist.get_rank(group)
 
 
-def all_reduce_(x, group, op=dist.ReduceOp.SUM, name='all_reduce'):
-  """In-place all-reduce; identity for a group of one."""
-  if group is not None:
-    _run(name, group, lambda: dist.all_reduce(x, op=op, group=group))
-  return x
+def all_reduce_(x, group, op=dist.ReduceOp.SUM, name='all_reduce', async_op=False):
+  """In-place all-reduce; identity for a group of one. With `async_op` returns the work to
+  `wait` on (None for a group of one)."""
+  if group is None:
+    return None if async_op else x
+  work = _run(name, group, lambda: dist.all_reduce(x, op=op, group=group, async_op=async_op))
+  return work if async_op else x
+
+
+def reduce_scatter_into(out, x, group, name='reduce_scatter', async_op=False):
+  """Sum flat `x` over `group` and leave this rank's 1/n of it in `out` (the work if `async_op`)."""
+  return _run(name, group, lambda: _reduce_scatter_flat(out, x, group=group, async_op=async_op))
+
+
+def all_gather_into(out, x, group, name='all_gather'):
+  """Every rank's flat `x`, in rank order, into flat `out`."""
+  _run(name, group, lambda: _all_gather_flat(out, x, group=group))
+  return out
+
+
+def wait(work, name, group):
+  """Wait for an async collective, naming it and this rank if it failed or timed out."""
+  if work is not None:
+    _run(name, group, work.wait)
 
 
 def all_gather(x, group, dim, name='all_gather'):

@@ -1,7 +1,7 @@
 """Gradient synchronization, global norms and clipping across the mesh.
 
-After backward each rank holds gradients of its parameter boxes for its share of the
-global batch. `sync` makes them the gradients of the global loss:
+After backward each rank holds gradients of its parameter boxes (or, under ZeRO-1, of the rows
+it owns), summed over DP. `sync` makes them the gradients of the global loss:
   1. SP: replicated parameters applied to sequence shards (norms, row biases) saw only their
      shard's tokens, so their gradients are summed over TP (a Megatron-LM bug once forgot this);
      so are, at every layout, LoRA's replicated factors (A of q/k/v/gate/up, B of o/down) and
@@ -10,8 +10,8 @@ global batch. `sync` makes them the gradients of the global loss:
      replicas;
   3. PP with tied embeddings: the first stage's embedding and the last stage's LM head are
      copies of one table: their gradients are summed over the two stages;
-  4. DP: summed over data-parallel ranks in flat buckets (the loss is already divided by the
-     global token count, so a sum, not a mean, is the global gradient).
+(The DP sum comes first, during the backward: parallel/grad_buffer.py. The loss is already
+divided by the global token count, so a sum, not a mean, is the global gradient.)
 Norms count every element of the global model once: TP-replicated boxes only on TP rank 0,
 KV copies only on the first replica, the tied table only on the first stage, then one sum
 over TP and PP.
@@ -21,10 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallel import comm, tensor
 
-BUCKET_BYTES = 32 * 2**20             # the default of `bucket_size_collectives` (MiB)
-
-
-def _all_reduce_bucketed(tensors, group, name, bucket_bytes=BUCKET_BYTES):
+def _all_reduce_bucketed(tensors, group, name, bucket_bytes=32 * 2**20):
   """Sum `tensors` over `group` through flat buffers of about `bucket_bytes`."""
   if group is None or not tensors:
     return
@@ -36,10 +33,8 @@ def _all_reduce_bucketed(tensors, group, name, bucket_bytes=BUCKET_BYTES):
       dst.copy_(src)
 
 
-def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True, bucket_bytes=BUCKET_BYTES):
-  """Sum `grads` (name -> gradient of this rank's box) in place as described above; the DP
-  sum is skipped when ZeRO-1 reduce-scatters instead (`reduce_dp=False`). The DP sum goes
-  through flat buckets of about `bucket_bytes` (NxD's `bucket_size_collectives`)."""
+def sync(grads, mesh, sequence_parallel, tied_embeddings=False):
+  """Sum `grads` (name -> gradient of this rank's box or owned rows) in place as described above."""
   partial = [g for n, g in grads.items() if tensor.is_tp_partial(n) or
              (sequence_parallel and tensor.is_sequence_parallel_replicated(n))]
   _all_reduce_bucketed(partial, mesh.tp_group, 'all_reduce(partial replicated grads over tp)')
@@ -48,8 +43,6 @@ def sync(grads, mesh, sequence_parallel, tied_embeddings=False, reduce_dp=True, 
                          'all_reduce(KV replica grads)')
   if tied_embeddings and mesh.embed_group is not None and 'embed_tokens.weight' in grads:
     comm.all_reduce_(grads['embed_tokens.weight'], mesh.embed_group, name='all_reduce(tied embedding grads)')
-  if reduce_dp:
-    _all_reduce_bucketed(list(grads.values()), mesh.dp_group, 'all_reduce(grads over dp)', bucket_bytes)
 
 
 def counts_once(name, mesh):

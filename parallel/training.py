@@ -15,12 +15,12 @@ from parallel import grads, passes, pipeline, precision, tensor
 
 def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None):
   """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
+  updater.start(len(micro_batches))
   loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
                                                   reference=reference)
   gradients = updater.gradients()
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
-             config.model.share_embeddings_and_output_weights, reduce_dp=not updater.reduces_over_dp,
-             bucket_bytes=updater.bucket_bytes)
+             config.model.share_embeddings_and_output_weights)
   lr = updater.lr(step)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss)

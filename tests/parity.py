@@ -86,7 +86,7 @@ def steps_on_rank(config, steps):
   for step in range(steps):
     batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
     training.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
-  return {n: p.detach().numpy() for n, p in params.items()}
+  return {n: p.detach().float().numpy() for n, p in params.items()}   # bf16 exactly in fp32
 
 
 def train_on_rank(workdir, layout):

@@ -59,7 +59,9 @@ def _sr_step(recipe, world_size):
   # exactly representable halves: the reduce-scatter sum is exact, so only the rounding could differ
   grads = {n: torch.randint(-64, 64, p.shape, generator=torch.Generator().manual_seed(i)).float() / 1024
            / world_size for i, (n, p) in enumerate(params.items())}
-  updater.step(grads, 1e-2, 0)
+  for name, grad in grads.items():
+    updater.grads.accumulate(name, grad)
+  updater.step(updater.gradients(), 1e-2, 0)
   return {n: p.detach().float().numpy() for n, p in params.items()}
 
 
