@@ -89,20 +89,47 @@ def _peer(mesh, pp_rank):
   return mesh.rank_of(mesh.dp_rank, pp_rank, mesh.tp_rank)
 
 
-def _exchange(comm_action, mesh, outbox, inbox, buffers):
-  ops = []
-  for op in comm_action.ops:
-    key = (op.tensor, op.microbatch, op.chunk)
-    if op.kind == 'send':
-      ops.append(dist.P2POp(dist.isend, outbox.pop(key).contiguous(), _peer(mesh, op.peer)))
-    else:
-      inbox[key] = buffers.take()
-      ops.append(dist.P2POp(dist.irecv, inbox[key], _peer(mesh, op.peer)))
-  try:
-    for request in dist.batch_isend_irecv(ops):
-      request.wait()
-  except RuntimeError as e:
-    raise RuntimeError(f'rank {mesh.rank}: pipeline exchange {comm_action.ops} failed: {e}') from e
+class _InFlight:
+  """Point-to-point operations posted and not yet waited on: a receive is waited on when its
+  tensor is first needed, a send only at the end of the schedule, so a stage never waits on
+  its own send and a receive overlaps whatever runs before its consumer."""
+
+  def __init__(self, mesh):
+    self.mesh, self.recvs, self.sends = mesh, {}, []
+
+  def post(self, comm_action, outbox, inbox, buffers):
+    ops, keys = [], []
+    for op in comm_action.ops:
+      key = (op.tensor, op.microbatch, op.chunk)
+      if op.kind == 'send':
+        ops.append(dist.P2POp(dist.isend, outbox.pop(key).contiguous(), _peer(self.mesh, op.peer)))
+        keys.append(None)
+      else:
+        inbox[key] = buffers.take()
+        ops.append(dist.P2POp(dist.irecv, inbox[key], _peer(self.mesh, op.peer)))
+        keys.append(key)
+    for key, request in zip(keys, self._call(comm_action.ops, dist.batch_isend_irecv, ops)):
+      if key is None:
+        self.sends.append((request, comm_action.ops))
+      else:
+        self.recvs[key] = (request, comm_action.ops)
+
+  def received(self, inbox, key):
+    """inbox[key], popped, once its receive has completed."""
+    request, ops = self.recvs.pop(key)
+    self._call(ops, request.wait)
+    return inbox.pop(key)
+
+  def finish(self):
+    for request, ops in self.sends:
+      self._call(ops, request.wait)
+    self.sends = []
+
+  def _call(self, ops, fn, *args):
+    try:
+      return fn(*args)
+    except RuntimeError as e:
+      raise RuntimeError(f'rank {self.mesh.rank}: pipeline exchange {ops} failed: {e}') from e
 
 
 class _Buffers:
@@ -135,10 +162,11 @@ def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32
   last_stage = mesh.pp * vp - 1
   inbox, outbox, kept = {}, {}, {}
   buffers = _Buffers(buffer_shape, dtype, mesh.device)
+  in_flight = _InFlight(mesh)
   forwards = 0
   for action in schedule:
     if isinstance(action, schedules.Comm):
-      _exchange(action, mesh, outbox, inbox, buffers)
+      in_flight.post(action, outbox, inbox, buffers)
       if deallocate_outputs:
         for op in action.ops:
           if op.kind == 'send' and op.tensor == 'act':
@@ -147,7 +175,7 @@ def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32
     i, c = action.microbatch, action.chunk
     vs = c * mesh.pp + mesh.pp_rank
     if action.kind == 'F':
-      x = None if vs == 0 else inbox.pop(('act', i, c)).requires_grad_()
+      x = None if vs == 0 else in_flight.received(inbox, ('act', i, c)).requires_grad_()
       out = stage_fn(i, c, x)
       kept[(i, c)] = (x, out)
       if vs != last_stage:
@@ -158,13 +186,14 @@ def run_schedule(schedule, stage_fn, mesh, vp, buffer_shape, dtype=torch.float32
       if vs == last_stage:
         out.backward()
       else:
-        grad = inbox.pop(('grad', i, c))
+        grad = in_flight.received(inbox, ('grad', i, c))
         torch.autograd.backward(out, grad_tensors=grad)
         buffers.give(grad)
       if vs != 0:
         outbox[('grad', i, c)] = x.grad
         x.grad = None
         buffers.give(x)
+  in_flight.finish()
   assert not kept and not inbox and not outbox, 'schedule left work undone'
   return forwards
 

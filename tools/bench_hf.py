@@ -147,9 +147,7 @@ def run(precision, steps, warmup, config=None):
   result = {name: tokens / statistics.median(t[warmup:]) for name, t in times.items()}
   # parameters + gradients (as each accumulates them) + optimizer state and masters
   result['hf_bytes'] = 2 * state_bytes(hf_params) + state_bytes(hf_optim)
-  grad_bytes = 4 if updater.accumulate_fp32 else None
-  result['flatron_bytes'] = (state_bytes(params.values()) + updater.state_bytes() +
-                             sum(p.numel() * (grad_bytes or p.element_size()) for p in params.values()))
+  result['flatron_bytes'] = state_bytes(params.values()) + updater.state_bytes() + updater.grads.bytes()
   result['config'], result['losses'] = config, losses
   return result
 
