@@ -279,10 +279,13 @@ def update_temporaries(config, sizes, dp=1) -> int:
       the fused optimizers none, the others foreach over runs of at most
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
-  plus, for 16-bit parameters without masters (bf16SR), the widening for the step: fp32
-  working rows and moments (4 + 8 bytes per element, less the 4 of the bf16 moments freed as
-  they widen) and the stochastic rounding's bucket (~8 bytes of index, noise and bits per
-  byte of fp32 rounded); with ZeRO-1 the parameters' all-gather through one bucket."""
+  For 16-bit parameters without masters (bf16SR) the step runs on fp32 working rows and
+  moments (4 + 8 bytes per element, less the 4 of the bf16 moments freed as they widen), and
+  then the larger of that plus the above, or that plus the rounded bf16 results held until
+  all are rounded (6 bytes) plus the stochastic rounding of one bucket of rows and moments
+  (~24 bytes per element, measured: fp32 input, int32 noise, bits and clamps, the bf16 result
+  and a tensor's int64 hash; a bucket may pass bucket_size by one tensor). With ZeRO-1, the parameters' all-gather
+  through one bucket."""
   recipe = precision.recipe(config.precision)
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
   trained = set(lora.trainable(config.model, sizes))
@@ -296,7 +299,12 @@ def update_temporaries(config, sizes, dp=1) -> int:
   norm = max(owned) * (4 + (4 if recipe.grad_acc_dtype.itemsize != 4 else 0))
   temporaries = max(optimizer, norm)
   if recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
-    temporaries += 8 * sum(owned) + 8 * min(_bucket_bytes(config), 4 * 3 * sum(owned))
+    moments = ADAM_STATES.get(config.model.optim.name, 2)
+    items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded
+    bucket = _largest_bucket(items, _bucket_bytes(config)) // 4
+    widened = 4 * (1 + moments) * sum(owned) - 2 * moments * sum(owned)
+    rounded = 2 * (1 + moments) * sum(owned)
+    temporaries = max(widened + temporaries, widened + rounded + 24 * bucket)
   if shards > 1:
     temporaries += _bucket_bytes(config)
   return temporaries
