@@ -106,10 +106,11 @@ CHUNK_BYTES = 32 * 2**20   # the default of `bucket_size_collectives` (MiB)
 
 def chunks(sizes: list, chunk_bytes=CHUNK_BYTES) -> list:
   """[[index, ...], ...]: consecutive runs of the tensors of `sizes` (elements each) of at
-  most `chunk_bytes` in fp32 (a tensor larger than that alone). One optimizer step runs per
-  run, so the foreach optimizers' temporaries (AdamW: sqrt(v) of every tensor it steps at
-  once, plus the decayed gradients of Adam with weight decay) are at most one run's worth
-  instead of the whole model's. Every element's arithmetic is the same: bitwise equal."""
+  most `chunk_bytes` in fp32 (a tensor larger than that alone), one parameter group each. A
+  foreach step (torch's default on CUDA for the optimizers not fused here) allocates its
+  temporaries for a whole group at once (AdamW: sqrt(v) and the quotient), so they stay within
+  one run instead of the model. On CPU and XLA torch steps one tensor at a time anyway (2x the
+  largest tensor, measured). Every element's arithmetic is the same: bitwise equal."""
   out, size = [], 0
   for i, n in enumerate(sizes):
     if out and size + 4 * n <= chunk_bytes:

@@ -284,8 +284,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
   then the larger of that plus the above, or that plus the rounded bf16 results held until
   all are rounded (6 bytes) plus the stochastic rounding of one bucket of rows and moments
   (~24 bytes per element, measured: fp32 input, int32 noise, bits and clamps, the bf16 result
-  and a tensor's int64 hash; a bucket may pass bucket_size by one tensor). With ZeRO-1, the parameters' all-gather
-  through one bucket."""
+  and a tensor's int64 hash; a bucket may pass bucket_size by one tensor). With ZeRO-1, the
+  parameters' all-gather through one bucket."""
   recipe = precision.recipe(config.precision)
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
   trained = set(lora.trainable(config.model, sizes))
