@@ -143,7 +143,7 @@ PHASES = ('init', 'forward_backward', 'grad_reduction', 'update', 'checkpoint_sa
 # CPU only: what the first step costs beyond tensors, measured (tools/bench_memory.py, torch
 # 2.13, Linux): torch._dynamo and the modules the first optimizer imports (~70 MiB), kernel
 # code paged in, autograd's and gloo's threads. CUDA's max_memory_allocated sees none of it.
-RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 110 * 2**20}
+RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20}
 
 
 def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
@@ -306,7 +306,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + rounded + 24 * bucket)
   if shards > 1:
-    temporaries += _bucket_bytes(config)
+    full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
+    temporaries += _largest_bucket(full, _bucket_bytes(config))
   return temporaries
 
 
