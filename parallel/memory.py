@@ -7,7 +7,7 @@ import os
 import torch
 
 from model import layers, lora, objectives, transformer
-from parallel import mesh as meshes, precision, remat, tensor
+from parallel import comm, device as devices, mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
                'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1}
@@ -139,40 +139,200 @@ def param_counts(config, sizes) -> dict:
           'adapters': sum(v for n, v in sizes.items() if lora.is_adapter(n))}
 
 
-def estimate(config, sizes=None, dp=1) -> dict:
+PHASES = ('init', 'forward_backward', 'grad_reduction', 'update', 'checkpoint_save')
+# CPU only: what the first step costs beyond tensors, measured (tools/bench_memory.py, torch
+# 2.13, Linux): torch._dynamo and the modules the first optimizer imports (~70 MiB), kernel
+# code paged in, autograd's and gloo's threads. CUDA's max_memory_allocated sees none of it.
+RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20}
+
+
+def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   """Bytes per rank holding parameters of `sizes` (name -> elements; default: an even share
-  of the model) under the precision recipe and ZeRO-1: params, grads, master weights and
-  optimizer state (of the trained parameters only: a frozen LoRA base has none), the
-  activations of the micro batches in flight on this stage (1F1B: up to min(pp, micro
-  batches)) plus fp32 logits, and DPO's frozen reference copy (none with LoRA, whose reference
-  is the base itself, nor with precomputed reference log-probs)."""
+  of the model), by component and by phase. Components: params, grads (gradient_bytes),
+  master weights and optimizer state (of the trained parameters only: a frozen LoRA base has
+  none; ZeRO-1 divides both), activations of the micro batches in flight on stage `pp_rank`
+  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most), logits (logits_bytes), the optimizer's temporaries
+  (update_temporaries), the gradient reduction's buffers (reduction_bytes), the checkpoint's
+  host copy, the runtime (CPU: RUNTIME_BYTES), and DPO's frozen reference copy (none with
+  LoRA, whose reference is the base itself, nor with precomputed reference log-probs).
+  'phases' (phase -> bytes live at its peak, PHASES), 'peak_phase' and 'total' (its bytes)
+  say when the rank peaks: what check_fits compares with the rank's memory."""
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
   if sizes is None:
     sizes = {n: math.prod(spec.shape) // (tp * pp) for n, spec in transformer.param_specs(m, tp).items()}
   n = param_counts(config, sizes)
-  shards = dp if d.zero1 else 1
+  shards = dp if d.zero1 and dp > 1 else 1
   param_bytes = recipe.param_dtype.itemsize
   base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
-  in_flight = min(pp, microbatches)
-  logits = config.data.micro_batch_size * config.data.seq_length * transformer.padded_vocab_size(m, tp) // tp
+  in_flight = min(pp - pp_rank, microbatches)
+  grads, grad_transient = gradient_bytes(config, sizes, dp)
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
-      'grads': trained_base * recipe.grad_acc_dtype.itemsize + n['adapters'] * 4,
+      'grads': grads,
       'master': trained_base * 4 // shards if recipe.has_master(recipe.param_dtype) else 0,
       'optimizer': ((trained_base * recipe.state_dtype(recipe.param_dtype).itemsize + n['adapters'] * 4)
                     * ADAM_STATES.get(m.optim.name, 2) // shards),
       'activations': (math.ceil(m.num_layers / pp) * in_flight
-                      * activation_bytes_per_layer(config, param_bytes, tp) + 2 * logits * 4),
+                      * activation_bytes_per_layer(config, param_bytes, tp)),
+      'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
+      'grad_transient': grad_transient,
+      'reduction': reduction_bytes(config, sizes, dp),
+      'update_temporaries': update_temporaries(config, sizes, dp),
+      'checkpoint_copy': checkpoint_copy_bytes(config, sizes, dp),
+      'runtime': RUNTIME_BYTES['step'] if devices.kind(config.device) == 'cpu' else 0,
   }
   if m.objective == 'dpo' and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
     part = objectives.reference_copy(config)   # DPO's frozen copy of the starting model or adapters
     if part != 'none':
       out['reference'] = out['params'] if part == 'model' else n['adapters'] * 4
-  out['total'] = sum(out.values())
+  held = out['params'] + out['master'] + out.get('reference', 0)      # from init to the end
+  steady = held + out['optimizer'] + out['runtime']                  # from the first update on
+  phases = {
+      'init': held + (RUNTIME_BYTES['init'] if out['runtime'] else 0),
+      'forward_backward': steady + out['grads'] + out['activations'] + out['logits'] + out['grad_transient'],
+      'grad_reduction': steady + out['grads'] + out['reduction'],
+      'update': steady + out['grads'] + out['update_temporaries'],
+      'checkpoint_save': steady + out['checkpoint_copy'],
+  }
+  out['phases'] = phases
+  out['peak_phase'] = max(PHASES, key=phases.get)
+  out['total'] = phases[out['peak_phase']]
   return out
+
+
+def components(est) -> dict:
+  """The byte components of an estimate (not 'phases', 'peak_phase', 'total')."""
+  return {k: v for k, v in est.items() if k not in ('phases', 'peak_phase', 'total')}
+
+
+def _holds_head(config, sizes):
+  return 'lm_head.weight' in sizes or (config.model.share_embeddings_and_output_weights
+                                       and config.distributed_strategy.pipeline_model_parallel_size == 1)
+
+
+def logits_bytes(config, tp=1) -> int:
+  """Bytes of the last stage's logits at the loss (kept apart: a chunked cross-entropy changes
+  only this): with N = b s tokens and V' = padded vocab / t, 8 N V': the fp32 log-probs
+  cross-entropy keeps and, in backward, their fp32 gradient (the logits themselves, and the
+  fp32 copy of 16-bit ones, are freed after the forward: nothing saves them)."""
+  m, a = config.model, config.data
+  w = precision.recipe(config.precision).param_dtype.itemsize
+  return a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, tp) // tp * 8
+
+
+def gradient_bytes(config, sizes, dp=1) -> tuple:
+  """(gradient buffers, the transient during backward) in bytes, for the bucketed-buffer design:
+  every trainable parameter's gradient accumulates into flat per-bucket buffers of the recipe's
+  grad accumulation dtype (with ZeRO-1 each parameter's rows padded to a multiple of dp: at
+  most dp - 1 rows each, not counted), and p.grad is freed once added in, so
+
+    buffers   = sum over trainable p of numel(p) * bytes(grad acc dtype)
+    transient = max over trainable p of numel(p) * bytes(param dtype)   (one p.grad)
+
+  LoRA adapters are fp32 whatever the recipe. The same holds for the code before the buffers:
+  p.grad (fp32, bf16SR) or the fp32 main grads (mixed precision) are the buffers, and adding
+  a micro batch's gradient into them is the transient."""
+  recipe = precision.recipe(config.precision)
+  trained = set(lora.trainable(config.model, sizes))
+  buffers = sum(v * (4 if lora.is_adapter(n) else recipe.grad_acc_dtype.itemsize)
+                for n, v in sizes.items() if n in trained)
+  transient = max((v * (4 if lora.is_adapter(n) else recipe.param_dtype.itemsize)
+                   for n, v in sizes.items() if n in trained), default=0)
+  return buffers, transient
+
+
+def _bucket_bytes(config):
+  return int(config.bucket_size_collectives * 2**20)
+
+
+def _largest_bucket(sizes_bytes, limit):
+  """Bytes of the largest bucket comm.buckets cuts from `sizes_bytes` (a list, in order)."""
+  return max((sum(sizes_bytes[i] for i in b) for b in comm.buckets(range(len(sizes_bytes)), sizes_bytes, limit)),
+             default=0)
+
+
+def reduction_bytes(config, sizes, dp=1) -> int:
+  """The DP gradient reduction's transient: one bucket (comm.buckets of the gradients at
+  bucket_size_collectives: up to one tensor past it), the flat copy the all-reduce works on;
+  with ZeRO-1 on gloo the reduce-scatter stages a full-size copy of its input too (2 buckets).
+  None without DP."""
+  if dp == 1:
+    return 0
+  recipe = precision.recipe(config.precision)
+  trained = set(lora.trainable(config.model, sizes))
+  grads = [v * recipe.grad_acc_dtype.itemsize for n, v in sizes.items() if n in trained]
+  bucket = _largest_bucket(grads, _bucket_bytes(config))
+  return bucket * (2 if config.distributed_strategy.zero1 else 1)
+
+
+FUSED = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adagrad')   # fused on CUDA: no temporaries
+
+
+def update_temporaries(config, sizes, dp=1) -> int:
+  """The update's transient bytes beyond gradients and state, over this rank's owned rows
+  (ZeRO-1: 1/dp of each tensor's), the largest of
+    the optimizer's: on CPU and XLA torch steps one tensor at a time (its foreach kernels are
+      CUDA's): sqrt(v) and the quotient, 2 x 4 bytes x the largest tensor (measured); on CUDA
+      the fused optimizers none, the others foreach over runs of at most
+      bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
+    the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
+  For 16-bit parameters without masters (bf16SR) the step runs on fp32 working rows and
+  moments (4 + 8 bytes per element, less the 4 of the bf16 moments freed as they widen), and
+  then the larger of that plus the above, or that plus the rounded bf16 results held until
+  all are rounded (6 bytes) plus the stochastic rounding of one bucket of rows and moments
+  (~24 bytes per element, measured: fp32 input, int32 noise, bits and clamps, the bf16 result
+  and a tensor's int64 hash; a bucket may pass bucket_size by one tensor). With ZeRO-1, the
+  parameters' all-gather through one bucket."""
+  recipe = precision.recipe(config.precision)
+  shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
+  trained = set(lora.trainable(config.model, sizes))
+  owned = [math.ceil(v / shards) for n, v in sizes.items() if n in trained]
+  if not owned:
+    return 0
+  if devices.kind(config.device) != 'cuda':
+    optimizer = 2 * 4 * max(owned)
+  else:
+    optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
+  norm = max(owned) * (4 + (4 if recipe.grad_acc_dtype.itemsize != 4 else 0))
+  temporaries = max(optimizer, norm)
+  if recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
+    moments = ADAM_STATES.get(config.model.optim.name, 2)
+    items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded
+    bucket = _largest_bucket(items, _bucket_bytes(config)) // 4
+    widened = 4 * (1 + moments) * sum(owned) - 2 * moments * sum(owned)
+    rounded = 2 * (1 + moments) * sum(owned)
+    temporaries = max(widened + temporaries, widened + rounded + 24 * bucket)
+  if shards > 1:
+    full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
+    temporaries += _largest_bucket(full, _bucket_bytes(config))
+  return temporaries
+
+
+def largest_run(elements, limit) -> int:
+  """fp32 bytes of the largest run optim/optimizers.chunks cuts from `elements` (consecutive
+  tensors up to `limit` bytes, a larger one alone), without importing optim (which sits above)."""
+  largest, size = 0, None
+  for n in elements:
+    size = size + 4 * n if size is not None and size + 4 * n <= limit else 4 * n
+    largest = max(largest, size)
+  return largest
+
+
+def checkpoint_copy_bytes(config, sizes, dp=1) -> int:
+  """The save's host copy: none when a CPU rank saves synchronously (tensorstore reads the
+  tensors in place); with exp_manager.async_checkpointing a copy of what this rank writes
+  (at most its parameters, masters and state)."""
+  if not config.exp_manager.async_checkpointing and devices.kind(config.device) == 'cpu':
+    return 0
+  recipe = precision.recipe(config.precision)
+  n = param_counts(config, sizes)
+  shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
+  state = n['trainable'] * (recipe.state_dtype(recipe.param_dtype).itemsize * ADAM_STATES.get(config.model.optim.name, 2)
+                            + (4 if recipe.has_master(recipe.param_dtype) else 0)) // shards
+  return n['params'] * recipe.param_dtype.itemsize + state
 
 
 def state_bytes_per_param(est, sizes) -> float:

@@ -27,7 +27,10 @@ def startup(config, mesh, sizes, est) -> str:
       f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
       f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
-      'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est.items()),
+      'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in memory.components(est).items()
+                                              if v),
+      f'memory/rank peak (estimate): {memory.human_bytes(est["total"])} in {est["peak_phase"]} | '
+      + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est['phases'].items()),
       f'precision {config.precision.type}: {memory.state_bytes_per_param(est, sizes):.1f} bytes/param on this rank '
       '(params + grads + master + optimizer state)',
   ]

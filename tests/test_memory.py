@@ -1,7 +1,11 @@
 """The start-up memory estimate."""
+import pytest
+
 from configs import llama7b, llama_tiny
+from data.loader import Loader
 from model import transformer
-from parallel import memory
+from optim import optimizers, update
+from parallel import memory, mesh as meshes, passes, tensor, training
 
 
 def test_static_bytes_follow_the_parameter_count():
@@ -13,7 +17,7 @@ def test_static_bytes_follow_the_parameter_count():
   assert est['optimizer'] == 8 * n                     # AdamW: two fp32 moments
   c.model.optim.name = 'sgd'
   assert memory.estimate(c)['optimizer'] == 0
-  assert est['total'] == sum(v for k, v in est.items() if k != 'total')
+  assert est['total'] == est['phases'][est['peak_phase']] == max(est['phases'].values())
 
 
 def test_full_recompute_keeps_only_layer_inputs():
@@ -116,3 +120,61 @@ def test_available_bytes_splits_host_ram_between_local_ranks(monkeypatch):
   assert memory.host_available_bytes() > 0
   monkeypatch.setattr(memory, 'host_available_bytes', lambda: 8 * 2**30)
   assert memory.available_bytes(torch.device('cpu'), 4) == (2 * 2**30, 'available host RAM / 4 local rank(s)')
+
+
+@pytest.mark.parametrize('recipe', ['fp32', 'bf16SR', 'mixed_precision'])
+def test_state_components_are_the_bytes_the_code_allocates(recipe):
+  c = llama_tiny.get_config('test')
+  c.precision.type = recipe
+  mesh = meshes.Mesh()
+  sizes = training.local_sizes(c, mesh)
+  est = memory.estimate(c, sizes)
+  params = training.init_params(c, mesh)
+  assert est['params'] == sum(p.numel() * p.element_size() for p in params.values())
+  updater = update.Updater(params, c, mesh, training.placement(c, mesh))
+  passes.forward_backward(params, Loader(c, 'train').global_batch(0), c, mesh, tensor.config_ops(c, mesh),
+                          updater.recipe)
+  gradients = updater.gradients()
+  assert est['grads'] == sum(g.numel() * g.element_size() for g in gradients.values())
+  assert est['grad_transient'] == max(p.numel() * p.element_size() for p in params.values())
+  updater.step(gradients, 1e-3, 0)
+  assert est['master'] + est['optimizer'] == updater.state_bytes()
+
+
+def test_largest_run_is_the_optimizer_chunks():
+  elements = [10, 3000, 7, 7, 9000, 1, 2, 40]
+  for limit in (4, 100, 12_000, 40_000, 2**30):
+    runs = optimizers.chunks(elements, limit)
+    assert memory.largest_run(elements, limit) == max(4 * sum(elements[i] for i in run) for run in runs)
+
+
+def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
+  c = llama_tiny.get_config()
+  sizes = {'a': 1000, 'b': 5000, 'c': 10}
+  assert memory.update_temporaries(c, sizes) == 2 * 4 * 5000
+  c.distributed_strategy.zero1 = True       # owned rows: half of each, and the all-gather's bucket
+  assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500 + 4 * 6010   # one bucket holds all
+
+
+def test_first_pipeline_stage_holds_the_most_micro_batches():
+  c = llama_tiny.get_config()
+  c.distributed_strategy.pipeline_model_parallel_size = 2
+  first, last = memory.estimate(c, pp_rank=0), memory.estimate(c, pp_rank=1)
+  assert first['activations'] == 2 * last['activations']
+
+
+def test_logits_term_is_the_fp32_log_probs_and_their_gradient():
+  c = llama_tiny.get_config()
+  n, v = c.data.micro_batch_size * c.data.seq_length, transformer.padded_vocab_size(c.model)
+  assert memory.logits_bytes(c) == 8 * n * v
+  assert memory.logits_bytes(c, tp=2) == 8 * n * transformer.padded_vocab_size(c.model, 2) // 2
+
+
+def test_startup_summary_names_the_peak_phase():
+  from parallel import summary  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config()
+  mesh = meshes.Mesh()
+  sizes = training.local_sizes(c, mesh)
+  est = memory.estimate(c, sizes)
+  text = summary.startup(c, mesh, sizes, est)
+  assert f'memory/rank peak (estimate): {memory.human_bytes(est["total"])} in {est["peak_phase"]}' in text

@@ -147,3 +147,25 @@ def test_check_reports_bad_values_by_key(key, value):
 def test_check_reports_weight_decay_rprop_would_ignore():
   problems = optimizers.check(optim_cfg(name='rprop', weight_decay=0.01))
   assert len(problems) == 1 and 'model.optim.weight_decay=' in problems[0]
+
+
+def test_chunks_bound_bytes_and_keep_order():
+  sizes = [10, 10, 30, 5, 100, 1]
+  runs = optimizers.chunks(sizes, chunk_bytes=4 * 25)
+  assert runs == [[0, 1], [2], [3], [4], [5]]              # 30 and 100 elements alone: over the bound
+  assert [i for run in runs for i in run] == list(range(len(sizes)))
+
+
+@pytest.mark.parametrize('name', ['adamw', 'adam', 'sgd', 'novograd'])
+def test_chunked_steps_are_bitwise_equal(name):
+  whole, chunked = tiny_params(), tiny_params()
+  cfg = optim_cfg(name=name, lr=0.05, weight_decay=0.1, momentum=0.9)
+  opt_whole = optimizers.make_optimizer(whole, cfg, chunk_bytes=2**40)
+  opt_chunked = optimizers.make_optimizer(chunked, cfg, chunk_bytes=1)       # one tensor per group
+  assert len(opt_chunked.param_groups) > len(opt_whole.param_groups)
+  for _ in range(3):
+    for params, opt in ((whole, opt_whole), (chunked, opt_chunked)):
+      set_quadratic_grads(params)
+      opt.step()
+  for n, p in whole.items():
+    assert torch.equal(p, chunked[n]), n
