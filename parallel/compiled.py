@@ -31,11 +31,8 @@ _state = {'fn': None, 'calls': 0, 'compile_s': 0.0}
 
 def check(config) -> list:
   """Problems with model.compile, each naming the key that conflicts and the fix."""
-  m, problems = config.model, []
-  if not isinstance(m.compile, bool):
-    problems.append(f'model.compile={m.compile!r} must be True or False')
-    return problems
-  if not m.compile:
+  problems = []
+  if not config.model.compile:
     return problems
   if config.device == 'xla':
     problems.append('model.compile=True with device=xla: torch-xla compiles the whole step into one graph '
