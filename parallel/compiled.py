@@ -10,7 +10,7 @@ call only checks guards: the graph count does not grow with layers or steps. Lay
 What runs inside the graph and what does not:
   * activation recompute: the checkpoint wraps the compiled block (full), or runs inside it
     (selective: dynamo traces torch.utils.checkpoint); recompute reruns the compiled forward.
-  * dropout: the keyed masks are drawn eagerly (`layers._keep_mask` is excluded from tracing),
+  * dropout: the keyed masks are drawn eagerly (`layers.untraced_keep_mask`, set here),
     so they are bitwise the eager masks; the multiply is in the graph.
   * precision: the recipe's autocast (or none) is entered around the stage, outside; dynamo
     traces the ops under it.
@@ -19,10 +19,10 @@ What runs inside the graph and what does not:
   * XLA: refused (check): torch-xla compiles the whole step itself.
 Generation (`decode`, a KV cache) always runs eagerly.
 """
+import sys
 import time
 
 import torch
-from torch._dynamo.utils import counters
 
 from model import layers, transformer
 
@@ -51,6 +51,7 @@ def _block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
 
 def _compiled():
   if _state['fn'] is None:
+    layers.untraced_keep_mask = torch.compiler.disable(layers._keep_mask)  # pylint: disable=protected-access
     # dynamic=False: every layer and step has the same shapes; a changed shape (evaluation at
     # another micro batch size) is a recompile, not a dynamic-shape graph for all.
     _state['fn'] = torch.compile(_block, dynamic=False)
@@ -100,6 +101,9 @@ def _timed(*args):
 
 
 def _graphs():
+  if 'torch._dynamo' not in sys.modules:      # nothing compiled, and plain runs need not import it
+    return 0
+  from torch._dynamo.utils import counters  # pylint: disable=import-outside-toplevel
   return counters['stats']['unique_graphs']
 
 
