@@ -14,8 +14,8 @@ What runs inside the graph and what does not:
     so they are bitwise the eager masks; the multiply is in the graph.
   * precision: the recipe's autocast (or none) is entered around the stage, outside; dynamo
     traces the ops under it.
-  * tensor parallelism: refused (check): flatron's collectives are in-place torch.distributed
-    calls inside autograd Functions, which dynamo cannot trace with gloo.
+  * tensor parallelism: refused (check): a block's collectives are in-place torch.distributed
+    calls inside autograd Functions; that dynamo traces them exactly (gloo, CPU) is not shown.
   * XLA: refused (check): torch-xla compiles the whole step itself.
 Generation (`decode`, a KV cache) always runs eagerly.
 """
@@ -39,9 +39,9 @@ def check(config) -> list:
                     'already; set model.compile=False')
   if config.distributed_strategy.tensor_model_parallel_size > 1:
     problems.append(f'model.compile=True with distributed_strategy.tensor_model_parallel_size='
-                    f'{config.distributed_strategy.tensor_model_parallel_size}: the TP collectives inside a block '
-                    '(in-place torch.distributed calls in autograd Functions) cannot be traced by dynamo; '
-                    'set model.compile=False or tensor_model_parallel_size=1')
+                    f'{config.distributed_strategy.tensor_model_parallel_size} is not supported: a block\'s TP '
+                    'collectives (in-place torch.distributed calls inside autograd Functions, gloo on CPU) are not '
+                    'shown to trace exactly; set model.compile=False or tensor_model_parallel_size=1')
   return problems
 
 
