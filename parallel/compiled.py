@@ -20,13 +20,14 @@ What runs inside the graph and what does not:
 Generation (`decode`, a KV cache) always runs eagerly.
 """
 import sys
-import time
 
 import torch
 
 from model import layers, transformer
 
-_state = {'fn': None, 'calls': 0, 'compile_s': 0.0}
+_state = {'fn': None}
+# dynamo's timers of a frame's compile, and of the backward graph's (compiled at the first backward)
+COMPILE_TIMERS = ('_compile.compile_inner', 'backward._backward_impl')
 
 
 def check(config) -> list:
@@ -85,19 +86,8 @@ class Blocks:
     index = _canonical(cfg, i)
     if drop_key and drop_key[-1] == i:        # stage keys each layer's dropout by (..., i)
       drop_key = drop_key[:-1] + (torch.tensor(i),)
-    return self.wrap(_timed, _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
+    return self.wrap(_compiled(), _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
                      sample_ids_b)
-
-
-def _timed(*args):
-  """The compiled block; a call that traced (the graph count grew) adds its time to compile_s."""
-  before = _graphs()
-  start = time.perf_counter()
-  out = _compiled()(*args)
-  if _graphs() != before:
-    _state['compile_s'] += time.perf_counter() - start
-  _state['calls'] += 1
-  return out
 
 
 def _graphs():
@@ -118,7 +108,9 @@ def layer_fn(model_cfg, device, wrap=None):
 
 
 def stats() -> dict:
-  """graphs: dynamo graphs compiled in this process (all blocks, train and eval); compile_s: the
-  seconds of block calls that compiled (tracing + inductor, first forward and its backward are
-  counted at the forward); calls: compiled block calls so far."""
-  return {'graphs': _graphs(), 'compile_s': _state['compile_s'], 'calls': _state['calls']}
+  """graphs: dynamo graphs compiled in this process (all blocks, train and eval); compile_s:
+  seconds dynamo and inductor spent compiling them, forward and backward graphs."""
+  if 'torch._dynamo' not in sys.modules:
+    return {'graphs': 0, 'compile_s': 0.0}
+  from torch._dynamo.utils import compilation_time_metrics  # pylint: disable=import-outside-toplevel
+  return {'graphs': _graphs(), 'compile_s': sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}

@@ -144,8 +144,8 @@ def main(argv):
   print(f"{r['name']}: {r['params']:,} params on {r['device']} ({r['threads']} threads), "
         f"{r['tokens_per_step']:,} tokens/step")
   if r['graphs']:
-    print(f"  model.compile: first step {r['first_step']:.2f} s, of which {r['compile_s']:.2f} s compiling "
-          f"{r['graphs']} graph(s); excluded from the figures below (warm-up)")
+    print(f"  model.compile: first step {r['first_step']:.2f} s, {r['compile_s']:.2f} s of it compiling "
+          f"{r['graphs']} graph(s) (forward and backward); warm-up, not in the figures below")
   print(f"  step time (median of {FLAGS.steps}) {r['step_time'] * 1e3:.1f} ms | "
         f"{r['tokens_per_sec']:,.0f} tokens/s | {r['flops'] / 1e9:.1f} GFLOP/s achieved")
   print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s per process ({r['peak_source']}) | "
