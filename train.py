@@ -26,7 +26,7 @@ from data.loader import Loader
 from model import lora, objectives, transformer
 from optim import update
 from parallel import comm, grads, memory, mesh as meshes, passes, reference as references, tensor
-from parallel import device as devices, summary as summaries, training, xla
+from parallel import compiled, device as devices, summary as summaries, training, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)
@@ -191,6 +191,9 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
+      if config.model.compile:
+        logging.info('model.compile: the first step compiled %d graph(s) in %.1f s; the first logged step time '
+                     'includes it', compiled.stats()['graphs'], compiled.stats()['compile_s'])
     before, consumed_samples = consumed_samples, consumed_samples + config.data.global_batch_size
     reporter.add(step, out, consumed_samples)    # reads the step before this one
     stopped = None if last else checkpoints.stop_reason(step + 1)

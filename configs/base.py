@@ -150,6 +150,7 @@ def get_config(arg=None):
   model.use_scaled_init_method = True      # output projections get std / sqrt(2 L)
   model.activations_checkpoint_granularity = placeholder(str)  # None | selective | full
   model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp, norm, activation)
+  model.compile = False                    # torch.compile each transformer block (one graph serves every layer; not with TP or XLA)
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
 

@@ -10,7 +10,7 @@ from config_checks import one_of, positive
 from data import loader
 from model import checks as model_checks, lora, objectives
 from optim import optimizers, schedules
-from parallel import grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
+from parallel import compiled, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')
@@ -25,8 +25,8 @@ def check(config, world_size=1) -> list:
   """Every problem in `config` for a run on `world_size` processes, as messages."""
   model, strategy = config.model, config.distributed_strategy
   problems = _check_run(config) + loader.check_epochs(config)
-  problems += model_checks.check(model, config.data.seq_length) + remat.check(model) + _check_optim(config)
-  problems += grad_buffer.check(strategy)
+  problems += model_checks.check(model, config.data.seq_length) + remat.check(model) + compiled.check(config)
+  problems += _check_optim(config) + grad_buffer.check(strategy)
   sizes = meshes.check_sizes(strategy)
   if sizes:                   # the layout checks and the batch check divide by the degrees: they wait for a fix
     problems += sizes

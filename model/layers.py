@@ -115,11 +115,22 @@ def dropout(x_b_, p, key, sample_ids_b, full_shape=None, mask_for_slice=None):
   """
   if p == 0.0 or key is None:
     return x_b_
-  shape = full_shape or x_b_.shape[1:]
-  keep = torch.stack([rng.uniform(shape, *key, int(i)) for i in sample_ids_b]) >= p
+  draw = untraced_keep_mask if torch.compiler.is_compiling() and untraced_keep_mask else _keep_mask
+  keep = draw(tuple(full_shape or x_b_.shape[1:]), p, key, sample_ids_b)
   if mask_for_slice is not None:
     keep = mask_for_slice(keep)
   return x_b_ * keep.to(x_b_.device) / (1.0 - p)
+
+
+# model.compile (parallel/compiled.py) sets this to _keep_mask excluded from tracing, so the keyed
+# host-side draws run eagerly between its graphs; set there, plain runs never import torch._dynamo.
+untraced_keep_mask = None
+
+
+def _keep_mask(shape, p, key, sample_ids_b):
+  # model.compile passes the layer index as a tensor, so one graph serves every layer: key as eager's
+  key = tuple(int(k) if torch.is_tensor(k) else k for k in key)
+  return torch.stack([rng.uniform(shape, *key, int(i)) for i in sample_ids_b]) >= p
 
 
 # --- linear layers (with LoRA adapters where the params have them) ---------------------------

@@ -10,7 +10,7 @@ loss and metric sums live on the last stage; `global_loss` gives every rank the 
 import torch
 
 from model import layers, objectives, transformer
-from parallel import comm, pipeline, pipeline_schedule, precision, remat
+from parallel import comm, compiled, pipeline, pipeline_schedule, precision, remat
 
 
 def to_device(batch, device):
@@ -26,6 +26,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   vp = config.distributed_strategy.virtual_pipeline_model_parallel_size
   bounds = pipeline.config_bounds(config, mesh.pp)
   last = len(bounds) - 1
+  layer_fn = compiled.layer_fn(m, mesh.device, layer_fn)
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank

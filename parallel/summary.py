@@ -34,6 +34,9 @@ def startup(config, mesh, sizes, est) -> str:
       f'precision {config.precision.type}: {memory.state_bytes_per_param(est, sizes):.1f} bytes/param on this rank '
       '(params + grads + master + optimizer state)',
   ]
+  if m.compile:
+    lines.append('model.compile: each transformer block runs through torch.compile (one graph serves every '
+                 'layer); the first step includes compiling it')
   if lora.settings(m) is not None:
     lines.append(_lora_line(config, sizes, est, n_total))
   if mesh.world_size > 1:

@@ -9,7 +9,15 @@ process; MFU divides by peak x world size. Under torchrun every rank prints its 
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 -m tools.bench \
         --config=configs/llama_tiny.py --config.distributed_strategy.tensor_model_parallel_size=2
+
+With model.compile the first step includes compiling the blocks: it prints apart, with the
+compile seconds, from the steady-state figures. --compare_compile times eager and compiled
+steps interleaved (eager, compiled, eager, ...) per precision recipe and prints a table
+(--bench_hf_model: tools/bench_hf.py's 32M Llama instead of --config's model):
+
+    python -m tools.bench --config=configs/llama_tiny.py --compare_compile=fp32,mixed_precision,bf16SR,autocast
 """
+import dataclasses
 import os
 import resource
 import statistics
@@ -24,38 +32,92 @@ from configs import validate
 from data.loader import Loader
 from model import transformer
 from optim import update
-from parallel import device as devices, mesh as meshes, tensor, training
+from parallel import compiled, device as devices, mesh as meshes, tensor, training
 
 FLAGS = flags.FLAGS
 
 
+@dataclasses.dataclass
+class Run:
+  """One model's training state, stepped one timed step at a time."""
+  config: object
+  mesh: object
+  ops: object
+  params: dict
+  updater: object
+  batches: list
+  times: list = dataclasses.field(default_factory=list)
+
+  @classmethod
+  def build(cls, config, count):
+    validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
+    mesh = meshes.init(config)
+    params = training.init_params(config, mesh)
+    loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
+    return cls(config, mesh, tensor.config_ops(config, mesh), params, update.Updater(params, config, mesh),
+               [loader.global_batch(i * config.data.global_batch_size) for i in range(count)])
+
+  def step(self):
+    step = len(self.times)
+    devices.synchronize(self.mesh.device)
+    start = time.perf_counter()
+    training.train_step(self.params, self.updater, self.batches[step], self.config, step, self.mesh, self.ops)
+    devices.synchronize(self.mesh.device)
+    self.times.append(time.perf_counter() - start)
+
+
 def bench(config, steps, warmup):
   """Median step time and derived figures as a dict."""
-  validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
-  mesh = meshes.init(config)
-  device = mesh.device
-  ops = tensor.config_ops(config, mesh)
-  params = training.init_params(config, mesh)
-  updater = update.Updater(params, config, mesh)
-  loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
-  batches = [loader.global_batch(i * config.data.global_batch_size) for i in range(steps + warmup)]
-  times = []
-  for step, micro_batches in enumerate(batches):
-    devices.synchronize(device)
-    start = time.perf_counter()
-    training.train_step(params, updater, micro_batches, config, step, mesh, ops)
-    devices.synchronize(device)
-    times.append(time.perf_counter() - start)
-  step_time = statistics.median(times[warmup:])
+  run = Run.build(config, steps + warmup)
+  before = compiled.stats()
+  for _ in range(steps + warmup):
+    run.step()
+  mesh, device = run.mesh, run.mesh.device
+  step_time = statistics.median(run.times[warmup:])
   tokens = config.data.global_batch_size * config.data.seq_length
   flops = transformer.flops_per_token(config.model, config.data.seq_length) * tokens / step_time
   peak, source = devices.peak_flops(device) if device.type == 'cuda' else (
       devices.measured_matmul_flops(device, n=2048), f'measured fp32 2048^3 matmul on {device.type}')
+  after = compiled.stats()
   return {'name': config.name, 'params': transformer.count_params(config.model), 'mesh': mesh.describe(),
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
           'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads(),
-          'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+          'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          'first_step': run.times[0], 'compile_s': after['compile_s'] - before['compile_s'],
+          'graphs': after['graphs'] - before['graphs']}
+
+
+def compare_compile(base_config, recipes, steps, warmup):
+  """Per recipe: eager and compiled steps interleaved; tok/s of each (medians past warm-up),
+  the speed-up, the compiled run's first step and compile seconds, and its graph count."""
+  rows = []
+  for recipe in recipes:
+    runs = []
+    for on in (False, True):
+      c = base_config.copy_and_resolve_references()
+      c.precision.type, c.model.compile = recipe, on
+      runs.append(Run.build(c, steps + warmup))
+    before = compiled.stats()
+    for _ in range(steps + warmup):
+      for run in runs:
+        run.step()
+    after = compiled.stats()
+    tokens = base_config.data.global_batch_size * base_config.data.seq_length
+    eager, comp = (tokens / statistics.median(run.times[warmup:]) for run in runs)
+    rows.append({'recipe': recipe, 'eager': eager, 'compiled': comp, 'speedup': comp / eager,
+                 'first_step': runs[1].times[0], 'eager_first_step': runs[0].times[0],
+                 'compile_s': after['compile_s'] - before['compile_s'], 'graphs': after['graphs'] - before['graphs']})
+  return rows
+
+
+def format_table(rows) -> str:
+  lines = ['| recipe | eager tok/s | compiled tok/s | speed-up | compile s | first step eager / compiled s | graphs |',
+           '|---|---:|---:|---:|---:|---:|---:|']
+  for r in rows:
+    lines.append(f"| {r['recipe']} | {r['eager']:,.0f} | {r['compiled']:,.0f} | {r['speedup']:.2f}x | "
+                 f"{r['compile_s']:.1f} | {r['eager_first_step']:.2f} / {r['first_step']:.2f} | {r['graphs']} |")
+  return '\n'.join(lines)
 
 
 def define_flags():
@@ -63,13 +125,27 @@ def define_flags():
   flags.mark_flag_as_required('config')
   flags.DEFINE_integer('steps', 10, 'Timed steps.')
   flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
+  flags.DEFINE_list('compare_compile', [], 'Precision recipes to time eager against model.compile (a table).')
+  flags.DEFINE_bool('bench_hf_model', False, "With --compare_compile: tools/bench_hf.py's 32M Llama.")
 
 
 def main(argv):
   tools.no_arguments(argv)
+  if FLAGS.compare_compile:
+    config = FLAGS.config
+    if FLAGS.bench_hf_model:
+      from tools import bench_hf  # pylint: disable=import-outside-toplevel
+      config = bench_hf.bench_config('fp32')
+    print(f'{config.name}: {transformer.count_params(config.model):,} params, {torch.get_num_threads()} threads, '
+          f'median of {FLAGS.steps} steps after {FLAGS.warmup} warm-up, eager and compiled interleaved')
+    print(format_table(compare_compile(config, FLAGS.compare_compile, FLAGS.steps, FLAGS.warmup)))
+    return
   r = bench(FLAGS.config, FLAGS.steps, FLAGS.warmup)
   print(f"{r['name']}: {r['params']:,} params on {r['device']} ({r['threads']} threads), "
         f"{r['tokens_per_step']:,} tokens/step")
+  if r['graphs']:
+    print(f"  model.compile: first step {r['first_step']:.2f} s, {r['compile_s']:.2f} s of it compiling "
+          f"{r['graphs']} graph(s) (forward and backward); warm-up, not in the figures below")
   print(f"  step time (median of {FLAGS.steps}) {r['step_time'] * 1e3:.1f} ms | "
         f"{r['tokens_per_sec']:,.0f} tokens/s | {r['flops'] / 1e9:.1f} GFLOP/s achieved")
   print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s per process ({r['peak_source']}) | "

@@ -1,0 +1,116 @@
+"""model.compile: regional torch.compile, one transformer block at a time (torchtitan's choice).
+
+One compiled function serves every layer. Its arguments are the layer's parameters renamed to
+layer 0 (`layers.7.mlp.up_proj.weight` -> `layers.0.mlp.up_proj.weight`), the block's input and
+the shared rope/mask tensors; the layer index inside the dropout key travels as a tensor. Layers
+share shapes, so dynamo traces once (once more for evaluation, under no_grad) and every other
+call only checks guards: the graph count does not grow with layers or steps. Layers that differ
+(LoRA on some layers only, sliding vs full attention masks) get a graph each, through guards.
+
+What runs inside the graph and what does not:
+  * activation recompute: the checkpoint wraps the compiled block (full), or runs inside it
+    (selective: dynamo traces torch.utils.checkpoint); recompute reruns the compiled forward.
+  * dropout: the keyed masks are drawn eagerly (`layers.untraced_keep_mask`, set here),
+    so they are bitwise the eager masks; the multiply is in the graph.
+  * precision: the recipe's autocast (or none) is entered around the stage, outside; dynamo
+    traces the ops under it.
+  * tensor parallelism: refused (check): a block's collectives are in-place torch.distributed
+    calls inside autograd Functions; that dynamo traces them exactly (gloo, CPU) is not shown.
+  * XLA: refused (check): torch-xla compiles the whole step itself.
+Generation (`decode`, a KV cache) always runs eagerly.
+"""
+import sys
+
+import torch
+
+from model import layers, transformer
+
+_state = {'fn': None}
+# dynamo's timers of a frame's compile, and of the backward graph's (compiled at the first backward)
+COMPILE_TIMERS = ('_compile.compile_inner', 'backward._backward_impl')
+
+
+def check(config) -> list:
+  """Problems with model.compile, each naming the key that conflicts and the fix."""
+  problems = []
+  if not config.model.compile:
+    return problems
+  if config.device == 'xla':
+    problems.append('model.compile=True with device=xla: torch-xla compiles the whole step into one graph '
+                    'already; set model.compile=False')
+  if config.distributed_strategy.tensor_model_parallel_size > 1:
+    problems.append(f'model.compile=True with distributed_strategy.tensor_model_parallel_size='
+                    f'{config.distributed_strategy.tensor_model_parallel_size} is not supported: a block\'s TP '
+                    'collectives (in-place torch.distributed calls inside autograd Functions, gloo on CPU) are not '
+                    'shown to trace exactly; set model.compile=False or tensor_model_parallel_size=1')
+  return problems
+
+
+def _block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
+  return transformer.block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b)
+
+
+def _compiled():
+  if _state['fn'] is None:
+    layers.untraced_keep_mask = torch.compiler.disable(layers._keep_mask)  # pylint: disable=protected-access
+    # dynamic=False: every layer and step has the same shapes; a changed shape (evaluation at
+    # another micro batch size) is a recompile, not a dynamic-shape graph for all.
+    _state['fn'] = torch.compile(_block, dynamic=False)
+  return _state['fn']
+
+
+def _canonical(cfg, i):
+  """The layer index the graph is traced at: 0 for every layer, unless the block's arithmetic
+  depends on the index (Megatron's query-key layer scaling divides by it): then its own."""
+  return i if cfg.apply_query_key_layer_scaling else 0
+
+
+def _local_params(params, i, index):
+  prefix, renamed = f'layers.{i}.', f'layers.{index}.'
+  return {renamed + n[len(prefix):]: t for n, t in params.items() if n.startswith(prefix)}
+
+
+class Blocks:
+  """The model's `layer_fn` with model.compile: the compiled block, inside `wrap` (the recompute
+  policy's layer_fn, e.g. a checkpoint) when given."""
+
+  def __init__(self, wrap=None, num_layers=0):
+    self.wrap = wrap or layers.no_recompute
+    if num_layers:            # a graph per layer (query-key layer scaling): room for train + eval graphs
+      limit = 2 * num_layers + 8
+      torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+
+  def __call__(self, fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None):
+    if fn is not transformer.block or kv is not None:
+      return self.wrap(fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv)
+    index = _canonical(cfg, i)
+    if drop_key and drop_key[-1] == i:        # stage keys each layer's dropout by (..., i)
+      drop_key = drop_key[:-1] + (torch.tensor(i),)
+    return self.wrap(_compiled(), _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
+                     sample_ids_b)
+
+
+def _graphs():
+  if 'torch._dynamo' not in sys.modules:      # nothing compiled, and plain runs need not import it
+    return 0
+  from torch._dynamo.utils import counters  # pylint: disable=import-outside-toplevel
+  return counters['stats']['unique_graphs']
+
+
+def layer_fn(model_cfg, device, wrap=None):
+  """`wrap` (the recompute layer_fn or None) as it is, or inside Blocks with model.compile."""
+  if not model_cfg.get('compile'):
+    return wrap
+  if device.type == 'xla':
+    raise ValueError('model.compile=True on an XLA device: torch-xla compiles the whole step already; '
+                     'set model.compile=False')
+  return Blocks(wrap, model_cfg.num_layers if model_cfg.apply_query_key_layer_scaling else 0)
+
+
+def stats() -> dict:
+  """graphs: dynamo graphs compiled in this process (all blocks, train and eval); compile_s:
+  seconds dynamo and inductor spent compiling them, forward and backward graphs."""
+  if 'torch._dynamo' not in sys.modules:
+    return {'graphs': 0, 'compile_s': 0.0}
+  from torch._dynamo.utils import compilation_time_metrics  # pylint: disable=import-outside-toplevel
+  return {'graphs': _graphs(), 'compile_s': sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}
