@@ -150,6 +150,8 @@ def get_config(arg=None):
   model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp, norm, activation)
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
+  model.fusions.chunked_cross_entropy = 0  # LM head + loss over chunks of this many tokens (model/chunked_ce.py): one
+                                           # chunk's logits at a time, not the micro batch's; 0 = off
 
   model.optim = config_dict.ConfigDict()
   optim = model.optim
