@@ -84,8 +84,6 @@ def test_losses_and_gradients_equal_the_unchunked_op(chunk):
   for a, b in zip(ours, ref):
     torch.testing.assert_close(a, b, **TOL)
   assert ours[2][50:].abs().max() == 0          # padded vocab rows get no gradient
-  if chunk >= 24:                               # one chunk: the same kernels on the same rows
-    assert all(torch.equal(a, b) for a, b in zip(ours, ref))
 
 
 @pytest.mark.parametrize('recipe', ['autocast', 'bf16'])
