@@ -9,7 +9,7 @@ each chunk's logits, their fp32 max and sum of exp (all-reduced over the vocab s
 exactly as parallel/tensor.py's vocab_parallel_cross_entropy) and the loss, and keeps only the
 head's input x [N, h] (in the compute dtype, as F.linear would), the weight, and two fp32
 numbers per token. The backward recomputes each chunk's logits and turns them in place into
-dL/dlogits = g (softmax - onehot), then into the chunk's rows of dL/dx and its share of dL/dW.
+dL/dlogits = g (exp(z - lse) - onehot), then into the chunk's rows of dL/dx and its share of dL/dW.
 Peak: one chunk's logits in the compute dtype plus (16-bit only) their fp32 copy.
 
 Why recompute instead of computing the gradients in the forward (Liger's fused linear CE):
@@ -120,6 +120,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     ops, want_x, want_w = ctx.ops, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     w = weight_vh.to(x.dtype)
     grad = grad_bs.reshape(-1).float()
+    lse = top + sum_exp.log()
     grad_x = torch.empty(x.shape, dtype=ctx.x_dtype, device=x.device) if want_x else None
     # dL/dW summed over chunks in fp32 at least: 16-bit sums would round once per chunk
     acc_dtype = torch.promote_types(weight_vh.dtype, torch.float32)
@@ -127,7 +128,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     with torch.autocast(x.device.type, enabled=False):
       for span in _spans(x.shape[0], ctx.chunk):
         p = _chunk_logits(x[span], w, ctx.vocab_size, ops)
-        p.sub_(top[span, None]).exp_().div_(sum_exp[span, None])            # softmax
+        p.sub_(lse[span, None]).exp_()                                       # softmax
         column, mine = _label_columns(labels[span], p.shape[-1], ops)
         p.scatter_add_(-1, column, -mine.to(p.dtype)[:, None])              # - onehot(label)
         d_logits = p.mul_(grad[span, None]).to(x.dtype)

@@ -144,7 +144,7 @@ def estimate(config, sizes=None, dp=1) -> dict:
   of the model) under the precision recipe and ZeRO-1: params, grads, master weights and
   optimizer state (of the trained parameters only: a frozen LoRA base has none), the
   activations of the micro batches in flight on this stage (1F1B: up to min(pp, micro
-  batches)) plus fp32 logits, and DPO's frozen reference copy (none with LoRA, whose reference
+  batches)) plus fp32 logits (a chunk's with model.fusions.chunked_cross_entropy), and DPO's frozen reference copy (none with LoRA, whose reference
   is the base itself, nor with precomputed reference log-probs)."""
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
@@ -157,7 +157,9 @@ def estimate(config, sizes=None, dp=1) -> dict:
   base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   in_flight = min(pp, microbatches)
-  logits = config.data.micro_batch_size * config.data.seq_length * transformer.padded_vocab_size(m, tp) // tp
+  tokens = config.data.micro_batch_size * config.data.seq_length
+  chunk = m.fusions.get('chunked_cross_entropy', 0)    # model/chunked_ce.py: one chunk's logits at a time
+  logits = (min(chunk, tokens) if chunk else tokens) * transformer.padded_vocab_size(m, tp) // tp
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
       'grads': trained_base * recipe.grad_acc_dtype.itemsize + n['adapters'] * 4,

@@ -8,10 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import numpy as np
+
+import train
 from configs import base, validate
 from model import chunked_ce, layers, objectives, transformer
-from parallel import tensor
-from tests import world
+from parallel import memory, tensor
+from tests import parity, world
 
 CHUNKS = (1, 5, 7, 24, 1000)   # 24 tokens: 5 and 7 leave a short last chunk; 24 and 1000 are one chunk
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -210,6 +213,41 @@ def test_tp2_chunked_equals_unchunked_and_one_device(sp, tied):
   for errors in world.run(_tp_rank, 2, sp, tied):
     worst = max(errors, key=lambda e: e[2])
     assert worst[2] < 1e-5, worst
+
+
+def _train_chunked(workdir, layout, chunk):
+  config = parity.parity_config(**layout)
+  config.model.fusions.chunked_cross_entropy = chunk
+  _, params = train.run(config, workdir)
+  return parity.rank_result(config, workdir, params)
+
+
+def test_training_tp2_sp_tied_chunked_is_training_on_one_device_unchunked(tmp_path, tmp_path_factory):
+  """train.py end to end (10 steps, clipping active): TP 2 + SP, tied tables, 7-token chunks
+  of 32-token micro batches, against the single-device unchunked run at the layout tests' bounds."""
+  layout = {'tp': 2, 'sp': True, 'tied': True}
+  ref_losses, ref_norms, ref_params = parity.reference(tmp_path_factory, tied=True)
+  results = world.run(_train_chunked, 2, str(tmp_path), layout, 7)
+  losses, norms, _ = results[0]
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-4)
+  params = parity.assemble(results, parity.parity_config(**layout).model)
+  for name in ref_params:
+    np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# --- config and estimate ------------------------------------------------------------------------
+
+
+def test_memory_estimate_counts_one_chunk_of_logits():
+  c = base.get_config()
+  c.data.micro_batch_size, c.data.seq_length = 2, 64
+  off = memory.estimate(c)['activations']
+  c.model.fusions.chunked_cross_entropy = 16
+  on = memory.estimate(c)['activations']
+  assert off - on == 2 * 4 * (2 * 64 - 16) * transformer.padded_vocab_size(c.model, 1)
+  c.model.fusions.chunked_cross_entropy = 4096          # longer than the micro batch: no change
+  assert memory.estimate(c)['activations'] == off
 
 
 # --- config ---------------------------------------------------------------------------------
