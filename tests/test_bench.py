@@ -46,3 +46,15 @@ def test_importing_the_tools_defines_no_flags():
   modules = [importlib.import_module(f'tools.{name}') for name in names]
   assert set(flags.FLAGS) == before
   assert all(hasattr(m, 'define_flags') for m in modules)       # what `python -m tools.X` calls first
+
+
+def test_chunked_cross_entropy_comparison_runs_each_value_in_its_own_process():
+  """--chunked_cross_entropy: one fresh process per value and round (its own pid, its
+  baseline taken before the model exists), and the head timing covers every value."""
+  c = llama_tiny.get_config('test')
+  runs = bench.compare_chunked_cross_entropy(c, [0, 5], steps=1, warmup=0, rounds=1)
+  assert sorted(runs) == [0, 5] and all(len(rs) == 1 for rs in runs.values())
+  for (r,) in runs.values():
+    assert 0 < r['baseline_rss'] <= r['peak_rss'] and r['pid'] != os.getpid()
+  assert runs[0][0]['pid'] != runs[5][0]['pid']
+  assert sorted(bench.time_head_and_loss(c, [0, 5], reps=1)) == [0, 5]

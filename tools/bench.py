@@ -66,7 +66,7 @@ def bench(config, steps, warmup):
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
           'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads(),
-          'peak_rss': _max_rss(), 'baseline_rss': baseline_rss}
+          'peak_rss': _max_rss(), 'baseline_rss': baseline_rss, 'pid': os.getpid()}
 
 
 def _max_rss():
@@ -96,6 +96,26 @@ def compare_chunked_cross_entropy(config, values, steps, warmup, rounds):
         if child.is_alive():
           child.kill()
   return out
+
+
+def time_head_and_loss(config, values, reps=3):
+  """{value: seconds}: the LM head and next-token loss alone, forward + backward, on random
+  inputs of one micro batch (fp32, one process), the values interleaved; min of `reps`."""
+  from model import chunked_ce, layers  # pylint: disable=import-outside-toplevel
+  d, m = config.data, config.model
+  g = torch.Generator().manual_seed(0)
+  x = torch.randn(d.micro_batch_size, d.seq_length, m.hidden_size, generator=g)
+  w = torch.randn(transformer.padded_vocab_size(m, 1), m.hidden_size, generator=g) * m.init_method_std
+  labels = torch.randint(0, m.vocab_size, (d.micro_batch_size, d.seq_length), generator=g)
+  out = {v: [] for v in values}
+  for _ in range(reps):
+    for value in values:
+      xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+      start = time.perf_counter()
+      head = chunked_ce.HeadInput(xx, ww, value) if value else layers.LOCAL_OPS.lm_head(xx, ww)
+      chunked_ce.token_losses(head, labels, m, layers.LOCAL_OPS).sum().backward()
+      out[value].append(time.perf_counter() - start)
+  return {v: min(t) for v, t in out.items()}
 
 
 def print_chunked_cross_entropy(config, runs):
@@ -128,6 +148,9 @@ def main(argv):
     values = [int(v) for v in FLAGS.chunked_cross_entropy]
     runs = compare_chunked_cross_entropy(FLAGS.config, values, FLAGS.steps, FLAGS.warmup, FLAGS.rounds)
     print_chunked_cross_entropy(FLAGS.config, runs)
+    head = time_head_and_loss(FLAGS.config, values)
+    print('  head + loss alone, forward + backward (min of 3, interleaved): ' +
+          ', '.join(f'{v}: {t * 1e3:,.0f} ms' for v, t in head.items()))
     return
   r = bench(FLAGS.config, FLAGS.steps, FLAGS.warmup)
   print(f"{r['name']}: {r['params']:,} params on {r['device']} ({r['threads']} threads), "
