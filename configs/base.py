@@ -153,6 +153,8 @@ def get_config(arg=None):
   model.compile = False                    # torch.compile each transformer block (one graph serves every layer; not with TP or XLA)
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
+  model.fusions.chunked_cross_entropy = 0  # LM head + loss over chunks of this many tokens (model/chunked_ce.py): one
+                                           # chunk's logits at a time, not the micro batch's; 0 = off
 
   model.optim = config_dict.ConfigDict()
   optim = model.optim

@@ -45,6 +45,10 @@ def check(model, seq_length) -> list:
   for key in ('hidden_dropout', 'attention_dropout', 'ffn_dropout'):
     if not 0.0 <= model[key] < 1.0:
       problems.append(f'model.{key}={model[key]} must be in [0, 1)')
+  chunk = model.fusions.chunked_cross_entropy
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    problems.append(f'model.fusions.chunked_cross_entropy={chunk!r} must be a whole number of tokens per '
+                    'chunk (e.g. 1024), or 0 for the unchunked head and loss')
   if model.position_embedding_type == 'learned_absolute' and seq_length > model.max_position_embeddings:
     problems.append(f'data.seq_length={seq_length} exceeds model.max_position_embeddings='
                     f'{model.max_position_embeddings} (learned positions); raise max_position_embeddings')

@@ -40,6 +40,10 @@ def _identity(x):
   return x
 
 
+def _one_shard(x, op):
+  return x
+
+
 def no_recompute(fn, *args):
   return fn(*args)
 
@@ -54,6 +58,9 @@ class Ops:
   embed: Callable = _embed             # vocab-sharded under TP
   lm_head: Callable = _linear          # vocab-sharded logits
   cross_entropy: Callable = _cross_entropy  # over (possibly vocab-sharded) logits
+  vocab_reduce: Callable = _one_shard  # (x, 'max' | 'sum'): x reduced in place over the vocab shards
+                                       # (the TP group); model/chunked_ce.py's loss pieces
+  vocab_rank: int = 0                  # this rank's vocab shard: logit columns [rank w, (rank + 1) w)
   full_input: Callable = _identity     # the whole activations the linear layers read, from the
                                        # residual stream (which may be held in slices)
   slice_residual: Callable = _identity  # the slice of the residual stream this process holds

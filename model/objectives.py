@@ -5,6 +5,9 @@ An objective is two plain functions of a micro batch:
                                      pairs), known before the forward pass so every micro
                                      batch's loss can be divided by the global total at once
   loss(logits, batch, cfg, ops)  ->  (loss sum, {metric name: sum})
+                                     `logits` may be a chunked_ce.HeadInput (the head's input and
+                                     weight, model.fusions.chunked_cross_entropy): per-token losses
+                                     come from chunked_ce.token_losses, which takes either
 Sums, not means: the loop divides by the global count, so every layout and micro-batch split
 computes the same number. `for_config(config)` picks one by `model.objective`, with its
 settings (model_alignment_strategy.dpo / .orpo) bound.
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from config_checks import one_of, positive
-from model import lora
+from model import chunked_ce, lora
 
 
 class Objective(typing.NamedTuple):
@@ -57,14 +60,17 @@ def _chosen_token_count(batch):
 
 def _next_token_loss(logits_bsv, batch, cfg, ops):
   """Cross-entropy of each next token where loss_mask is 1 (pretraining; SFT masks prompts)."""
-  per_token = ops.cross_entropy(logits_bsv, batch['labels'], cfg.vocab_size)
+  per_token = chunked_ce.token_losses(logits_bsv, batch['labels'], cfg, ops)
   return (per_token * batch['loss_mask']).sum(), {}
 
 
 def pair_logps(logits_bsv, batch, cfg, ops, mean=False):
   """[b, 2]: log p(chosen response), log p(rejected response) of each row's pair (sums over
   their tokens, or means with `mean`)."""
-  token_logp = -ops.cross_entropy(logits_bsv, batch['labels'], cfg.vocab_size)
+  return _pair_sums(-chunked_ce.token_losses(logits_bsv, batch['labels'], cfg, ops), batch, mean)
+
+
+def _pair_sums(token_logp, batch, mean):
   out = []
   for key in ('chosen_mask', 'rejected_mask'):
     mask = batch[key].to(token_logp.dtype)
@@ -100,12 +106,13 @@ def log1mexp(x):
 
 
 def _orpo_loss(logits_bsv, batch, cfg, ops, *, settings):
-  logps = pair_logps(logits_bsv, batch, cfg, ops, mean=True)
+  token_logp = -chunked_ce.token_losses(logits_bsv, batch['labels'], cfg, ops)   # once: the head may be chunked
+  logps = _pair_sums(token_logp, batch, mean=True)
   chosen, rejected = logps.unbind(-1)
   log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
   ratio = F.logsigmoid(log_odds)
   if settings.nll_reduction == 'token':   # trl: over the global batch's chosen tokens, not per pair
-    chosen_sum = pair_logps(logits_bsv, batch, cfg, ops)[:, 0]
+    chosen_sum = _pair_sums(token_logp, batch, mean=False)[:, 0]
     nll = -chosen_sum * (batch['global_count'] / batch['global_extra'].clamp(min=1))
   else:                                   # NxD Training and the paper: each pair's mean, averaged
     nll = -chosen

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import rng
-from model import layers, lora, objectives
+from model import chunked_ce, layers, lora, objectives
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -270,6 +270,9 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     return x_bsh
   x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
+  chunk = cfg.fusions.get('chunked_cross_entropy', 0)
+  if objective is not None and chunk:     # the objective's losses run the head chunk by chunk
+    return objective.loss(chunked_ce.HeadInput(x_bsh, head, chunk), batch, cfg, ops)
   logits = ops.lm_head(x_bsh, head)
   return logits if objective is None else objective.loss(logits, batch, cfg, ops)
 

@@ -151,7 +151,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   of the model), by component and by phase. Components: params, grads (gradient_bytes),
   master weights and optimizer state (of the trained parameters only: a frozen LoRA base has
   none; ZeRO-1 divides both), activations of the micro batches in flight on stage `pp_rank`
-  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most), logits (logits_bytes), the optimizer's temporaries
+  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most), logits (logits_bytes: a chunk's with
+  model.fusions.chunked_cross_entropy), the optimizer's temporaries
   (update_temporaries), the gradient reduction's buffers (reduction_bytes), the checkpoint's
   host copy, the runtime (CPU: RUNTIME_BYTES), and DPO's frozen reference copy (none with
   LoRA, whose reference is the base itself, nor with precomputed reference log-probs).
@@ -217,10 +218,12 @@ def logits_bytes(config, tp=1) -> int:
   """Bytes of the last stage's logits at the loss (kept apart: a chunked cross-entropy changes
   only this): with N = b s tokens and V' = padded vocab / t, 8 N V': the fp32 log-probs
   cross-entropy keeps and, in backward, their fp32 gradient (the logits themselves, and the
-  fp32 copy of 16-bit ones, are freed after the forward: nothing saves them)."""
+  fp32 copy of 16-bit ones, are freed after the forward: nothing saves them). With
+  model.fusions.chunked_cross_entropy = c (model/chunked_ce.py), N is one chunk's c tokens."""
   m, a = config.model, config.data
-  w = precision.recipe(config.precision).param_dtype.itemsize
-  return a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, tp) // tp * 8
+  tokens = a.micro_batch_size * a.seq_length
+  chunk = m.fusions.get('chunked_cross_entropy', 0)
+  return (min(chunk, tokens) if chunk else tokens) * transformer.padded_vocab_size(m, tp) // tp * 8
 
 
 def gradient_bytes(config, sizes, dp=1) -> tuple:

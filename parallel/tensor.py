@@ -151,6 +151,9 @@ def vocab_parallel_cross_entropy(logits_bsv, labels_bs, vocab_size, group):
   return sum_exp.log() - label_logit
 
 
+VOCAB_REDUCE_OPS = {'max': torch.distributed.ReduceOp.MAX, 'sum': torch.distributed.ReduceOp.SUM}
+
+
 def _in_dtype(collective, dtype):
   """`collective` run in `dtype` (None: the tensor's own), the result back in the tensor's:
   casts are differentiable, so a backward reduction runs in `dtype` too."""
@@ -189,6 +192,9 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
       embed=lambda ids, table: vocab_parallel_embedding(ids, table, group),
       lm_head=F.linear,
       cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, group),
+      vocab_reduce=lambda x, op: comm.all_reduce_(x, group, op=VOCAB_REDUCE_OPS[op],
+                                                  name=f'all_reduce(chunked cross-entropy {op})'),
+      vocab_rank=comm.group_rank(group),
       full_input=enter,
       slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
       residual_slices=mesh.tp if sp else 1,

@@ -46,3 +46,4 @@ def test_importing_the_tools_defines_no_flags():
   modules = [importlib.import_module(f'tools.{name}') for name in names]
   assert set(flags.FLAGS) == before
   assert all(hasattr(m, 'define_flags') for m in modules)       # what `python -m tools.X` calls first
+

@@ -3,6 +3,8 @@
     python -m tools.bench --config=configs/llama_tiny.py
     python -m tools.bench --config=configs/llama_50m.py --steps=5 --warmup=2
 
+Chunked cross-entropy before and after: tools/bench_ce.py.
+
 Warm-up steps are excluded; the figure is the median of the timed steps. The peak is the
 datasheet bf16 dense figure on CUDA and a measured 2048^3 matmul elsewhere (printed), per
 process; MFU divides by peak x world size. Under torchrun every rank prints its view:
@@ -68,6 +70,7 @@ class Run:
 
 def bench(config, steps, warmup):
   """Median step time and derived figures as a dict."""
+  baseline_rss = max_rss()
   run = Run.build(config, steps + warmup)
   before = compiled.stats()
   for _ in range(steps + warmup):
@@ -83,7 +86,7 @@ def bench(config, steps, warmup):
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
           'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads(),
-          'peak_rss': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          'peak_rss': max_rss(), 'baseline_rss': baseline_rss, 'pid': os.getpid(),
           'first_step': run.times[0], 'compile_s': after['compile_s'] - before['compile_s'],
           'graphs': after['graphs'] - before['graphs']}
 
@@ -118,6 +121,10 @@ def format_table(rows) -> str:
     lines.append(f"| {r['recipe']} | {r['eager']:,.0f} | {r['compiled']:,.0f} | {r['speedup']:.2f}x | "
                  f"{r['compile_s']:.1f} | {r['eager_first_step']:.2f} / {r['first_step']:.2f} | {r['graphs']} |")
   return '\n'.join(lines)
+
+
+def max_rss():
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024    # Linux reports KiB
 
 
 def define_flags():
