@@ -13,7 +13,7 @@ import numpy as np
 import train
 from configs import base, validate
 from model import chunked_ce, layers, objectives, transformer
-from parallel import memory, tensor
+from parallel import tensor
 from tests import parity, world
 
 CHUNKS = (1, 5, 7, 24, 1000)   # 24 tokens: 5 and 7 leave a short last chunk; 24 and 1000 are one chunk
@@ -234,20 +234,6 @@ def test_training_tp2_sp_tied_chunked_is_training_on_one_device_unchunked(tmp_pa
   params = parity.assemble(results, parity.parity_config(**layout).model)
   for name in ref_params:
     np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-5, atol=1e-5, err_msg=name)
-
-
-# --- config and estimate ------------------------------------------------------------------------
-
-
-def test_memory_estimate_counts_one_chunk_of_logits():
-  c = base.get_config()
-  c.data.micro_batch_size, c.data.seq_length = 2, 64
-  off = memory.estimate(c)['activations']
-  c.model.fusions.chunked_cross_entropy = 16
-  on = memory.estimate(c)['activations']
-  assert off - on == 2 * 4 * (2 * 64 - 16) * transformer.padded_vocab_size(c.model, 1)
-  c.model.fusions.chunked_cross_entropy = 4096          # longer than the micro batch: no change
-  assert memory.estimate(c)['activations'] == off
 
 
 # --- config ---------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The start-up memory estimate."""
 import pytest
 
-from configs import llama7b, llama_tiny
+from configs import base, llama7b, llama_tiny
 from data.loader import Loader
 from model import transformer
 from optim import optimizers, update
@@ -178,3 +178,14 @@ def test_startup_summary_names_the_peak_phase():
   est = memory.estimate(c, sizes)
   text = summary.startup(c, mesh, sizes, est)
   assert f'memory/rank peak (estimate): {memory.human_bytes(est["total"])} in {est["peak_phase"]}' in text
+
+
+def test_memory_estimate_counts_one_chunk_of_logits():
+  c = base.get_config()
+  c.data.micro_batch_size, c.data.seq_length = 2, 64
+  off = memory.estimate(c)['logits']
+  c.model.fusions.chunked_cross_entropy = 16
+  on = memory.estimate(c)['logits']
+  assert off - on == 2 * 4 * (2 * 64 - 16) * transformer.padded_vocab_size(c.model, 1)
+  c.model.fusions.chunked_cross_entropy = 4096          # longer than the micro batch: no change
+  assert memory.estimate(c)['logits'] == off
