@@ -2,6 +2,8 @@
 
     python -m tools.bench_layouts                      # dp2, tp2, pp2 (1F1B) and pp2 with deallocated outputs
     python -m tools.bench_layouts --layouts=dp2,pp2 --steps=3
+    python -m tools.bench_layouts --layouts=dp2,dp2_no_overlap   # overlap_grad_reduce on / off
+    python -m tools.bench_layouts --shape=207m --layouts=dp2,dp2_zero1 --steps=3
 
 Runs tools/bench.py once in one process with 2 threads, then under torchrun with 2
 processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
@@ -24,17 +26,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STRATEGY = '--config.distributed_strategy.'
 LAYOUTS = {
     'dp2': [],
+    'dp2_no_overlap': [STRATEGY + 'overlap_grad_reduce=False'],
     'dp2_zero1': [STRATEGY + 'zero1=True'],
+    'dp2_zero1_no_overlap': [STRATEGY + 'zero1=True', STRATEGY + 'overlap_grad_reduce=False'],
     'tp2': [STRATEGY + 'tensor_model_parallel_size=2'],
     'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
     'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
     'pp2_dealloc': [STRATEGY + 'pipeline_model_parallel_size=2', STRATEGY + 'deallocate_pipeline_outputs=True'],
 }
 # A model big enough that per-step compute dominates process start-up noise, small enough for 2 cores.
-MODEL = ['--config.model.num_layers=4', '--config.model.hidden_size=256', '--config.model.ffn_hidden_size=688',
+SMALL = ['--config.model.num_layers=4', '--config.model.hidden_size=256', '--config.model.ffn_hidden_size=688',
          '--config.model.num_attention_heads=8', '--config.model.num_kv_heads=4', '--config.model.vocab_size=4096',
          '--config.model.max_position_embeddings=256', '--config.data.seq_length=256',
          '--config.data.micro_batch_size=2', '--config.data.global_batch_size=16']
+# issue 33's 207M shape (12 x 1024): where ZeRO-1's memory and speed are judged.
+SHAPE_207M = ['--config.model.num_layers=12', '--config.model.hidden_size=1024', '--config.model.ffn_hidden_size=2816',
+              '--config.model.num_attention_heads=16', '--config.model.num_kv_heads=8', '--config.model.vocab_size=32000',
+              '--config.model.max_position_embeddings=128', '--config.data.seq_length=128',
+              '--config.data.micro_batch_size=1', '--config.data.global_batch_size=4']
+SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4)}     # (flags, the pipeline's m at pp2)
 
 
 def _run(cmd, env, timeout):
@@ -54,7 +64,8 @@ def _run(cmd, env, timeout):
 
 
 def define_flags():
-  flags.DEFINE_string('config', 'configs/llama_tiny.py', 'Config file for tools/bench.py (MODEL resizes it).')
+  flags.DEFINE_string('config', 'configs/llama_tiny.py', 'Config file for tools/bench.py (--shape resizes it).')
+  flags.DEFINE_enum('shape', 'small', list(SHAPES), 'small: 4 x 256, seq 256, 16 sequences a step; 207m: 12 x 1024.')
   tools.define_list_of('layouts', ['dp2', 'tp2', 'tp2_sp', 'pp2', 'pp2_dealloc'], LAYOUTS, 'Layouts to run')
   flags.DEFINE_integer('steps', 5, 'Timed steps.')
   flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps.')
@@ -63,14 +74,14 @@ def define_flags():
 
 def main(argv):
   tools.no_arguments(argv)
-  bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + MODEL
+  shape, micro = SHAPES[FLAGS.shape]
+  bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + shape
   bench = ['-m', 'tools.bench']
   one, one_rss = _run([sys.executable, *bench] + bench_flags, dict(os.environ, OMP_NUM_THREADS='2'),
                       FLAGS.timeout)
   print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB')
   print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | bubble measured | 1F1B formula |')
   print('|---|---|---|---|---|---|')
-  micro = 16 // 2                  # MODEL's global batch / micro batch: the pipeline's m
   for name in FLAGS.layouts:
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *bench]
     tok, rss = _run(cmd + bench_flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'),

@@ -7,8 +7,8 @@
 Each row runs in fresh processes (2 for the 2-rank layouts: gloo, 1 thread each) that train
 `--steps` steps of seq 128 on the synthetic stream and then save a checkpoint, through the
 same functions as train.py. Phases: init (parameters, updater), forward_backward,
-grad_reduction (grads.sync: the DP all-reduce and the TP/PP sums), update (updater.step:
-clip, ZeRO-1's reduce-scatter, the optimizer, rounding, ZeRO-1's all-gather) and
+grad_reduction (updater.gradients: waiting on the DP reductions the backward started; then
+the TP/PP sums), update (updater.step: clip, the optimizer, rounding, ZeRO-1's gather) and
 checkpoint_save. The measured figure is above the process's baseline, its RSS after imports,
 the data and the process groups but before any model tensor exists (printed):
   CPU   peak = ru_maxrss at the end - baseline (exact); the phase printed is the one during
@@ -159,7 +159,7 @@ def worker(row, out_path):
   from configs import validate  # pylint: disable=import-outside-toplevel
   from data.loader import Loader  # pylint: disable=import-outside-toplevel
   from optim import update  # pylint: disable=import-outside-toplevel
-  from parallel import grads, memory, mesh as meshes, passes, tensor, training  # pylint: disable=import-outside-toplevel
+  from parallel import memory, mesh as meshes, passes, tensor, training  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(1)
   config = _config(row)
   validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
@@ -177,7 +177,7 @@ def worker(row, out_path):
     params = training.init_params(config, mesh)
     updater = update.Updater(params, config, mesh, training.placement(config, mesh))
     checkpoints = session.Session(config, workdir, mesh, updater)
-    _instrument(meter, passes, grads, updater)
+    _instrument(meter, passes, updater)
     for step, micro_batches in enumerate(batches):
       meter.phase('forward_backward')
       training.train_step(params, updater, micro_batches, config, step, mesh, ops)
@@ -203,7 +203,7 @@ def _share(value, mesh):
   return box[0]
 
 
-def _instrument(meter, passes, grads, updater):
+def _instrument(meter, passes, updater):
   """Phase labels around the step's parts, without changing what train_step runs."""
   def around(phase, fn):
     def wrapped(*args, **kwargs):
@@ -211,7 +211,7 @@ def _instrument(meter, passes, grads, updater):
       return fn(*args, **kwargs)
     return wrapped
   passes.forward_backward = around('forward_backward', passes.forward_backward)
-  grads.sync = around('grad_reduction', grads.sync)
+  updater.gradients = around('grad_reduction', updater.gradients)
   updater.step = around('update', updater.step)
 
 
