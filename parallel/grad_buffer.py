@@ -45,7 +45,12 @@ def collective_for(choice, group):
   """ZeRO-1's reduction and gather collective under `zero1_collectives` (auto: by backend)."""
   if choice != 'auto' or group is None:
     return choice
-  return _FASTEST.get(dist.get_backend(group), 'reduce_scatter')
+  return backend_choice(choice, dist.get_backend(group))
+
+
+def backend_choice(choice, backend):
+  """`zero1_collectives` resolved for a backend ('gloo', 'nccl', 'xla')."""
+  return _FASTEST.get(backend, 'reduce_scatter') if choice == 'auto' else choice
 
 
 class Bucket:

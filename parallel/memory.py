@@ -7,7 +7,7 @@ import os
 import torch
 
 from model import layers, lora, objectives, transformer
-from parallel import comm, device as devices, mesh as meshes, precision, remat, tensor
+from parallel import comm, device as devices, grad_buffer, mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
                'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1}
@@ -258,17 +258,20 @@ def _largest_bucket(sizes_bytes, limit):
 
 
 def reduction_bytes(config, sizes, dp=1) -> int:
-  """The DP gradient reduction's transient: one bucket (comm.buckets of the gradients at
-  bucket_size_collectives: up to one tensor past it), the flat copy the all-reduce works on;
-  with ZeRO-1 on gloo the reduce-scatter stages a full-size copy of its input too (2 buckets).
-  None without DP."""
-  if dp == 1:
+  """The DP gradient reduction's transient (parallel/grad_buffer.py). Buckets are reduced in
+  place: an all-reduce (plain DP, and ZeRO-1's `all_reduce`, auto's choice on gloo) needs
+  none. ZeRO-1's reduce-scatter (auto's choice on NCCL and XLA) writes each bucket's own part
+  to a 1/dp output until it is copied back (with overlap every bucket can be in flight: the
+  gradients / dp), and gloo stages a full-size copy of the bucket it reduces (one bucket)."""
+  d = config.distributed_strategy
+  backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
+  if dp == 1 or not d.zero1 or grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
     return 0
   recipe = precision.recipe(config.precision)
   trained = set(lora.trainable(config.model, sizes))
   grads = [v * recipe.grad_acc_dtype.itemsize for n, v in sizes.items() if n in trained]
-  bucket = _largest_bucket(grads, _bucket_bytes(config))
-  return bucket * (2 if config.distributed_strategy.zero1 else 1)
+  outputs = sum(grads) // dp if d.overlap_grad_reduce else _largest_bucket(grads, _bucket_bytes(config)) // dp
+  return outputs + (_largest_bucket(grads, _bucket_bytes(config)) if backend == 'gloo' else 0)
 
 
 FUSED = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adagrad')   # fused on CUDA: no temporaries
