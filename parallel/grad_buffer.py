@@ -160,7 +160,7 @@ class GradBuffer:
         bucket.data[self.index].copy_(bucket.mine)
         bucket.mine = None
     self.counts = dict.fromkeys(self.counts, 0)
-    self.expected = None
+    self.expected, self.launched = None, 0
     out = {}
     for n in self.layout:
       p = self.params[n]

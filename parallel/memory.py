@@ -143,7 +143,7 @@ PHASES = ('init', 'forward_backward', 'grad_reduction', 'update', 'checkpoint_sa
 # CPU only: what the first step costs beyond tensors, measured (tools/bench_memory.py, torch
 # 2.13, Linux): torch._dynamo and the modules the first optimizer imports (~70 MiB), kernel
 # code paged in, autograd's and gloo's threads. CUDA's max_memory_allocated sees none of it.
-RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20}
+RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20, '16-bit': 12 * 2**20}   # + bf16 kernels' code
 
 
 def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
@@ -183,7 +183,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'reduction': reduction_bytes(config, sizes, dp),
       'update_temporaries': update_temporaries(config, sizes, dp),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, dp),
-      'runtime': RUNTIME_BYTES['step'] if devices.kind(config.device) == 'cpu' else 0,
+      'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
+                  if devices.kind(config.device) == 'cpu' else 0),
   }
   if m.objective == 'dpo' and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
     part = objectives.reference_copy(config)   # DPO's frozen copy of the starting model or adapters
