@@ -27,8 +27,9 @@ SR adds uniform 16-bit noise to the low half of the fp32 bit pattern and truncat
 the result is one of the two bf16 values bracketing x, the upper with probability
 (x - down) / (up - down). The noise comes from rng.py, keyed like every other draw,
 so a step is reproduced bit for bit on any device and after a resume. stochastic_round_at
-hashes (key, global element index) instead of drawing per shape, so every parallel layout
-rounds every element the same way.
+hashes (key, global element index) with a 32-bit counter hash (noise_at) instead of drawing
+per shape, so every parallel layout rounds every element the same way. optim/sr_update.py
+runs the same functions compiled, fused with bf16SR's Adam(W) step.
 """
 import contextlib
 import dataclasses

@@ -331,3 +331,16 @@ def test_noise_of_consecutive_keys_and_strided_elements_is_uncorrelated():
   pairs = [(a, b) for b in others] + [(a[:-d], a[d:]) for d in (1, 2, 512, 4096)]  # row and power-of-two lags
   for x, y in pairs:
     assert abs(torch.corrcoef(torch.stack([x, y]))[0, 1].item()) < 6 / math.sqrt(n)
+
+
+@pytest.mark.parametrize('shape, boxes', list(layouts()))
+def test_index_layout_gives_every_boxs_global_indices_in_at_most_its_own_dims(shape, boxes):
+  for box in [full_box(shape)] + boxes:
+    sizes, layout = precision.index_layout(box, shape)
+    expected = precision._flat_index(box, shape, torch.device('cpu'))
+    got = precision.index_from_layout(sizes, torch.tensor(layout))
+    assert torch.equal(got.reshape(-1), expected.reshape(-1)), box
+    assert len(sizes) <= max(len(shape), 1)
+  assert len(precision.index_layout(((slice(2, 5), slice(0, 6))), (10, 6))[0]) == 1   # rows: one run
+  with pytest.raises(ValueError, match='contiguous'):
+    precision.index_layout((slice(0, 6, 2),), (6,))
