@@ -114,9 +114,8 @@ def noise_at(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
   A stateless counter hash, so element i's noise needs neither a generator nor its neighbours:
   the top 16 bits of lowbias32(low word of i ^ seed ^ high word * golden ratio). Every op is
   int32 with wrapping multiplies (torch on CPU/CUDA, XLA), so eager, compiled and every device
-  agree bit for bit; 32-bit lanes vectorize twice as wide as splitmix64's int64 ones, and one
-  round costs about a third of its ops. The seed is a tensor: on XLA a changing Python scalar
-  would be a new graph per step.
+  agree bit for bit, and 32-bit lanes vectorize twice as wide as the int64 splitmix64 it
+  replaced. The seed is a tensor: on XLA a changing Python scalar would be a new graph per step.
   """
   x = index.to(torch.int32) ^ seed ^ ((index >> 32).to(torch.int32) * _GOLDEN_32)
   x = x ^ _shift_right(x, 16)
