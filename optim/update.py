@@ -21,7 +21,7 @@ import typing
 
 import torch
 
-from optim import optimizers, schedules
+from optim import optimizers, schedules, sr_update
 from parallel import comm, grad_buffer, grads as grad_ops, precision, zero
 
 
@@ -103,11 +103,12 @@ class Updater:
     return norm, ok
 
   def _update(self, owned, step, keep_if_not=None):
-    narrow = self._widen()
+    fused = self._fused_sr(owned, step) if keep_if_not is None else set()
+    narrow = self._widen(skip=fused)
     if keep_if_not is not None:
       before = {id(t): t.clone() for t in self._state_tensors()}
     for n, m in self.master.items():
-      m.grad = owned[n]
+      m.grad = None if n in fused else owned[n]      # the optimizer skips what is done
     self.optimizer.step()
     if keep_if_not is not None:
       with torch.no_grad():
@@ -130,10 +131,22 @@ class Updater:
     zero.gather_rows(rounded, self.params, self.trainable, self.parts, self.index, self.group, self.collective,
                      self.bucket_bytes)
 
-  def _widen(self):
+  def _fused_sr(self, owned, step):
+    """bf16SR under torch's Adam(W): rows and moments stepped and rounded in one pass each
+    (optim/sr_update.py), bit for bit keyed as _round_all keys them. Returns the names done."""
+    names = [n for n, m in self.master.items() if m.dtype != torch.float32]
+    if not (names and self.recipe.stochastic_rounding
+            and sr_update.fusable(self.optimizer, self.master[names[0]].device)):
+      return set()
+    sr_update.adamw_step(self.optimizer, {n: self.master[n] for n in names}, owned,
+                         {n: self._owned_box(n) for n in names},
+                         {n: (self.config.seed, 'sr', step, n) for n in names})
+    return set(names)
+
+  def _widen(self, skip=()):
     """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their
-    state for this update. Returns the names widened."""
-    narrow = [n for n, m in self.master.items() if m.dtype != torch.float32]
+    state for this update (but for `skip`). Returns the names widened."""
+    narrow = [n for n, m in self.master.items() if m.dtype != torch.float32 and n not in skip]
     for n in narrow:
       m = self.master[n]
       for key in self._shaped_state(m):
@@ -155,16 +168,20 @@ class Updater:
     bucket, not per tensor)."""
     if not self.recipe.stochastic_rounding:
       return [rows.to(self.params[n].dtype) for n, rows, _ in items]
-    keyed = []
-    for n, rows, purpose in items:
-      box, shape = self.placement[n]
-      owned = self.rows[n].rows
-      box = (slice(box[0].start + owned.start, box[0].start + owned.stop),) + tuple(box[1:])
-      keyed.append((rows, box, shape, (self.config.seed, 'sr', step, n, *purpose)))
+    keyed = [(rows, *self._owned_box(n), (self.config.seed, 'sr', step, n, *purpose))
+             for n, rows, purpose in items]
+    if not keyed or keyed[0][0].device.type != 'xla':
+      return [sr_update.round_at(x, box, shape, *key) for x, box, shape, key in keyed]  # one pass each
     out = []
     for bucket in comm.buckets(range(len(keyed)), [k[0].numel() * 4 for k in keyed], self.bucket_bytes):
       out += precision.stochastic_round_many([keyed[i] for i in bucket])
     return out
+
+  def _owned_box(self, name):
+    """(box, global shape) of the rows of `name` this rank owns, within the global parameter."""
+    box, shape = self.placement[name]
+    owned = self.rows[name].rows
+    return (slice(box[0].start + owned.start, box[0].start + owned.stop),) + tuple(box[1:]), shape
 
   def _clear(self):
     for n in self.trainable:

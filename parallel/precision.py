@@ -27,8 +27,9 @@ SR adds uniform 16-bit noise to the low half of the fp32 bit pattern and truncat
 the result is one of the two bf16 values bracketing x, the upper with probability
 (x - down) / (up - down). The noise comes from rng.py, keyed like every other draw,
 so a step is reproduced bit for bit on any device and after a resume. stochastic_round_at
-hashes (key, global element index) instead of drawing per shape, so every parallel layout
-rounds every element the same way.
+hashes (key, global element index) with a 32-bit counter hash (noise_at) instead of drawing
+per shape, so every parallel layout rounds every element the same way. optim/sr_update.py
+runs the same functions compiled, fused with bf16SR's Adam(W) step.
 """
 import contextlib
 import dataclasses
@@ -90,39 +91,49 @@ def stochastic_round_keyed(x: torch.Tensor, *key) -> torch.Tensor:
   return stochastic_round(x, rng.generator(*key))
 
 
-def _int64(c):
-  """An unsigned 64-bit constant as the int64 with the same bits (torch has no uint64 math)."""
-  return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN_GAMMA = _int64(0x9E3779B97F4A7C15)  # splitmix64's counter increment
-_MIX_1 = _int64(0xBF58476D1CE4E5B9)
-_MIX_2 = _int64(0x94D049BB133111EB)
+_HASH_MUL_1 = 0x7FEB352D                  # lowbias32 (C. Wellons' integer hash prospector)
+_HASH_MUL_2 = 0x846CA68B - (1 << 32)      # its second multiplier, as the int32 with its bits
+_GOLDEN_32 = 0x9E3779B9 - (1 << 32)       # folds the index's high word in
 
 
 def _shift_right(z, bits):
-  """Logical z >> bits on int64: torch shifts arithmetically, so clear the copied sign bits."""
-  return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
+  """Logical z >> bits on int32: torch shifts arithmetically, so clear the copied sign bits."""
+  return (z >> bits) & ((1 << (32 - bits)) - 1)
 
 
-def _splitmix64_(seed, index):
-  """splitmix64's output number index + 1 from state `seed`, elementwise, in place on `index`.
+def key_seed(*key) -> int:
+  """The 32-bit hash key of `key` (rng.key_to_seed folded), as an int32 value."""
+  seed = rng.key_to_seed(*key)
+  seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+  return seed - (1 << 32) if seed >= 1 << 31 else seed
 
-  A stateless counter hash: element i's noise needs neither a generator nor its
-  neighbours. int64 multiplies and adds wrap mod 2^64, exactly like the uint64 original.
-  In-place ops keep it to one temporary per shift: it is memory-bound.
+
+def noise_at(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+  """int32 noise in [0, 2^16) for int64 global element indices under an int32 `seed` tensor.
+
+  A stateless counter hash, so element i's noise needs neither a generator nor its neighbours:
+  the top 16 bits of lowbias32(low word of i ^ seed ^ high word * golden ratio). Every op is
+  int32 with wrapping multiplies (torch on CPU/CUDA, XLA), so eager, compiled and every device
+  agree bit for bit, and 32-bit lanes vectorize twice as wide as the int64 splitmix64 it
+  replaced. The seed is a tensor: on XLA a changing Python scalar would be a new graph per step.
   """
-  # The seed as a tensor, not a Python int: on XLA a changing scalar would be a new graph per step.
-  z = index.add_(1).mul_(_GOLDEN_GAMMA).add_(torch.tensor(_int64(seed), dtype=torch.int64, device=index.device))
-  z.bitwise_xor_(_shift_right(z, 30)).mul_(_MIX_1)
-  z.bitwise_xor_(_shift_right(z, 27)).mul_(_MIX_2)
-  return z.bitwise_xor_(_shift_right(z, 31))
+  x = index.to(torch.int32) ^ seed ^ ((index >> 32).to(torch.int32) * _GOLDEN_32)
+  x = x ^ _shift_right(x, 16)
+  x = x * _HASH_MUL_1
+  x = x ^ _shift_right(x, 15)
+  x = x * _HASH_MUL_2
+  # lowbias32 ends with x ^= x >> 16, which leaves the top half -- all we keep -- as it is.
+  return _shift_right(x, 16)
+
+
+def _check_box(box, global_shape):
+  if len(box) != len(global_shape) or not all(isinstance(s, slice) for s in box):
+    raise ValueError(f'box must be one slice per dim of {tuple(global_shape)}, got {box!r}')
 
 
 def _flat_index(box, global_shape, device):
   """int64 row-major index into global_shape of each element of `box`, in the box's shape."""
-  if len(box) != len(global_shape) or not all(isinstance(s, slice) for s in box):
-    raise ValueError(f'box must be one slice per dim of {tuple(global_shape)}, got {box!r}')
+  _check_box(box, global_shape)
   index = torch.zeros((), dtype=torch.int64, device=device)
   stride = 1
   for dim in reversed(range(len(global_shape))):
@@ -133,17 +144,46 @@ def _flat_index(box, global_shape, device):
   return index
 
 
+def index_layout(box, global_shape):
+  """(sizes, [offset, *strides]): the box's global indices as offset + sum_d i_d * stride_d over
+  a grid of `sizes` (the box in row-major order, dims coalesced where the box spans a whole dim:
+  ZeRO-1 row shards and whole tensors are one run, TP column blocks two dims)."""
+  _check_box(box, global_shape)
+  sizes, strides, offset, stride = [], [], 0, 1
+  for dim in reversed(range(len(global_shape))):
+    start, stop, step = box[dim].indices(global_shape[dim])
+    if step != 1:
+      raise ValueError(f'box must be contiguous slices of {tuple(global_shape)}, got {box!r}')
+    length = max(stop - start, 0)
+    offset += start * stride
+    if sizes and sizes[0] * strides[0] == stride:    # the dims after this one are whole
+      sizes[0] *= length
+    else:
+      sizes.insert(0, length)
+      strides.insert(0, stride)
+    stride *= global_shape[dim]
+  return sizes or [1], [offset] + (strides or [1])
+
+
+def index_from_layout(sizes, layout: torch.Tensor) -> torch.Tensor:
+  """int64 global indices over a grid of `sizes`, from index_layout's list as a tensor (traceable:
+  under torch.compile the aranges fuse into the kernel's loop indices)."""
+  index = layout[0]
+  for dim, size in enumerate(sizes):
+    coords = torch.arange(size, dtype=torch.int64, device=layout.device) * layout[dim + 1]
+    index = index + coords.view((-1,) + (1,) * (len(sizes) - 1 - dim))
+  return index
+
+
 def keyed_noise(box, global_shape, *key, device='cpu') -> torch.Tensor:
   """int32 noise in [0, 2^16) for the `box` (one slice per dim) of a tensor of global_shape.
 
-  Element i (global row-major index) gets the top 16 bits of splitmix64(key seed, i): a pure
-  function of (key, i), so any box -- a ZeRO-1 row shard, a TP column block, the whole
-  tensor -- sees the same noise for the same element, on any device.
+  Element i (global row-major index) gets noise_at(i, key_seed(key)): a pure function of
+  (key, i), so any box -- a ZeRO-1 row shard, a TP column block, the whole tensor -- sees the
+  same noise for the same element, on any device.
   """
   index = _flat_index(box, global_shape, torch.device(device))
-  hashed = _splitmix64_(rng.key_to_seed(*key), index)
-  # The top bits are the best mixed.
-  return _shift_right(hashed, 48).to(torch.int32)
+  return noise_at(index, torch.tensor(key_seed(*key), dtype=torch.int32, device=device))
 
 
 def stochastic_round_at(x: torch.Tensor, box, global_shape, *key) -> torch.Tensor:
@@ -159,7 +199,7 @@ def stochastic_round_many(items) -> list:
   """[stochastic_round_at(x, box, global_shape, *key) for (x, box, global_shape, key) in items],
   bit for bit, with one rounding over all of them: on XLA the int32 views of the bits run as a
   CPU fallback that cuts the graph, so one call per bucket compiles far fewer graphs than one
-  per tensor."""
+  per tensor. (Eager CPU/CUDA round per tensor, compiled: optim/sr_update.py.)"""
   if not items:
     return []
   flat = torch.cat([x.reshape(-1).float() for x, _, _, _ in items])

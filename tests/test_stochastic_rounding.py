@@ -1,6 +1,6 @@
 """Stochastic rounding fp32 -> bf16 (parallel/precision.py; its recipes: tests/test_precision.py):
 always a bf16 neighbour, unbiased, keyed; exact values and specials pass, no overflow past bf16 max; the
-keyed noise (splitmix64 of the global index) is uniform and rounds a box alike on every layout."""
+keyed noise (lowbias32 of the global index) is uniform and rounds a box alike on every layout."""
 import math
 
 import pytest
@@ -195,23 +195,29 @@ def test_every_layout_rounds_every_element_the_same_way(shape, boxes):
                        bf16_bits(whole[box]))
 
 
-def splitmix64_reference(seed, i):
-  """The uint64 original in Python integers: output number i + 1 from state seed."""
-  mask = (1 << 64) - 1
-  z = (seed + (i + 1) * 0x9E3779B97F4A7C15) & mask
-  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-  return z ^ (z >> 31)
+def lowbias32_noise_reference(key, i):
+  """The noise of element i in Python integers: top 16 bits of lowbias32(lo(i) ^ seed ^ hi(i) * golden)."""
+  mask = (1 << 32) - 1
+  seed = rng.key_to_seed(*key)
+  x = (i & mask) ^ ((seed ^ (seed >> 32)) & mask) ^ (((i >> 32) * 0x9E3779B9) & mask)
+  x ^= x >> 16
+  x = (x * 0x7FEB352D) & mask
+  x ^= x >> 15
+  x = (x * 0x846CA68B) & mask
+  return (x ^ (x >> 16)) >> 16
 
 
-def test_noise_is_the_top_of_splitmix64_of_the_global_index():
+def test_noise_is_the_top_of_lowbias32_of_the_global_index():
   # Pinned to the reference, so a checkpoint resumed by another version rounds the same way;
-  # the wrapping int64 multiplies and masked shifts must match uint64 arithmetic exactly.
+  # the wrapping int32 multiplies and masked shifts must match uint32 arithmetic exactly.
   shape, box = (300, 7), (slice(250, 300), slice(2, 7))
-  seed = rng.key_to_seed(5, 'sr', 2, 'emb')
-  expected = [[splitmix64_reference(seed, r * 7 + c) >> 48 for c in range(2, 7)]
+  expected = [[lowbias32_noise_reference((5, 'sr', 2, 'emb'), r * 7 + c) for c in range(2, 7)]
               for r in range(250, 300)]
   assert keyed_noise(box, shape, 5, 'sr', 2, 'emb').tolist() == expected
+  # Indices past 2^32 (tensors of over 4G elements) mix their high word in.
+  big = torch.tensor([3, 2**32 + 3, 2**40 + 7, 2**33 - 1], dtype=torch.int64)
+  seed = torch.tensor(precision.key_seed(1, 'big'), dtype=torch.int32)
+  assert precision.noise_at(big, seed).tolist() == [lowbias32_noise_reference((1, 'big'), i) for i in big.tolist()]
 
 
 def test_same_key_same_noise_and_different_keys_differ():
@@ -302,3 +308,39 @@ def test_rounding_many_tensors_at_once_is_bitwise_the_rounding_of_each():
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert torch.equal(got, precision.stochastic_round_at(x, box, shape, *key))
   assert precision.stochastic_round_many([]) == []
+
+
+def test_quarter_ulp_rounds_up_a_quarter_of_the_time_over_neighbouring_elements():
+  # Statistical quality of the hash where it is used: one value over 1e5 consecutive indices
+  # (one tensor's elements) rounds up with frequency 1/4, within a few binomial sigmas, for
+  # any key; and whether one element rounds up says nothing about its neighbour's.
+  n, p = 100_000, 0.25
+  x = torch.full((n,), 1.0 + p * BF16_ULP_AT_ONE)
+  for step in range(4):
+    up = (stochastic_round_at(x, (slice(7 * n, 8 * n),), (10 * n,), 11, 'sr', step, 'w').float() > 1.0).double()
+    assert abs(up.mean().item() - p) < 5 * math.sqrt(p * (1 - p) / n)
+    assert abs(torch.corrcoef(torch.stack([up[:-1], up[1:]]))[0, 1].item()) < 5 / math.sqrt(n)
+
+
+def test_noise_of_consecutive_keys_and_strided_elements_is_uncorrelated():
+  n = 1 << 18
+  shape = (512, 512)
+  a = keyed_noise(full_box(shape), shape, 0, 'sr', 1, 'w').flatten().double()
+  others = [keyed_noise(full_box(shape), shape, 0, 'sr', 1, 'w', 'exp_avg').flatten().double(),
+            keyed_noise(full_box(shape), shape, 0, 'sr', 2, 'w').flatten().double()]
+  pairs = [(a, b) for b in others] + [(a[:-d], a[d:]) for d in (1, 2, 512, 4096)]  # row and power-of-two lags
+  for x, y in pairs:
+    assert abs(torch.corrcoef(torch.stack([x, y]))[0, 1].item()) < 6 / math.sqrt(n)
+
+
+@pytest.mark.parametrize('shape, boxes', list(layouts()))
+def test_index_layout_gives_every_boxs_global_indices_in_at_most_its_own_dims(shape, boxes):
+  for box in [full_box(shape)] + boxes:
+    sizes, layout = precision.index_layout(box, shape)
+    expected = precision._flat_index(box, shape, torch.device('cpu'))
+    got = precision.index_from_layout(sizes, torch.tensor(layout))
+    assert torch.equal(got.reshape(-1), expected.reshape(-1)), box
+    assert len(sizes) <= max(len(shape), 1)
+  assert len(precision.index_layout(((slice(2, 5), slice(0, 6))), (10, 6))[0]) == 1   # rows: one run
+  with pytest.raises(ValueError, match='contiguous'):
+    precision.index_layout((slice(0, 6, 2),), (6,))

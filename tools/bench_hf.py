@@ -2,6 +2,7 @@
 
     python -m tools.bench_hf                        # the 32M Llama of issue 18, fp32 / mixed / bf16
     python -m tools.bench_hf --precisions=fp32 --steps=3
+    python -m tools.bench_hf --precisions=bf16 --clock=cpu --profile   # a shared machine; where time goes
 
 Both sides train the same Llama (transformers' LlamaForCausalLM with torch.optim.AdamW, and
 flatron's loop step), from the same weights, on the same token batches, steps interleaved
@@ -12,6 +13,9 @@ flatron's loop step), from the same weights, on the same token batches, steps in
 It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
 gradients + optimizer state each side holds and the process's peak RSS (both sides together), then the ceiling: the step's GEMMs and attention
 alone (forward and backward, timed one by one), and the fraction of it each side reaches.
+--clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
+on a machine shared with other jobs, waiting for a core does not count against either side.
+--profile prints flatron's step under torch.profiler, the ops by their own CPU time.
 """
 import os
 import resource
@@ -31,6 +35,7 @@ from parallel import device as devices, mesh as meshes, tensor, training
 
 FLAGS = flags.FLAGS
 RECIPES = {'fp32': 'fp32', 'mixed': 'mixed_precision', 'bf16': 'bf16SR'}
+CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
 
 
 def bench_config(precision):
@@ -91,7 +96,7 @@ def state_bytes(tensors):
   return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def ceiling_step_time(config, dtype, repeats=3):
+def ceiling_step_time(config, dtype, repeats=3, clock='wall'):
   """Seconds per step for the step's GEMMs (forward, and both backward products) and SDPA
   forward + backward only, each timed alone (best of `repeats`)."""
   m, d = config.model, config.data
@@ -105,9 +110,9 @@ def ceiling_step_time(config, dtype, repeats=3):
     fn()
     times = []
     for _ in range(repeats):
-      start = time.perf_counter()
+      start = CLOCKS[clock]()
       fn()
-      times.append(time.perf_counter() - start)
+      times.append(CLOCKS[clock]() - start)
     return min(times)
 
   total = 0.0
@@ -122,7 +127,15 @@ def ceiling_step_time(config, dtype, repeats=3):
   return total + attention * m.num_layers, total, attention * m.num_layers
 
 
-def run(precision, steps, warmup, config=None):
+
+def profile_step(params, updater, batch, config, step, mesh, ops, rows=15):
+  """flatron's step `step` under torch.profiler: the `rows` ops with the most self CPU time."""
+  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    training.train_step(params, updater, batch, config, step, mesh, ops)['loss'].item()
+  return prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=rows)
+
+
+def run(precision, steps, warmup, config=None, clock='wall', profile=False):
   """Interleaved steps of both sides: tok/s, state bytes and each side's losses."""
   config = config or bench_config(precision)
   mesh = meshes.init(config)
@@ -132,15 +145,16 @@ def run(precision, steps, warmup, config=None):
   model, optimizer = hf_model(config, params, precision)
   loader = Loader(config, 'train', 0, 1)
   times, losses = {'hf': [], 'flatron': []}, {'hf': [], 'flatron': []}
+  now = CLOCKS[clock]
   for i in range(steps + warmup):
     batch = loader.global_batch(i * config.data.global_batch_size)
-    start = time.perf_counter()
+    start = now()
     lr = updater.lr(i)
     losses['hf'].append(hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr))
-    times['hf'].append(time.perf_counter() - start)
-    start = time.perf_counter()
+    times['hf'].append(now() - start)
+    start = now()
     losses['flatron'].append(training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item())
-    times['flatron'].append(time.perf_counter() - start)
+    times['flatron'].append(now() - start)
   tokens = config.data.global_batch_size * config.data.seq_length
   hf_params = list(model.parameters())
   hf_optim = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
@@ -149,6 +163,8 @@ def run(precision, steps, warmup, config=None):
   result['hf_bytes'] = 2 * state_bytes(hf_params) + state_bytes(hf_optim)
   result['flatron_bytes'] = state_bytes(params.values()) + updater.state_bytes() + updater.grads.bytes()
   result['config'], result['losses'] = config, losses
+  if profile:
+    result['profile'] = profile_step(params, updater, loader.global_batch(0), config, steps + warmup, mesh, ops)
   return result
 
 
@@ -157,22 +173,26 @@ def define_flags():
   flags.DEFINE_integer('steps', 5, 'Timed steps per side.')
   flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps per side.')
   flags.DEFINE_integer('threads', 2, 'torch threads.')
+  flags.DEFINE_enum('clock', 'wall', list(CLOCKS), 'wall: seconds; cpu: this process\'s CPU seconds '
+                    '(a machine shared with other jobs).')
+  flags.DEFINE_bool('profile', False, 'Print one flatron step\'s ops by self CPU time per precision.')
 
 
 def main(argv):
   tools.no_arguments(argv)
   torch.set_num_threads(FLAGS.threads)
   peak = devices.measured_matmul_flops(torch.device('cpu'), n=2048)
-  print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s', flush=True)
+  print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s; '
+        f'steps timed in {FLAGS.clock} seconds', flush=True)
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
         ' ceiling tok/s (GEMM + attention) | flatron / ceiling | process peak RSS MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for precision in FLAGS.precisions:
-    r = run(precision, FLAGS.steps, FLAGS.warmup)
+    r = run(precision, FLAGS.steps, FLAGS.warmup, clock=FLAGS.clock, profile=FLAGS.profile)
     config = r['config']
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
-    ceiling, gemm, attention = ceiling_step_time(config, dtype)
+    ceiling, gemm, attention = ceiling_step_time(config, dtype, clock=FLAGS.clock)
     tokens = config.data.global_batch_size * config.data.seq_length
     print(f"| {precision} | {r['hf']:,.0f} | {r['flatron']:,.0f} | {r['flatron'] / r['hf']:.2f}x | "
           f"{100 * r['hf'] * flops / peak:.1f}% | {100 * r['flatron'] * flops / peak:.1f}% | "
@@ -181,6 +201,8 @@ def main(argv):
           f"{r['flatron'] * ceiling / tokens:.0%} | "
           # both sides live in this process: the peak so far, not either side's own
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} |", flush=True)
+    if 'profile' in r:
+      print(f'flatron {precision} step, ops by self CPU time:\n{r["profile"]}', flush=True)
   meshes.shutdown()
 
 

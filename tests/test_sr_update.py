@@ -1,0 +1,164 @@
+"""bf16SR's one-pass update (optim/sr_update.py): compiled kernels equal the eager ones and the
+reference pipeline (precision.stochastic_round_at; torch.optim.AdamW on fp32 copies) bit for bit
+or within an fp32 ulp, on every layout."""
+import logging
+
+import pytest
+import torch
+
+from optim import sr_update
+from parallel import precision
+
+
+def bits(t):
+  return t.view(torch.int16)
+
+
+def full_box(shape):
+  return tuple(slice(0, n) for n in shape)
+
+
+def awkward_values(n, seed):
+  """Normal values of many magnitudes, exact bf16 values, specials, near bf16 max, subnormals."""
+  g = torch.Generator().manual_seed(seed)
+  x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 40, (n,), generator=g).float())
+  x[:8] = torch.tensor([0.0, -0.0, float('inf'), float('-inf'), float('nan'), 3.3e38, -3.39e38, 1e-40])
+  x[8:16] = x[8:16].bfloat16().float()
+  return x
+
+
+@pytest.mark.parametrize('shape, box', [((40, 30), (slice(10, 30), slice(0, 30))),    # ZeRO-1 rows
+                                        ((40, 30), (slice(0, 40), slice(7, 19))),      # TP columns
+                                        ((5, 6, 7), (slice(1, 3), slice(2, 6), slice(0, 7))),
+                                        ((1000,), (slice(3, 1000),))])
+def test_round_at_is_stochastic_round_at_bit_for_bit(shape, box):
+  sizes = tuple(s.stop - s.start for s in box)
+  x = awkward_values(int(torch.tensor(sizes).prod()), 0).view(sizes)
+  expected = precision.stochastic_round_at(x, box, shape, 3, 'sr', 1, 'w')
+  got = sr_update.round_at(x, box, shape, 3, 'sr', 1, 'w')
+  assert got.dtype == torch.bfloat16 and got.shape == x.shape
+  assert torch.equal(bits(got), bits(expected))
+  coalesced, layout = precision.index_layout(box, shape)
+  assert len(coalesced) <= 2                                 # rows: one run; columns: two dims
+  seed = torch.tensor(precision.key_seed(3, 'sr', 1, 'w'), dtype=torch.int32)
+  eager = sr_update._round_kernel(x.reshape(coalesced), torch.tensor(layout), seed)
+  assert torch.equal(bits(eager.view(x.shape)), bits(expected))
+  assert sr_update.round_at(x[:0], (slice(0, 0),) + box[1:], shape, 0).shape == x[:0].shape
+
+
+def _state(rows, seed):
+  g = torch.Generator().manual_seed(seed)
+  return {n: (torch.randn(r.shape, generator=g) * 1e-3, (torch.randn(r.shape, generator=g) * 1e-3).bfloat16(),
+              (torch.rand(r.shape, generator=g) * 1e-6).bfloat16()) for n, r in rows.items()}
+
+
+def _fused(rows, grads_and_moments, optimizer_cls, boxes, steps=2, **kwargs):
+  """`steps` fused steps on bf16 copies of `rows`; returns rows and moments."""
+  rows = {n: r.clone() for n, r in rows.items()}
+  opt = optimizer_cls([{'params': [rows['w']], 'weight_decay': 0.1},
+                       {'params': [rows['b']], 'weight_decay': 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kwargs)
+  assert sr_update.fusable(opt, torch.device('cpu'))
+  for step in range(steps):
+    grads = {n: g * (step + 1) for n, (g, _, _) in grads_and_moments.items()}
+    if step == 0:                                   # moments from a previous step, as a resume loads them
+      for n, (_, m, v) in grads_and_moments.items():
+        opt.state[rows[n]].update(step=torch.tensor(3.0), exp_avg=m.clone(), exp_avg_sq=v.clone())
+    sr_update.adamw_step(opt, rows, grads, boxes, {n: (0, 'sr', step, n) for n in rows})
+  return {n: (r, opt.state[r]['exp_avg'], opt.state[r]['exp_avg_sq'], opt.state[r]['step']) for n, r in rows.items()}
+
+
+def _reference(rows, grads_and_moments, optimizer_cls, boxes, steps=2, **kwargs):
+  """The unfused pipeline: fp32 copies, torch's optimizer, stochastic_round_at with the same keys."""
+  rows = {n: r.float().clone() for n, r in rows.items()}
+  opt = optimizer_cls([{'params': [rows['w']], 'weight_decay': 0.1},
+                       {'params': [rows['b']], 'weight_decay': 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                      foreach=False, **kwargs)
+  for step in range(steps):
+    for n, (g, m, v) in grads_and_moments.items():
+      rows[n].grad = g * (step + 1)
+      if step == 0:
+        opt.state[rows[n]].update(step=torch.tensor(3.0), exp_avg=m.float(), exp_avg_sq=v.float())
+    opt.step()
+    with torch.no_grad():
+      for n, r in rows.items():
+        box, shape = boxes[n]
+        r.copy_(precision.stochastic_round_at(r, box, shape, 0, 'sr', step, n).float())
+        for k in ('exp_avg', 'exp_avg_sq'):
+          opt.state[r][k] = precision.stochastic_round_at(opt.state[r][k], box, shape, 0, 'sr', step, n, k).float()
+  return {n: (r.bfloat16(), opt.state[r]['exp_avg'].bfloat16(), opt.state[r]['exp_avg_sq'].bfloat16(),
+              opt.state[r]['step']) for n, r in rows.items()}
+
+
+ROWS = {'w': torch.randn(64, 48).bfloat16(), 'b': torch.randn(48).bfloat16()}
+BOXES = {'w': (full_box((64, 48)), (64, 48)), 'b': (full_box((48,)), (48,))}
+
+
+@pytest.mark.parametrize('optimizer_cls', [torch.optim.AdamW, torch.optim.Adam])
+def test_fused_step_is_torchs_step_then_stochastic_round_at(optimizer_cls):
+  moments = _state(ROWS, 1)
+  got = _fused(ROWS, moments, optimizer_cls, BOXES)
+  want = _reference(ROWS, moments, optimizer_cls, BOXES)
+  for n in ROWS:
+    for g, w in zip(got[n][:3], want[n][:3]):
+      assert g.dtype == torch.bfloat16
+      same = bits(g) == bits(w)
+      # torch's vectorized lerp may fuse a multiply-add: an fp32 ulp apart before rounding, which
+      # moves a stochastic rounding only where the noise sits at that ulp (p ~ 2^-16 each).
+      assert same.float().mean() > 0.999, n
+      assert torch.allclose(g[~same].float(), w[~same].float(), rtol=2**-7, atol=0)
+    assert got[n][3].item() == want[n][3].item() == 5.0
+
+
+def test_compiled_fused_step_is_the_eager_kernel_bit_for_bit(monkeypatch):
+  moments = _state(ROWS, 2)
+  compiled = _fused(ROWS, moments, torch.optim.AdamW, BOXES)
+  monkeypatch.setattr(sr_update, '_compiled', lambda kernel: kernel)
+  eager = _fused(ROWS, moments, torch.optim.AdamW, BOXES)
+  for n in ROWS:
+    for c, e in zip(compiled[n][:3], eager[n][:3]):
+      assert torch.equal(bits(c), bits(e))
+
+
+def test_fused_step_rounds_alike_on_every_layout():
+  moments = _state(ROWS, 3)
+  whole = _fused(ROWS, moments, torch.optim.AdamW, BOXES, steps=1)
+  for box in [(slice(0, 40), slice(0, 48)), (slice(40, 64), slice(0, 48)),      # ZeRO-1 rows
+              (slice(0, 64), slice(0, 16)), (slice(8, 24), slice(16, 48))]:     # TP columns, both
+    rows = {'w': ROWS['w'][box].clone(), 'b': ROWS['b'][box[1]].clone()}
+    part = {'w': tuple(t[box] for t in moments['w']), 'b': tuple(t[box[1]] for t in moments['b'])}
+    got = _fused(rows, part, torch.optim.AdamW, {'w': (box, (64, 48)), 'b': ((box[1],), (48,))}, steps=1)
+    for g, w in zip(got['w'][:3], whole['w'][:3]):
+      assert torch.equal(bits(g), bits(w[box]))
+    for g, w in zip(got['b'][:3], whole['b'][:3]):
+      assert torch.equal(bits(g), bits(w[box[1]]))
+
+
+def test_fused_step_creates_torchs_state_on_a_first_step():
+  rows = {'w': ROWS['w'].clone(), 'b': ROWS['b'].clone()}
+  opt = torch.optim.AdamW([rows['w'], rows['b']], lr=1e-3)
+  sr_update.adamw_step(opt, rows, {'w': torch.ones(64, 48), 'b': None}, BOXES, {n: (0, n) for n in rows})
+  state = opt.state[rows['w']]
+  assert sorted(state) == ['exp_avg', 'exp_avg_sq', 'step'] and state['step'].item() == 1.0
+  assert state['exp_avg'].dtype == torch.bfloat16 and state['exp_avg'].shape == (64, 48)
+  assert rows['b'] not in opt.state                           # no gradient: not stepped
+
+
+def test_only_plain_adam_and_adamw_on_a_compiled_device_are_fused():
+  p = [torch.zeros(2, requires_grad=True)]
+  assert not sr_update.fusable(torch.optim.AdamW(p, amsgrad=True), torch.device('cpu'))
+  assert not sr_update.fusable(torch.optim.SGD(p, lr=1.0), torch.device('cpu'))
+  assert not sr_update.fusable(torch.optim.AdamW(p), torch.device('meta'))
+
+
+def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
+  def broken(kernel):
+    def fail(*args):
+      raise RuntimeError('no C++ compiler')
+    return fail
+  monkeypatch.setattr(sr_update, '_compiled', broken)
+  monkeypatch.setattr(sr_update, '_failed', set())
+  x = awkward_values(300, 4).view(10, 30)
+  with caplog.at_level(logging.WARNING):
+    got = sr_update.round_at(x, full_box((10, 30)), (10, 30), 1)
+  assert 'running it eagerly' in caplog.text
+  assert torch.equal(bits(got), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
