@@ -7,6 +7,7 @@ import os
 import torch
 
 from model import layers, lora, objectives, transformer
+from optim import sr_update
 from parallel import comm, device as devices, grad_buffer, mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -286,13 +287,15 @@ def update_temporaries(config, sizes, dp=1) -> int:
       the fused optimizers none, the others foreach over runs of at most
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
-  For 16-bit parameters without masters (bf16SR) the step runs on fp32 working rows and
-  moments (4 + 8 bytes per element, less the 4 of the bf16 moments freed as they widen), and
-  then the larger of that plus the above, or that plus the rounded bf16 results held until
-  all are rounded (6 bytes) plus the stochastic rounding of one bucket of rows and moments
-  (~24 bytes per element, measured: fp32 input, int32 noise, bits and clamps, the bf16 result
-  and a tensor's int64 hash; a bucket may pass bucket_size by one tensor). With ZeRO-1, the
-  parameters' all-gather through one bucket."""
+  16-bit gradients (bf16SR) are stepped from an fp32 copy of all owned rows (4 bytes each).
+  For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU, optim/sr_update.py
+  steps and rounds each tensor in place in one compiled pass: nothing more. Elsewhere the step
+  runs on fp32 working rows and moments (4 + 8 bytes per element, less the 4 of the bf16
+  moments freed as they widen), and then the larger of that plus the above, or that plus the
+  rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
+  one bucket of rows and moments (~24 bytes per element: fp32 input, int32 noise, bits and
+  clamps, the bf16 result, the hash; a bucket may pass bucket_size by one tensor). With
+  ZeRO-1, the parameters' all-gather through one bucket."""
   recipe = precision.recipe(config.precision)
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
   trained = set(lora.trainable(config.model, sizes))
@@ -303,15 +306,19 @@ def update_temporaries(config, sizes, dp=1) -> int:
     optimizer = 2 * 4 * max(owned)
   else:
     optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
-  norm = max(owned) * (4 + (4 if recipe.grad_acc_dtype.itemsize != 4 else 0))
-  temporaries = max(optimizer, norm)
-  if recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
+  grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
+  temporaries = max(optimizer, 4 * max(owned)) + grads32
+  fused = (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState')
+           and devices.kind(config.device) in sr_update.COMPILED_DEVICES)
+  if fused and recipe.stochastic_rounding and not recipe.has_master(recipe.param_dtype):
+    temporaries = grads32 + 4 * max(owned)
+  elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
     moments = ADAM_STATES.get(config.model.optim.name, 2)
     items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded
     bucket = _largest_bucket(items, _bucket_bytes(config)) // 4
     widened = 4 * (1 + moments) * sum(owned) - 2 * moments * sum(owned)
     rounded = 2 * (1 + moments) * sum(owned)
-    temporaries = max(widened + temporaries, widened + rounded + 24 * bucket)
+    temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
   if shards > 1:
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += _largest_bucket(full, _bucket_bytes(config))
