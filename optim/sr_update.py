@@ -24,7 +24,7 @@ from parallel import precision
 
 # Device types the kernels are compiled for. CUDA would compile too (triton), but nothing here
 # has been measured or checked bitwise on a GPU yet; there the eager pipeline runs.
-COMPILED_DEVICES = ('cpu',)
+COMPILED_DEVICES = precision.FUSED_SR_DEVICES
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
 

@@ -7,7 +7,6 @@ import os
 import torch
 
 from model import layers, lora, objectives, transformer
-from optim import sr_update
 from parallel import comm, device as devices, grad_buffer, mesh as meshes, precision, remat, tensor
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -289,7 +288,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
   16-bit gradients (bf16SR) are stepped from an fp32 copy of all owned rows (4 bytes each).
   For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU, optim/sr_update.py
-  steps and rounds each tensor in place in one compiled pass: nothing more. Elsewhere the step
+  steps and rounds each tensor in place in one compiled pass
+  (precision.FUSED_SR_DEVICES): nothing more. Elsewhere the step
   runs on fp32 working rows and moments (4 + 8 bytes per element, less the 4 of the bf16
   moments freed as they widen), and then the larger of that plus the above, or that plus the
   rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
@@ -309,7 +309,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
   temporaries = max(optimizer, 4 * max(owned)) + grads32
   fused = (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState')
-           and devices.kind(config.device) in sr_update.COMPILED_DEVICES)
+           and devices.kind(config.device) in precision.FUSED_SR_DEVICES)
   if fused and recipe.stochastic_rounding and not recipe.has_master(recipe.param_dtype):
     temporaries = grads32 + 4 * max(owned)
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
