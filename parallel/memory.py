@@ -143,7 +143,9 @@ PHASES = ('init', 'forward_backward', 'grad_reduction', 'update', 'checkpoint_sa
 # CPU only: what the first step costs beyond tensors, measured (tools/bench_memory.py, torch
 # 2.13, Linux): torch._dynamo and the modules the first optimizer imports (~70 MiB), kernel
 # code paged in, autograd's and gloo's threads. CUDA's max_memory_allocated sees none of it.
-RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20, '16-bit': 12 * 2**20}   # + bf16 kernels' code
+RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20,
+                 '16-bit': 12 * 2**20,       # + bf16 kernels' code
+                 'inductor': 72 * 2**20}     # + torch._inductor and its compiled kernels (fused bf16SR, model.compile)
 
 
 def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
@@ -184,6 +186,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'update_temporaries': update_temporaries(config, sizes, dp),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, dp),
       'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
+                  + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) else 0)
                   if devices.kind(config.device) == 'cpu' else 0),
   }
   if m.objective == 'dpo' and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
@@ -308,9 +311,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
     optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
   temporaries = max(optimizer, 4 * max(owned)) + grads32
-  fused = (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState')
-           and devices.kind(config.device) in precision.FUSED_SR_DEVICES)
-  if fused and recipe.stochastic_rounding and not recipe.has_master(recipe.param_dtype):
+  if fused_sr(config):
     temporaries = grads32 + 4 * max(owned)
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
     moments = ADAM_STATES.get(config.model.optim.name, 2)
@@ -323,6 +324,14 @@ def update_temporaries(config, sizes, dp=1) -> int:
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += _largest_bucket(full, _bucket_bytes(config))
   return temporaries
+
+
+def fused_sr(config) -> bool:
+  """Whether bf16SR's update runs optim/sr_update.py's one compiled pass (Adam(W), SR without
+  masters, a device type in precision.FUSED_SR_DEVICES)."""
+  recipe = precision.recipe(config.precision)
+  return (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState') and recipe.stochastic_rounding
+          and not recipe.has_master(recipe.param_dtype) and devices.kind(config.device) in precision.FUSED_SR_DEVICES)
 
 
 def largest_run(elements, limit) -> int:
