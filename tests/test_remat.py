@@ -1,12 +1,12 @@
 """Activation recompute: gradients bitwise those of no recompute (dropout on, one device and
 TP2+SP), the right parts run again in backward, and the bytes each mode keeps per layer,
-measured with saved-tensor hooks, equal parallel/memory.py's formula exactly."""
+measured with saved-tensor hooks, equal parallel/activations.py's formula exactly."""
 import pytest
 import torch
 
 from configs import base, llama_tiny
 from model import layers, transformer
-from parallel import memory, mesh as meshes, remat, tensor
+from parallel import activations, mesh as meshes, remat, tensor
 from tests import world
 
 MODES = {                      # name -> (granularity, recompute parts)
@@ -79,8 +79,8 @@ def byte_mismatches(cases, tp=1, dtype=torch.float32):
     if tp > 1 and rep not in meshes_by_replicator:
       meshes_by_replicator[rep] = meshes.init(c)
     mesh = meshes_by_replicator.get(rep)
-    measured = memory.measured_bytes_per_layer(c, mesh, dtype)
-    formula = memory.activation_bytes_per_layer(c, 4 if dtype == torch.float32 else 2, tp)
+    measured = activations.measured_bytes_per_layer(c, mesh, dtype)
+    formula = activations.activation_bytes_per_layer(c, 4 if dtype == torch.float32 else 2, tp)
     if measured != formula:
       out.append((case, measured, formula))
   return out
@@ -172,10 +172,10 @@ def test_measured_bytes_equal_the_formula_under_tp2_and_sp(two_ranks):
 
 def test_each_mode_keeps_less():
   for flash in (True, False):
-    kept = [memory.measured_bytes_per_layer(config(mode=mode, flash=flash))
+    kept = [activations.measured_bytes_per_layer(config(mode=mode, flash=flash))
             for mode in ('none', 'selective', 'selective_mlp', 'full')]
     assert kept == sorted(kept, reverse=True) and len(set(kept)) == 4, (flash, kept)
-    nxd = memory.measured_bytes_per_layer(config(mode='selective_norm_activation', flash=flash))
+    nxd = activations.measured_bytes_per_layer(config(mode='selective_norm_activation', flash=flash))
     assert kept[-1] < nxd < kept[0], (flash, kept, nxd)
 
 

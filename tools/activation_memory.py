@@ -1,5 +1,5 @@
 """Activation bytes kept for backward per layer and rank: measured with saved-tensor hooks
-against parallel/memory.py's formula, for every recompute mode on one rank, TP2 and TP2+SP,
+against parallel/activations.py's formula, for every recompute mode on one rank, TP2 and TP2+SP,
 on both attention paths, at the config's micro batch and sequence length.
 
     python -m tools.activation_memory --config=configs/llama_tiny.py
@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 
 import tools
 from model import transformer
-from parallel import memory, mesh as meshes
+from parallel import activations, mesh as meshes
 
 FLAGS = flags.FLAGS
 
@@ -61,8 +61,8 @@ def cells(config, dtype_name, tp=None, mesh=None, measure=True):
     for path, flash in PATHS.items():
       for mode in MODES:
         c = variant(config, flash, mode, layout_tp, sp)
-        measured = memory.measured_bytes_per_layer(c, mesh, dtype) if measure else None
-        out[path, mode, layout] = (measured, memory.activation_bytes_per_layer(c, width, layout_tp))
+        measured = activations.measured_bytes_per_layer(c, mesh, dtype) if measure else None
+        out[path, mode, layout] = (measured, activations.activation_bytes_per_layer(c, width, layout_tp))
   return out
 
 

@@ -1,0 +1,126 @@
+"""Activation memory per transformer layer: the closed-form formula the memory estimate uses,
+and the measurement that keeps it honest (tests/test_remat.py, tools/activation_memory.py)."""
+import copy
+
+import torch
+
+from model import layers, transformer
+from parallel import mesh as meshes, remat, tensor
+
+
+def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
+  """Bytes one of our blocks keeps for backward on one rank, causal masking. Exact for our
+  code on CPU: tests/test_remat.py pins it to `measured_bytes_per_layer`.
+
+  N = s b tokens, h hidden, f ffn, a heads, g kv heads, d head dim, t TP; per rank
+  a' = a/t, g' = max(g, t)/t, f' = f/t; σ = t under SP, else 1. w = bytes_per_value: 4
+  (fp32), 2 for 16-bit parameters and so activations (autocast differs). Masks: 1 byte.
+
+    norms (2)      rmsnorm 2 ((4 + w) Nh/σ + 4 N/σ)   x in fp32, 1/rms (fp32), x/rms
+                   layernorm 2 w (Nh + 2 N)/σ          x, mean, 1/std
+    linear inputs  2 w Nh         the norm outputs; under SP all-gathered, so not /t (*)
+    attention      SDPA      w N (a' + 2g') d  q, k, v    + 4 b a' s  logsumexp (fp32)
+                             + w N a' d  output  [+ w N a' d  o_proj's copy of it when q is
+                             contiguous [b,a,s,d], i.e. after RoPE: SDPA keeps q's layout]
+                   explicit  w 3 N a' d  q, k, v repeated to a' heads + 4 b a' s^2 softmax
+                             (fp32) [+ w b a' s^2  the probs matmul's input: dropped, or a
+                             16-bit copy] + s^2 causal mask + w N a' d  o_proj input
+    MLP            swiglu / geglu 4 w N f' (gate, up, act(gate), product) | gelu 2 w N f'
+    (Gemma's q/k and sandwich norms are not counted: a few w Nh more per layer)
+    dropout masks  2 Nh/σ residual + N f' ffn + b a' s^2 attention (*)
+
+  Recompute keeps a region's inputs instead of its insides: selective 'attention' keeps
+  w N (a' + 2g') d + w N a' d (q, k, v, and the output o_proj keeps anyway); 'mlp' keeps
+  w Nh/σ in place of a linear input, the MLP terms and the ffn mask; 'norm' keeps w Nh/σ in
+  place of a layernorm's terms; 'activation' keeps 3 w N f' of the gated MLP's 4 (not
+  act(gate)); full keeps w Nh/σ.
+  (*) Fixed layout artefacts: all_gather used to return a transposed view that each column
+  linear copied (5 w Nh instead of 2 w Nh under SP), and own_chunk a view that kept the
+  whole dropout mask; both now return their own storage.
+
+  Llama (fp32, SDPA, RoPE, no dropout, t = 1): 4 (11 Nh + 4 Nf) + 8 N + 4 b a s bytes,
+  less 8 N (a - g) d with GQA; in 16-bit 47.5 sbh + 8 sb + 4 b a s for Llama-2 7B
+  (f = 2.6875 h). Korthikanti's GPT block is 34 sbh + 5 a s^2 b; ours with the GPT options
+  (layernorm, gelu, explicit attention, dropout) is 34 sbh + 7 a s^2 b + s^2 + 8 sb in
+  16-bit: the same 34, plus an fp32 softmax, a per-layer causal mask, layernorm statistics.
+  Under TP both are sbh (10 + 24/t) + ... Under SP Korthikanti's is (34/t) sbh + ..., ours
+  sbh (4 + 30/t) + ...: our column linears keep the all-gathered input, Megatron's keep the
+  shard and gather it again in backward.
+  """
+  m, a = config.model, config.data
+  w, s, b, h = bytes_per_value, a.seq_length, a.micro_batch_size, m.hidden_size
+  n, d = s * b, transformer.head_dim(m)
+  heads, kv = m.num_attention_heads // tp, max(transformer.kv_heads(m), tp) // tp   # per rank
+  ffn = m.ffn_hidden_size // tp
+  sp = tp > 1 and config.distributed_strategy.sequence_parallel
+  local = n // tp if sp else n                 # residual-stream tokens on this rank
+  granularity = m.activations_checkpoint_granularity
+  parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
+  if granularity == 'full':
+    return w * local * h
+  copies = False                               # (*) fixed: all_gather returns a contiguous tensor
+  masked = local                               # (*) fixed: own_chunk clones its shard
+  mask_heads = heads
+  hidden_mask = masked * h if m.hidden_dropout > 0 else 0
+  if 'norm' in parts:
+    norm = w * local * h                       # its input
+  elif m.normalization == 'rmsnorm':
+    norm = (4 + w) * local * h + 4 * local     # rms_norm computes in fp32
+  else:
+    norm = w * (local * h + 2 * local)
+  swiglu = m.activation in layers.GATED       # swiglu or geglu: gate, up, act(gate), product
+
+  attention = norm + w * n * h * (3 if copies else 1) + w * n * heads * d + hidden_mask
+  dropped = m.attention_dropout > 0
+  if 'attention' in parts:
+    attention += w * n * (heads + 2 * kv) * d
+  elif m.fusions.flash_attention and not dropped:
+    copied = m.position_embedding_type == 'rope'
+    attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
+  else:
+    probs = (4 + (w if dropped or w != 4 else 0)) * b * heads * s * s
+    attention += w * 3 * n * heads * d + probs + s * s + (b * mask_heads * s * s if dropped else 0)
+
+  mlp = norm + hidden_mask
+  if 'mlp' in parts:
+    mlp += w * local * h
+  else:
+    inner = (3 if 'activation' in parts else 4) if swiglu else 2     # 'activation' drops act(gate)
+    mlp += (w * n * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * inner
+            + (n * ffn if m.ffn_dropout > 0 else 0))
+  return attention + mlp
+
+
+def measured_bytes_per_layer(config, mesh=None, dtype=torch.float32) -> int:
+  """What autograd keeps for backward per layer on this rank, measured: the bytes of every
+  distinct storage saved during the forward of a 2-layer model less those of a 1-layer one
+  (so embedding, head and loss cancel), parameters excluded. Dropout is on when the config
+  has any; recompute as configured. Under TP, call it on every rank of `mesh`."""
+  return _saved_bytes(config, 2, mesh, dtype) - _saved_bytes(config, 1, mesh, dtype)
+
+
+def _saved_bytes(config, num_layers, mesh, dtype):
+  mesh = mesh or meshes.Mesh()
+  m = copy.deepcopy(config.model)
+  m.num_layers = num_layers
+  ops, layer_fn = remat.setup(tensor.config_ops(config, mesh),
+                              m.activations_checkpoint_granularity, m.activations_checkpoint_recompute)
+  params = transformer.init(m, config.seed, dtype=dtype, tp=mesh.tp, boxes=tensor.boxes(m, mesh))
+  b, s = config.data.micro_batch_size, config.data.seq_length
+  tokens = torch.randint(0, m.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
+  batch = {'tokens': tokens[:, :-1], 'labels': tokens[:, 1:], 'loss_mask': torch.ones(b, s),
+           'sample_ids': torch.arange(b)}
+  dropout_key = (config.seed, 'dropout') if layers.has_dropout(m) else None
+  params_at = {p.untyped_storage().data_ptr() for p in params.values()}
+  kept = {}  # storage address -> storage: views and re-saves count once; holding the storage
+             # stops a freed one's address (a graph branch nobody uses) from being reused
+
+  def pack(t):
+    storage = t.untyped_storage()
+    if storage.data_ptr() not in params_at:
+      kept[storage.data_ptr()] = storage
+    return t
+
+  with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    transformer.stage(params, batch, m, ops, dropout_key=dropout_key, layer_fn=layer_fn)
+  return sum(storage.nbytes() for storage in kept.values())
