@@ -7,7 +7,8 @@ parts are the DP ranks. For the rows it owns, a rank keeps the optimizer state a
 the optimizer steps (the "master"): an fp32 copy with master weights (mixed_precision), else
 a view of the parameter itself, so no copy.
 A step:
-  1. gradients of the owned rows: reduce-scattered over DP (ZeRO-1) or taken as they are;
+  1. gradients of the owned rows, summed over DP: views of the gradient buckets
+     (parallel/grad_buffer.py), whose reductions the backward has already started;
   2. the global norm over them, clipping;
   3. optimizer.step() on the masters;
   4. masters rounded to the parameter dtype (nearest, or stochastically keyed by each

@@ -12,9 +12,6 @@ import torch.distributed as dist
 
 from parallel import comm
 
-BUCKET_BYTES = 32 * 2**20             # the default of `bucket_size_collectives` (MiB)
-
-
 def shard_rows(rows, parts, index):
   """(rows [start, stop) of shard `index`, rows per shard) when `rows` are split into `parts`."""
   per = math.ceil(rows / parts)
