@@ -49,7 +49,7 @@ def gather_rows(values, params, names, parts, index, group, collective, bucket_b
         comm.all_reduce_(full.view(torch.int32), group, op=dist.ReduceOp.BOR,
                          name='all_reduce(bitwise OR: params over dp, ZeRO-1)')
       else:
-        comm.all_gather_into(full.view(-1), full[index], group, name='all_gather(params over dp, ZeRO-1)')
+        comm.all_gather_into(full.view(-1), full[index].clone(), group, name='all_gather(params over dp, ZeRO-1)')
       offset = 0
       for n, length in zip(bucket, lengths):
         p = params[n]
