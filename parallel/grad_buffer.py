@@ -66,8 +66,8 @@ class GradBuffer:
 
   def __init__(self, params, names, dtype, parts, index, group, bucket_bytes, collective='auto',
                overlap=True):
-    """Buckets for `params[n]` for n in `names` (in forward order); hooks on those parameters
-    add each backward's gradient into them."""
+    """Buckets for `params[n]` for n in `names` (in forward order), accumulating in `dtype` (or
+    the parameter's own, if wider); hooks on those parameters add each backward's gradient in."""
     self.params, self.parts, self.index, self.group = params, parts, index, group
     self.collective = collective_for(collective, group) if parts > 1 else 'all_reduce'
     self.overlap = overlap and group is not None and next(iter(params.values())).device.type != 'xla'
@@ -76,16 +76,20 @@ class GradBuffer:
       p = params[n]
       _, per = zero.shard_rows(p.shape[0], parts, index)
       self.layout[n] = (0, per * zero.row_size(p), per)
-    order = list(reversed(names))
-    sizes = {n: self.layout[n][1] * parts * torch.finfo(dtype).bits // 8 for n in order}
+    # A parameter wider than the accumulation dtype (LoRA's fp32 adapters under bf16SR) keeps its
+    # own: buckets hold one dtype each.
+    dtypes = {n: torch.promote_types(dtype, params[n].dtype) for n in names}
     self.buckets, self.bucket_of = [], {}
-    for names_in in comm.buckets(order, sizes, bucket_bytes):
-      offset = 0
-      for n in names_in:
-        self.layout[n] = (offset,) + self.layout[n][1:]
-        offset += self.layout[n][1]
-        self.bucket_of[n] = len(self.buckets)
-      self.buckets.append(Bucket(names_in, self.layout, parts, dtype, params[names_in[0]].device))
+    for bucket_dtype in dict.fromkeys(dtypes[n] for n in reversed(names)):
+      order = [n for n in reversed(names) if dtypes[n] == bucket_dtype]
+      sizes = {n: self.layout[n][1] * parts * torch.finfo(bucket_dtype).bits // 8 for n in order}
+      for names_in in comm.buckets(order, sizes, bucket_bytes):
+        offset = 0
+        for n in names_in:
+          self.layout[n] = (offset,) + self.layout[n][1:]
+          offset += self.layout[n][1]
+          self.bucket_of[n] = len(self.buckets)
+        self.buckets.append(Bucket(names_in, self.layout, parts, bucket_dtype, params[names_in[0]].device))
     self.counts = dict.fromkeys(names, 0)
     self.expected, self.launched = None, 0
     for n in names:

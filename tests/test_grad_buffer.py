@@ -2,9 +2,11 @@
 start during the backward, and neither the overlap nor ZeRO-1's collective changes a bit."""
 import numpy as np
 import pytest
+import torch
 
 from configs import validate
 from data.loader import Loader
+from model import lora
 from optim import update
 from parallel import mesh as meshes, passes, tensor, training
 from tests import parity, world
@@ -86,3 +88,17 @@ def test_an_unknown_zero1_collective_is_named():
   config.distributed_strategy.zero1_collectives = 'ring'
   problems = validate.check(config)
   assert any(p.startswith("distributed_strategy.zero1_collectives='ring' is unknown") for p in problems), problems
+
+
+def test_fp32_adapters_keep_fp32_gradients_under_bf16_accumulation():
+  config = parity.parity_config(lora=4, precision='bf16SR')
+  mesh = meshes.Mesh()
+  params = training.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh, trainable=set(lora.trainable(config.model, params)))
+  batches = Loader(config).global_batch(0)
+  updater.start(len(batches))
+  passes.forward_backward(params, batches, config, mesh, tensor.make_ops(mesh))
+  grads = updater.gradients()
+  assert grads and all(lora.is_adapter(n) for n in grads)
+  for name, g in grads.items():
+    assert g.dtype == params[name].dtype == torch.float32, name      # not summed in bf16
