@@ -63,7 +63,7 @@ class Updater:
     # Without a master copy the shard is a view of the parameter's rows.
     self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
                    for n in self.trainable}
-    self.optimizer = optimizers.make_optimizer(self.master, config.model.optim)
+    self.optimizer = optimizers.make_optimizer(self.master, config.model.optim, self.bucket_bytes)
 
   def _owned(self, name):
     return self.params[name].detach()[self.rows[name].rows]

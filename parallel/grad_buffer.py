@@ -35,9 +35,11 @@ from config_checks import one_of
 from parallel import comm, zero
 
 COLLECTIVES = ('auto', 'reduce_scatter', 'all_reduce')
-# Measured per backend (tools/bench_memory.py --collectives, docs/performance.md): on gloo a
-# 200 MB fp32 all-reduce took 0.09-0.12 s, reduce_scatter_tensor 0.2-1.6 s (with a full-size
-# temporary), all_gather_into_tensor 0.16-0.4 s and an all-reduce (bitwise OR) 0.21 s.
+# Measured on gloo (2 ranks; docs/memory-and-precision.md): a 200 MB fp32 all-reduce took
+# 0.09-0.12 s, reduce_scatter_tensor 0.2-1.6 s (with a full-size temporary); gathering 828 MB,
+# the bitwise-OR all-reduce 0.45 s and all_gather_into_tensor 0.83-4.5 s. At 207M parameters
+# ZeRO-1 ran at 99 tokens/s this way, 83 with reduce-scatter + all-gather
+# (`python -m tools.bench_layouts --shape=207m --layouts=dp2_zero1,dp2_zero1_reduce_scatter`).
 _FASTEST = {'gloo': 'all_reduce'}
 
 
@@ -64,12 +66,11 @@ class Bucket:
 
 class GradBuffer:
 
-  def __init__(self, params, names, dtype, parts, index, group, bucket_bytes, collective='auto',
-               overlap=True):
+  def __init__(self, params, names, dtype, parts, index, group, bucket_bytes, collective, overlap=True):
     """Buckets for `params[n]` for n in `names` (in forward order), accumulating in `dtype` (or
     the parameter's own, if wider); hooks on those parameters add each backward's gradient in."""
     self.params, self.parts, self.index, self.group = params, parts, index, group
-    self.collective = collective_for(collective, group) if parts > 1 else 'all_reduce'
+    self.collective = collective if parts > 1 else 'all_reduce'       # collective_for's choice
     self.overlap = overlap and group is not None and next(iter(params.values())).device.type != 'xla'
     self.layout = {}             # name -> (offset in its bucket's part, elements per part, rows per part)
     for n in names:
@@ -181,4 +182,8 @@ def check(strategy) -> list:
   """distributed_strategy.zero1_collectives (overlap_grad_reduce is a bool: ConfigDict keeps its type)."""
   problems = []
   one_of(problems, 'distributed_strategy.zero1_collectives', strategy.zero1_collectives, COLLECTIVES)
+  if strategy.zero1_collectives != 'auto' and not strategy.zero1:
+    problems.append(f'distributed_strategy.zero1_collectives={strategy.zero1_collectives!r} is read only with '
+                    'distributed_strategy.zero1=True (zero1 is False: plain DP always all-reduces); set zero1=True '
+                    "or zero1_collectives='auto'")
   return problems

@@ -102,3 +102,10 @@ def test_fp32_adapters_keep_fp32_gradients_under_bf16_accumulation():
   assert grads and all(lora.is_adapter(n) for n in grads)
   for name, g in grads.items():
     assert g.dtype == params[name].dtype == torch.float32, name      # not summed in bf16
+
+
+def test_a_zero1_collective_without_zero1_is_refused_with_both_keys():
+  config = _config(collective='reduce_scatter')          # zero1 is False
+  problems = validate.check(config)
+  assert any("zero1_collectives='reduce_scatter' is read only with distributed_strategy.zero1=True" in p
+             for p in problems), problems
