@@ -54,15 +54,15 @@ test: $(STAMP)
 	$(VPY) -m pytest -q --durations=15 tests $(ARGS)
 
 # The XLA lane: torch 2.9.0 + torch_xla 2.9.0 in their own environment (~7 GB, a few minutes
-# once), the loop on torch-xla's CPU PJRT client (tests/test_xla.py). .ci/run runs it after
-# `make test`; SKIP_XLA=1 .ci/run skips it.
+# once; no pip cache, to keep the peak disk near 10 GiB), the loop on torch-xla's CPU PJRT client
+# (tests/test_xla.py). .ci/run runs it after `make test` where the disk has room; SKIP_XLA=1 skips it.
 XVENV   := .venv-xla
 XSTAMP  := $(XVENV)/.installed
 
 $(XSTAMP): requirements-xla.txt
 	test -x $(XVENV)/bin/python || $(PY) -m venv $(XVENV)
 	$(XVENV)/bin/python -m pip install --quiet --upgrade pip
-	$(XVENV)/bin/python -m pip install --quiet -r requirements-xla.txt
+	$(XVENV)/bin/python -m pip install --quiet --no-cache-dir -r requirements-xla.txt
 	touch $(XSTAMP)
 
 test-xla: $(XSTAMP)
