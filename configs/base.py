@@ -151,6 +151,23 @@ def get_config(arg=None):
   model.activations_checkpoint_granularity = placeholder(str)  # None | selective | full
   model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp, norm, activation)
   model.compile = False                    # torch.compile each transformer block (one graph serves every layer; not with TP or XLA)
+  model.moe = moe = config_dict.ConfigDict()   # mixture of experts (model/moe.py; NxD's keys + Qwen2-MoE's shared expert)
+  moe.num_experts = 0                      # E experts per MoE layer; 0 = dense feed-forward everywhere
+  moe.frequency = 1                        # layer i is MoE when (i + 1) % frequency == 0 (HF decoder_sparse_step)
+  moe.top_k = 2                            # experts per token
+  moe.routing_algorithm = 'top_k'          # top_k (sinkhorn is refused: not implemented)
+  moe.router_activation = 'softmax'        # softmax over the router logits (sigmoid is refused)
+  moe.normalize_top_k_affinities = True    # top-k weights renormalized to sum 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
+  moe.capacity_factor = 2.0                # dropless=False: each expert keeps ceil(cf * s * top_k / E) tokens per sequence
+  moe.dropless = False                     # True: no token is ever dropped
+  moe.output_router_logits = True          # add router_aux_loss_coef x the load-balancing loss (HF's) to the loss
+  moe.router_aux_loss_coef = 0.02          # weight of the load-balancing loss
+  moe.router_z_loss_coef = 0.0             # weight of the router z-loss (ST-MoE); 0 = off
+  moe.dropout = 0.0                        # NxD's expert dropout: only 0 (refused otherwise)
+  moe.sinkhorn_iterations = 30             # NxD's sinkhorn settings: read only with routing_algorithm=sinkhorn (refused)
+  moe.sinkhorn_tol = 0.0
+  moe.ffn_hidden_size = 0                  # each expert's inner width; 0 = model.ffn_hidden_size (Qwen2-MoE: moe_intermediate_size)
+  moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
   model.fusions.chunked_cross_entropy = 0  # LM head + loss over chunks of this many tokens (model/chunked_ce.py): one

@@ -8,7 +8,7 @@ one fixed order. What only train.py reads (the top-level keys, trainer's knobs) 
 from checkpoint import steps as checkpoint_steps
 from config_checks import one_of, positive
 from data import loader
-from model import checks as model_checks, lora, objectives
+from model import checks as model_checks, lora, moe, objectives
 from optim import optimizers, schedules
 from parallel import compiled, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
 
@@ -32,7 +32,7 @@ def check(config, world_size=1) -> list:
     problems += sizes
   else:
     problems += (meshes.check(strategy, world_size) + tensor.check(model, strategy, config.data.seq_length)
-                 + pipeline.check(model.num_layers, strategy))
+                 + pipeline.check(model.num_layers, strategy) + moe.check_layout(model, strategy, config.device))
     dp = max(1, world_size // (strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size))
     problems += loader.check(config, dp)
   problems += lora.check(config.model_alignment_strategy.peft) + objectives.check(config)

@@ -1,9 +1,12 @@
-"""Hugging Face Llama, Mistral, Qwen2 and Gemma 3 <-> flatron: safetensors import/export (the
+"""Hugging Face Llama, Mistral, Qwen2, Gemma 3, Mixtral and Qwen2-MoE <-> flatron: safetensors import/export (the
 config.json mapping is model/hf_config.py).
 
 Our parameter names are HF's minus the leading `model.`, and the weights share HF's [out, in]
 layout and rotate-half RoPE, so conversion is a rename plus (un)padding of the vocabulary
-rows. Gemma's (1 + w) norms are stored as HF stores them (w).
+rows. Gemma's (1 + w) norms are stored as HF stores them (w). MoE experts are stacked as
+transformers 5 holds them in memory ([E, 2f, h] gate_up_proj, [E, h, f] down_proj); files hold
+them per expert as save_pretrained writes them (Mixtral's block_sparse_moe.experts.N.w1/w3/w2,
+Qwen2-MoE's mlp.experts.N.gate/up/down_proj): import stacks, export splits, both exact.
 """
 import json
 import os
@@ -13,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import transformer
-from model.hf_config import FAMILIES, GEMMA_KEYS, config_from_hf, config_to_hf  # pylint: disable=unused-import
+from model import moe, transformer
+from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf, config_to_hf  # pylint: disable=unused-import
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
@@ -85,45 +88,86 @@ def read_config(path, base_model=None):
     raise ValueError(f'{config_path}: {e}') from None
 
 
+def _family(model_cfg):
+  return model_cfg.architecture if model_cfg.architecture in MOE_FAMILIES else \
+      ('qwen2_moe' if model_cfg.moe.shared_expert_intermediate_size else 'mixtral')
+
+
+def _file_name(name, model_cfg):
+  """HF's stored name of our (non-stacked) tensor `name`; Mixtral's router lives under block_sparse_moe."""
+  hf_name = _to_hf_name(name)
+  if moe.enabled(model_cfg) and _family(model_cfg) == 'mixtral':
+    hf_name = hf_name.replace('.mlp.gate.', '.block_sparse_moe.gate.')
+  return hf_name
+
+
+def _expert_pieces(name, model_cfg):
+  """Stacked expert tensor `name` as save_pretrained stores it: per expert, the HF tensors
+  concatenated on dim 0 (Mixtral w1 = gate, w3 = up, w2 = down; Qwen2-MoE gate/up/down_proj)."""
+  layer, gate_up = 'model.' + name.split('.mlp.')[0], name.endswith('gate_up_proj')
+  if _family(model_cfg) == 'mixtral':
+    base, parts = f'{layer}.block_sparse_moe.experts', ('w1', 'w3') if gate_up else ('w2',)
+  else:
+    base, parts = f'{layer}.mlp.experts', ('gate_proj', 'up_proj') if gate_up else ('down_proj',)
+  return [[f'{base}.{e}.{p}.weight' for p in parts] for e in range(model_cfg.moe.num_experts)]
+
+
+def _layout(name, model_cfg, files):
+  """[[HF name, ...] per expert] making up our tensor `name`: one piece for a plain tensor (or a
+  stacked expert tensor stored whole, as transformers 5 holds it in memory)."""
+  if not moe.is_expert_param(name) or _to_hf_name(name) in files:
+    return [[_file_name(name, model_cfg)]]
+  return _expert_pieces(name, model_cfg)
+
+
 def _checked_names(path, model_cfg):
-  """(our name -> (file, HF name)) for every parameter, after checking names and shapes."""
+  """(our name -> [[(file, HF name), ...] per expert]) for every parameter, after checking
+  names and shapes."""
   specs = transformer.param_specs(model_cfg, adapters=False)
   files, source = _weight_map(path)
-  ours = {_from_hf_name(n): n for n in files if not _ignored(n, model_cfg)}
-  missing = [_to_hf_name(n) for n in specs if n not in ours]
+  layouts = {name: _layout(name, model_cfg, files) for name in specs}
+  wanted = {hf_name for pieces in layouts.values() for piece in pieces for hf_name in piece}
+  stored = {n for n in files if not _ignored(n, model_cfg)}
+  missing = sorted(wanted - stored)
   if missing:
     raise ValueError(f'{source}: missing tensors {_few(missing)}')
-  unexpected = [ours[n] for n in ours if n not in specs]
+  unexpected = sorted(stored - wanted)
   if unexpected:
     raise ValueError(f'{source}: unexpected tensors {_few(unexpected)}')
-  by_file = {}
-  for name in specs:
-    by_file.setdefault(files[ours[name]], []).append(name)
-  for file, names in by_file.items():
-    with safe_open(file, framework='pt') as f:
-      for name in names:
-        shape = specs[name].shape
-        expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
-        found = tuple(f.get_slice(ours[name]).get_shape())
+  for name, pieces in layouts.items():
+    shape = specs[name].shape
+    expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
+    if len(pieces) > 1 or moe.is_expert_param(name) and _to_hf_name(name) not in files:
+      expected = (shape[1] // len(pieces[0]),) + shape[2:]
+    for piece in pieces:
+      for hf_name in piece:
+        with safe_open(files[hf_name], framework='pt') as f:
+          found = tuple(f.get_slice(hf_name).get_shape())
         if found != expected:
-          raise ValueError(f'{file}: tensor {ours[name]} has shape {found}, expected {expected}')
-  return {name: (files[ours[name]], ours[name]) for name in specs}
+          raise ValueError(f'{files[hf_name]}: tensor {hf_name} has shape {found}, expected {expected}')
+  return {name: [[(files[n], n) for n in piece] for piece in pieces] for name, pieces in layouts.items()}
+
+
+def _read(file, hf_name, box=None):
+  with safe_open(file, framework='pt') as f:
+    part = f.get_slice(hf_name)
+    return part[tuple(box)] if box is not None else part[:]
 
 
 def read_boxes(path, model_cfg, requests, dtype=torch.float32):
   """{name: box} -> {name: tensor}: only these boxes are read from the safetensors files (each
-  rank of a parallel layout reads its own part, never the whole model). Boxes of vocab tables
-  must lie within the unpadded vocabulary."""
+  rank of a parallel layout reads its own part, never the whole model; under expert
+  parallelism its experts). Boxes of vocab tables must lie within the unpadded vocabulary."""
   where = _checked_names(path, model_cfg)
   out = {}
-  by_file = {}
-  for name in requests:
-    by_file.setdefault(where[name][0], []).append(name)
-  for file, names in by_file.items():
-    with safe_open(file, framework='pt') as f:
-      for name in names:
-        tensor = f.get_slice(where[name][1])[tuple(requests[name])]
-        out[name] = tensor if dtype is None else tensor.to(dtype)
+  for name, box in requests.items():
+    pieces = where[name]
+    if len(pieces) == 1 and len(pieces[0]) == 1:
+      tensor = _read(*pieces[0][0], box)
+    else:           # stacked experts from per-expert tensors: read this box's experts
+      experts = range(box[0].start, box[0].stop)
+      tensor = torch.stack([torch.cat([_read(*p) for p in pieces[e]])[tuple(box[1:])] for e in experts])
+    out[name] = tensor if dtype is None else tensor.to(dtype)
   return out
 
 
@@ -191,10 +235,16 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
   _check_params(model_cfg, params, specs)
   tensors = {}
   for name in specs:
-    tensor = params[name].detach()
+    tensor = params[name].detach().to('cpu')
     if name in VOCAB_PARAMS:
       tensor = tensor[:model_cfg.vocab_size]
-    tensors[_to_hf_name(name)] = tensor.to('cpu').contiguous()
+    pieces = _layout(name, model_cfg, ())
+    if len(pieces) == 1:
+      tensors[pieces[0][0]] = tensor.contiguous()
+      continue
+    for e, piece in enumerate(pieces):     # as save_pretrained writes experts: one tensor each
+      for hf_name, part in zip(piece, tensor[e].chunk(len(piece))):
+        tensors[hf_name] = part.clone()
   dtype_name = str(params['embed_tokens.weight'].dtype).removeprefix('torch.')
   hf_config['torch_dtype'] = hf_config['dtype'] = dtype_name   # 4.x reads torch_dtype, 5.x dtype
 

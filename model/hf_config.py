@@ -13,7 +13,10 @@ FAMILIES = {                      # HF model_type -> (its causal-LM class, our m
     'mistral': ('MistralForCausalLM', 'mistral'),
     'qwen2': ('Qwen2ForCausalLM', 'qwen2'),
     'gemma3_text': ('Gemma3ForCausalLM', 'gemma3'),
+    'mixtral': ('MixtralForCausalLM', 'mixtral'),
+    'qwen2_moe': ('Qwen2MoeForCausalLM', 'qwen2_moe'),
 }
+MOE_FAMILIES = ('mixtral', 'qwen2_moe')
 ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # HF hidden_act -> ours
 # Gemma's block: all of these together, and only in gemma3_text
 GEMMA_KEYS = ('rmsnorm_unit_offset', 'qk_norm', 'sandwich_norm', 'scale_embeddings')
@@ -82,13 +85,13 @@ def _rope_to_hf(m) -> dict:
 def _layer_types(hf, family, num_layers):
   """(sliding window or 0, per-layer attention types) as HF's config classes derive them."""
   window = hf.get('sliding_window', 4096) or 0       # 4096: Mistral's and Qwen2's class default
-  if family == 'qwen2' and not hf.get('use_sliding_window'):
+  if family in ('qwen2', 'qwen2_moe') and not hf.get('use_sliding_window'):
     window = 0
   types = hf.get('layer_types')
   if not types and family == 'gemma3_text':
     pattern = hf.get('sliding_window_pattern', hf.get('_sliding_window_pattern', 6))
     types = ['sliding_attention' if (i + 1) % pattern else 'full_attention' for i in range(num_layers)]
-  if not types and family == 'qwen2' and window:
+  if not types and family in ('qwen2', 'qwen2_moe') and window:
     first = hf.get('max_window_layers', num_layers)
     types = ['sliding_attention' if i >= first else 'full_attention' for i in range(num_layers)]
   if family in ('llama', 'mistral') and types:
@@ -99,7 +102,7 @@ def _layer_types(hf, family, num_layers):
     raise ValueError(f'layer_types has {unknown}: only full_attention and sliding_attention are supported')
   if len(types) not in (0, num_layers):
     raise ValueError(f'layer_types has {len(types)} entries for {num_layers} layers')
-  if 'sliding_attention' not in types and family != 'mistral':
+  if 'sliding_attention' not in types and family not in ('mistral', 'mixtral'):
     window, types = 0, ()
   return int(window), types
 
@@ -160,7 +163,8 @@ def config_from_hf(hf_config: dict, base_model):
   m.layernorm_epsilon = float(hf.get('rms_norm_eps', 1e-6))
   m.activation = ACTIVATIONS[act]
   m.has_bias = attention_bias
-  m.qkv_bias = family == 'qwen2'       # Qwen2: biases on q, k, v only (always)
+  m.qkv_bias = family == 'qwen2' or (family == 'qwen2_moe' and bool(hf.get('qkv_bias', True)))  # q, k, v only
+  _moe_from_hf(hf, family, m)
   for key in GEMMA_KEYS:
     m[key] = gemma
   m.query_pre_attn_scalar = int(hf.get('query_pre_attn_scalar', 256)) if gemma else 0
@@ -170,8 +174,53 @@ def config_from_hf(hf_config: dict, base_model):
   return m
 
 
+def _moe_from_hf(hf, family, m):
+  """model.moe from Mixtral's / Qwen2-MoE's keys (HF routes every token: dropless)."""
+  moe = m.moe
+  moe.num_experts = 0
+  if family not in MOE_FAMILIES:
+    return
+  if hf.get('router_jitter_noise'):
+    raise ValueError(f'router_jitter_noise={hf["router_jitter_noise"]} is not supported (flatron implements 0)')
+  if hf.get('mlp_only_layers'):
+    raise ValueError(f'mlp_only_layers={hf["mlp_only_layers"]} is not supported (dense layers by '
+                     'decoder_sparse_step only)')
+  mixtral = family == 'mixtral'
+  moe.num_experts = hf['num_local_experts' if mixtral else 'num_experts']
+  moe.top_k = hf.get('num_experts_per_tok', 2 if mixtral else 4)
+  moe.frequency = 1 if mixtral else hf.get('decoder_sparse_step', 1)
+  moe.normalize_top_k_affinities = True if mixtral else bool(hf.get('norm_topk_prob', False))
+  moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'softmax'
+  moe.output_router_logits = bool(hf.get('output_router_logits', False))
+  moe.router_aux_loss_coef = float(hf.get('router_aux_loss_coef', 0.001))
+  moe.ffn_hidden_size = 0 if mixtral else hf['moe_intermediate_size']
+  moe.shared_expert_intermediate_size = 0 if mixtral else hf['shared_expert_intermediate_size']
+
+
+def _moe_family(m) -> str:
+  """mixtral or qwen2_moe for a model section with experts, or an error naming what neither can."""
+  moe = m.moe
+  if moe.routing_algorithm != 'top_k' or moe.router_activation != 'softmax' or moe.dropout:
+    raise ValueError('model.moe: HF routes top_k with softmax, no expert dropout')
+  if not moe.dropless:
+    raise ValueError('model.moe.dropless=False: HF Mixtral / Qwen2-MoE never drop tokens; export with '
+                     'model.moe.dropless=True (the capacity is a training-time setting)')
+  if moe.shared_expert_intermediate_size:
+    if m.has_bias:
+      raise ValueError('model.has_bias: HF Qwen2-MoE has biases on q, k, v only (model.qkv_bias)')
+    return 'qwen2_moe'
+  if m.get('qkv_bias') or m.has_bias or moe.frequency != 1 or not moe.normalize_top_k_affinities \
+      or moe.ffn_hidden_size not in (0, m.ffn_hidden_size):
+    raise ValueError('model.moe without a shared expert is HF Mixtral: no biases, moe.frequency=1, '
+                     'normalize_top_k_affinities=True, moe.ffn_hidden_size=0 (set '
+                     'moe.shared_expert_intermediate_size for Qwen2-MoE)')
+  return 'mixtral'
+
+
 def _family(m) -> str:
   """The HF model_type that expresses model section `m`, or an error naming what none can."""
+  if m.get('moe') and m.moe.num_experts > 0:
+    return _moe_family(m)
   gemma = [m.get(key) for key in GEMMA_KEYS] + [m.activation == 'geglu']
   if any(gemma) and not all(gemma):
     raise ValueError(f'model.{"/".join(GEMMA_KEYS)} and activation=geglu are HF Gemma 3 together; '
@@ -250,9 +299,20 @@ def config_to_hf(model_cfg) -> dict:
              rope_parameters=dict(rope_scaling or {'rope_type': 'default'}, rope_theta=m.rope_theta))
   if family == 'llama':
     out['pretraining_tp'] = 1
-  if family == 'mistral':
+  if family in ('mistral', 'mixtral'):
     out['sliding_window'] = window or None
-  if family == 'qwen2':
+  if family in MOE_FAMILIES:
+    moe = m.moe
+    out.update(num_experts_per_tok=moe.top_k, output_router_logits=moe.output_router_logits,
+               router_aux_loss_coef=moe.router_aux_loss_coef, router_jitter_noise=0.0)
+    if family == 'mixtral':
+      out['num_local_experts'] = moe.num_experts
+    else:
+      out.update(num_experts=moe.num_experts, decoder_sparse_step=moe.frequency, mlp_only_layers=[],
+                 norm_topk_prob=moe.normalize_top_k_affinities, qkv_bias=bool(m.get('qkv_bias')),
+                 moe_intermediate_size=moe.ffn_hidden_size or m.ffn_hidden_size,
+                 shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
+  if family in ('qwen2', 'qwen2_moe'):
     types = list(transformer.layer_types(m))
     # Older readers take the layers from max_window_layers on as sliding (5.x reads layer_types)
     first_sliding = types.index('sliding_attention') if 'sliding_attention' in types else m.num_layers

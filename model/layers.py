@@ -73,6 +73,11 @@ class Ops:
   recompute_mlp: Callable = no_recompute        # around the whole MLP
   recompute_norm: Callable = no_recompute       # around each of a block's two norms
   recompute_activation: Callable = no_recompute  # around act(gate) * up
+  # Mixture of experts (model/moe.py): tokens sorted by expert through the experts this rank
+  # holds (expert parallelism: dispatched over the ep group), and the pass's routing records.
+  expert_ffn: Callable = None          # (x_th, counts per expert, gate_up, down) -> y_th; None = local
+  moe: object = None                   # the stage's moe.Collector (set by transformer.stage)
+  moe_tally: object = None             # dict: the pass's MoE metric sums (set by the caller)
 
 
 LOCAL_OPS = Ops()

@@ -44,6 +44,8 @@ class Objective(typing.NamedTuple):
   # A second normaliser, summed over the global batch like `count`; loss() then finds both
   # global totals in batch['global_count'] and batch['global_extra'] (ORPO's token-mean NLL).
   extra_count: typing.Callable = None
+  row_count: typing.Callable = None  # [b]: each row's share of `count` (None: 1 a row); weights MoE's per-row aux losses
+  adds_aux: bool = True              # MoE auxiliary losses join loss() (not for a reference's log-probs)
 
 
 def _loss_mask_count(batch):
@@ -123,7 +125,7 @@ def _orpo_loss(logits_bsv, batch, cfg, ops, *, settings):
   return losses.sum(), metrics
 
 
-NEXT_TOKEN = Objective(_loss_mask_count, _next_token_loss)
+NEXT_TOKEN = Objective(_loss_mask_count, _next_token_loss, row_count=lambda batch: batch['loss_mask'].sum(-1))
 PREFERENCE_METRICS = ('rewards/chosen', 'rewards/rejected', 'rewards/accuracies', 'rewards/margins',
                       'logps/chosen', 'logps/rejected')
 NAMES = ('next_token', 'dpo', 'orpo')
@@ -140,7 +142,8 @@ def for_config(config) -> Objective:
   if name == 'dpo':
     settings = config.model_alignment_strategy.dpo
     mean = settings.loss_type == 'ipo'
-    reference = Objective(_pair_count, lambda logits, batch, cfg, ops: (pair_logps(logits, batch, cfg, ops, mean), {}))
+    reference = Objective(_pair_count, lambda logits, batch, cfg, ops: (pair_logps(logits, batch, cfg, ops, mean), {}),
+                          adds_aux=False)
     return Objective(_pair_count, functools.partial(_dpo_loss, settings=settings), PREFERENCE_METRICS, reference)
   if name == 'orpo':
     settings = config.model_alignment_strategy.orpo

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import rng
-from model import chunked_ce, layers, lora, objectives
+from model import chunked_ce, layers, lora, moe, objectives
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -107,10 +107,13 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
     norm_specs(p + '.post_attention_layernorm')
     if cfg.get('sandwich_norm'):
       norm_specs(p + '.pre_feedforward_layernorm')
-    if cfg.activation in layers.GATED:
-      linear_specs(p + '.mlp.gate_proj', f, h, std)
-    linear_specs(p + '.mlp.up_proj', f, h, std)
-    linear_specs(p + '.mlp.down_proj', h, f, out_std)
+    if moe.is_moe_layer(cfg, i):
+      specs.update(moe.specs(cfg, p + '.mlp', ParamSpec, std, out_std))
+    else:
+      if cfg.activation in layers.GATED:
+        linear_specs(p + '.mlp.gate_proj', f, h, std)
+      linear_specs(p + '.mlp.up_proj', f, h, std)
+      linear_specs(p + '.mlp.down_proj', h, f, out_std)
     if cfg.get('sandwich_norm'):
       norm_specs(p + '.post_feedforward_layernorm')
   norm_specs('norm')
@@ -199,8 +202,13 @@ def flops_per_token(cfg, seq_length: int) -> float:
   N_nonembedding excludes the input embedding table but keeps the LM head (for tied
   embeddings the one table is the LM head and counts). Attention counted non-causal. With
   LoRA the frozen base needs no weight gradients: 4 FLOPs per frozen parameter, 6 per trained.
+  MoE counts active parameters: of each MoE layer's experts, the top_k a token runs.
   """
   n, trained = count_params(cfg, embedding=False), count_params(cfg, embedding=False, trainable_only=True)
+  if moe.enabled(cfg):        # a token runs top_k of the experts: active parameters only
+    full = trained == n       # else LoRA: the experts are frozen (adapters never target them)
+    n -= moe.inactive_params(cfg)
+    trained = n if full else trained
   return 6 * trained + 4 * (n - trained) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
 
 
@@ -263,18 +271,39 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
   lo, hi = layer_range or (0, cfg.num_layers)
   kinds = layer_types(cfg)
+  collector = None
+  if moe.enabled(cfg):
+    count_rows = objective is not None and objective.row_count
+    weights = objective.row_count(batch) if count_rows else torch.ones(b, device=tokens_bs.device)
+    collector = moe.Collector(cfg, weights)
+    ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
     x_bsh = layer_fn(block, params, i, x_bsh, rope.get(kinds[i]), masks[kinds[i]], cfg, ops, key, sample_ids_b, kv)
+  aux_sum = None
+  if collector is not None:
+    all_layers = all(i in collector.layers for i in moe.moe_layers(cfg))
+    if ops.moe_tally is not None:
+      for name, value in collector.metric_sums(all_layers).items():
+        ops.moe_tally[name] = ops.moe_tally.get(name, 0) + value
+    if last and objective is not None and objective.adds_aux and moe.adds_loss(cfg):
+      if not all_layers:
+        raise ValueError('model.moe auxiliary losses need every MoE layer on the last stage (pp=1)')
+      aux_sum = collector.loss_sum()
   if not last:
     return x_bsh
   x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
   chunk = cfg.fusions.get('chunked_cross_entropy', 0)
   if objective is not None and chunk:     # the objective's losses run the head chunk by chunk
-    return objective.loss(chunked_ce.HeadInput(x_bsh, head, chunk), batch, cfg, ops)
+    return _with_aux(objective.loss(chunked_ce.HeadInput(x_bsh, head, chunk), batch, cfg, ops), aux_sum)
   logits = ops.lm_head(x_bsh, head)
-  return logits if objective is None else objective.loss(logits, batch, cfg, ops)
+  return logits if objective is None else _with_aux(objective.loss(logits, batch, cfg, ops), aux_sum)
+
+
+def _with_aux(out, aux_sum):
+  loss, metrics = out
+  return (loss, metrics) if aux_sum is None else (loss + aux_sum, metrics)
 
 
 def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None):
@@ -301,7 +330,10 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
   h = ops.recompute_norm(layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'),
                          x_bsh, cfg)
-  h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
+  if moe.is_moe_layer(cfg, i):        # routes the whole sequence; SP's slice is taken after
+    h = ops.slice_residual(ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h), cfg, ops, i))
+  else:
+    h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
   if sandwich:
     h = layers.norm(params, p + '.post_feedforward_layernorm', h, cfg)
   return x_bsh + residual_dropout(h, 'mlp_out')

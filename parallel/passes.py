@@ -7,9 +7,11 @@ whole global batch (summed over DP), so the accumulated gradient is the same for
 batch split and any DP degree: `grads.sync` then only has to add the ranks' gradients. The
 loss and metric sums live on the last stage; `global_loss` gives every rank the means.
 """
+import dataclasses
+
 import torch
 
-from model import layers, objectives, transformer
+from model import layers, moe, objectives, transformer
 from parallel import comm, compiled, pipeline, pipeline_schedule, precision, remat
 
 
@@ -75,6 +77,8 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
                               m.activations_checkpoint_recompute) if training else (ops, None)
   sums = {'loss': torch.zeros((), device=mesh.device)}
+  tally = {} if moe.enabled(m) else None          # MoE routing metrics, summed over stages by global_loss
+  ops = dataclasses.replace(ops, moe_tally=tally)
   batches = [to_device(mb, mesh.device) for mb in micro_batches]
   if extra is not None:
     for batch in batches:
@@ -94,7 +98,10 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, layer_fn, dropout_key)
   loss_sum = sums.pop('loss')
   zero = torch.zeros((), device=mesh.device)
-  return loss_sum, count, {name: sums.get(name, zero) for name in objective.metrics}
+  metric_sums = {name: sums.get(name, zero) for name in objective.metrics}
+  if tally is not None:
+    metric_sums.update({name: torch.as_tensor(tally.get(name, zero)).detach() for name in moe.METRICS})
+  return loss_sum, count, metric_sums
 
 
 @torch.no_grad()

@@ -1,0 +1,271 @@
+"""Mixture of experts: the feed-forward of every `model.moe.frequency`-th layer (Mixtral, Qwen2-MoE).
+
+Parameters are transformers' own (5.x layout), so HF import is a rename:
+  layers.N.mlp.gate.weight                [E, h]       the router (a linear layer, no bias)
+  layers.N.mlp.experts.gate_up_proj       [E, 2f, h]   each expert's SwiGLU gate rows, then up rows
+  layers.N.mlp.experts.down_proj          [E, h, f]
+  layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, layers.N.mlp.shared_expert_gate.weight [1, h]
+                                                       Qwen2-MoE's always-on expert, scaled by sigmoid(gate x)
+Experts are stacked on dim 0, so expert parallelism shards dim 0 (one box per rank, like TP).
+
+Routing, per token: p = softmax(router logits) (fp32), the top_k experts by p, their weights
+p / sum(top-k p) with normalize_top_k_affinities (Mixtral; Qwen2-MoE's norm_topk_prob may be
+off). Tokens are sorted by expert and each expert runs one matmul over its tokens
+(`Ops.expert_ffn`: local here, all-to-all dispatched under expert parallelism).
+
+Capacity (dropless=False): the unit is one sequence (a row of the batch), so which tokens drop
+depends on the data alone, never on micro batch size, DP, EP, TP or PP:
+  capacity C = ceil(capacity_factor * s * top_k / E)   tokens per expert per sequence of s tokens
+an expert keeps the first C tokens of the row routed to it (by position; a token's top-k slots
+go to distinct experts) and drops the rest; a dropped slot contributes 0 (the token keeps its
+residual and its other experts).
+
+Auxiliary losses, per sequence and then averaged over sequences weighted by their loss count
+(the objective's per-row count: loss tokens, or 1 per preference pair), so every layout
+computes the same number. Every token of the row counts (packed documents and padding
+alike: the router sees them all, as HF's with an all-ones attention_mask):
+  load balancing (HF's load_balancing_loss_func, all MoE layers together):
+    aux = E * sum_e (c_e / N) (P_e / N),  c_e = top-k assignments to e over layers and tokens,
+                                          P_e = sum of p_e over them, N = MoE layers x tokens
+  router z-loss (ST-MoE):  z = mean over layers and tokens of logsumexp(logits)^2
+  loss = LM loss + router_aux_loss_coef * aux (with output_router_logits) + router_z_loss_coef * z
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from config_checks import one_of, positive
+
+ROUTING = ('top_k',)
+ACTIVATIONS = ('softmax',)
+METRICS = ('moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'moe_dropped_fraction')
+
+
+def enabled(cfg) -> bool:
+  moe = cfg.get('moe')
+  return bool(moe) and moe.num_experts > 0
+
+
+def is_moe_layer(cfg, i) -> bool:
+  """Layer i is MoE when (i + 1) is a multiple of moe.frequency (HF Qwen2-MoE's decoder_sparse_step)."""
+  return enabled(cfg) and (i + 1) % cfg.moe.frequency == 0
+
+
+def moe_layers(cfg) -> list:
+  return [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
+
+
+def expert_ffn_size(cfg) -> int:
+  return cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
+
+
+def adds_loss(cfg) -> bool:
+  """Whether the auxiliary losses add to the objective (they need every MoE layer on one stage)."""
+  moe = cfg.moe
+  return (moe.output_router_logits and moe.router_aux_loss_coef > 0) or moe.router_z_loss_coef > 0
+
+
+def specs(cfg, prefix, spec, std, out_std) -> dict:
+  """ParamSpecs of layer `prefix`'s MoE feed-forward (`spec`: the ParamSpec class)."""
+  h, e, f = cfg.hidden_size, cfg.moe.num_experts, expert_ffn_size(cfg)
+  out = {prefix + '.gate.weight': spec((e, h), 'normal', std),
+         prefix + '.experts.gate_up_proj': spec((e, 2 * f, h), 'normal', std),
+         prefix + '.experts.down_proj': spec((e, h, f), 'normal', out_std)}
+  shared = cfg.moe.shared_expert_intermediate_size
+  if shared:
+    out.update({prefix + '.shared_expert.gate_proj.weight': spec((shared, h), 'normal', std),
+                prefix + '.shared_expert.up_proj.weight': spec((shared, h), 'normal', std),
+                prefix + '.shared_expert.down_proj.weight': spec((h, shared), 'normal', out_std),
+                prefix + '.shared_expert_gate.weight': spec((1, h), 'normal', std)})
+  return out
+
+
+def is_expert_param(name) -> bool:
+  """Stacked expert tensors: dim 0 is the expert (sharded under expert parallelism)."""
+  return '.mlp.experts.' in name
+
+
+def inactive_params(cfg) -> int:
+  """Expert parameters a token does not use (top_k of num_experts run): FLOPs count the rest."""
+  f, h = expert_ffn_size(cfg), cfg.hidden_size
+  per_expert = 3 * f * h
+  return len(moe_layers(cfg)) * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
+
+
+def capacity(cfg, tokens) -> int:
+  """Tokens each expert keeps per sequence of `tokens` tokens (dropless: all of them)."""
+  moe = cfg.moe
+  if moe.dropless:
+    return tokens
+  return min(tokens, math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts))
+
+
+def route(logits_bse, cfg):
+  """(probs fp32 [b,s,E], top-k weights fp32 [b,s,k], top-k experts [b,s,k], kept [b,s,k] bool)."""
+  moe = cfg.moe
+  probs = torch.softmax(logits_bse.float(), dim=-1)
+  weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+  if moe.normalize_top_k_affinities:
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+  b, s, k = experts.shape
+  cap = capacity(cfg, s)
+  if cap >= s:
+    kept = torch.ones_like(experts, dtype=torch.bool)
+  else:       # position of each (token, slot) in its expert's queue, in token order
+    onehot = F.one_hot(experts.reshape(b, s * k), moe.num_experts)
+    queue = (onehot.cumsum(dim=1) * onehot).sum(-1).view(b, s, k)
+    kept = queue <= cap
+  return probs, weights, experts, kept
+
+
+def local_expert_ffn(x_th, counts, gate_up_efh, down_ehf):
+  """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU:
+  one matmul pair per expert, no loop over tokens."""
+  outs = []
+  for e, chunk in enumerate(x_th.split(counts)):
+    gate, up = F.linear(chunk, gate_up_efh[e]).chunk(2, dim=-1)
+    outs.append(F.linear(F.silu(gate) * up, down_ehf[e]))
+  return torch.cat(outs) if outs else x_th[:0]
+
+
+def mlp(params, prefix, x_bsh, cfg, ops, layer):
+  """The MoE feed-forward of layer `layer` on the whole sequence; records routing in ops.moe."""
+  moe = cfg.moe
+  b, s, h = x_bsh.shape
+  logits = F.linear(x_bsh, params[prefix + '.gate.weight'])
+  probs, weights, experts, kept = route(logits, cfg)
+  if ops.moe is not None:
+    ops.moe.record(layer, logits, probs, experts, kept)
+  flat_x = x_bsh.reshape(b * s, h)
+  token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(moe.top_k)
+  expert, weight = experts.reshape(-1), weights.reshape(-1)
+  keep = kept.reshape(-1).nonzero().squeeze(-1)
+  token, expert, weight = token[keep], expert[keep], weight[keep]
+  order = torch.sort(expert, stable=True).indices
+  token, expert, weight = token[order], expert[order], weight[order]
+  counts = torch.bincount(expert, minlength=moe.num_experts).tolist()
+  out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, params[prefix + '.experts.gate_up_proj'],
+                       params[prefix + '.experts.down_proj'])
+  combined = torch.zeros_like(flat_x).index_add_(0, token, (out * weight[:, None]).to(flat_x.dtype))
+  if moe.shared_expert_intermediate_size:
+    sp = prefix + '.shared_expert'
+    shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
+                      F.linear(flat_x, params[sp + '.up_proj.weight']), params[sp + '.down_proj.weight'])
+    combined = combined + torch.sigmoid(F.linear(flat_x, params[prefix + '.shared_expert_gate.weight'])) * shared
+  return combined.view(b, s, h)
+
+
+class Collector:
+  """One stage's routing records for one micro batch: per-row sums for the auxiliary losses
+  and the metrics. Keyed by layer, so a recompute pass overwrites rather than adds."""
+
+  def __init__(self, cfg, row_weights_b):
+    self.cfg, self.w = cfg, row_weights_b.float()
+    self.layers = {}
+
+  def record(self, layer, logits, probs, experts, kept):
+    e = self.cfg.moe.num_experts
+    b, s, _ = probs.shape
+    chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
+    kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
+    self.layers[layer] = {
+        'counts': chosen.sum(1).float().detach(), 'probs': probs.sum(1), 'tokens': s,
+        'z': torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
+        'load': (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
+        'dropped': (1 - kept.float().mean((1, 2))).detach()}
+
+  def losses(self):
+    """(aux [b], z [b]) per row over the recorded layers."""
+    recs = list(self.layers.values())
+    n = sum(r['tokens'] for r in recs)
+    counts, probs = sum(r['counts'] for r in recs), sum(r['probs'] for r in recs)
+    aux = self.cfg.moe.num_experts * ((counts / n) * (probs / n)).sum(-1)
+    z = sum(r['z'] for r in recs) / n
+    return aux, z
+
+  def loss_sum(self):
+    """The auxiliary losses' share of the objective's loss sum (weighted rows)."""
+    moe = self.cfg.moe
+    aux, z = self.losses()
+    total = moe.router_z_loss_coef * z
+    if moe.output_router_logits:
+      total = total + moe.router_aux_loss_coef * aux
+    return (total * self.w).sum()
+
+  def metric_sums(self, all_layers) -> dict:
+    """Weighted per-row sums of METRICS; load and dropped are means over all MoE layers (this
+    stage's share), the losses only where `all_layers` were recorded here (else 0)."""
+    recs = list(self.layers.values())
+    n_layers = len(moe_layers(self.cfg))
+    out = {name: torch.zeros((), device=self.w.device) for name in METRICS}
+    if not recs:
+      return out
+    out['moe_load_max_over_mean'] = (sum(r['load'] for r in recs) / n_layers * self.w).sum()
+    out['moe_dropped_fraction'] = (sum(r['dropped'] for r in recs) / n_layers * self.w).sum()
+    if all_layers:
+      aux, z = self.losses()
+      out['moe_aux_loss'], out['moe_z_loss'] = (aux.detach() * self.w).sum(), (z.detach() * self.w).sum()
+    return out
+
+
+def check(model) -> list:
+  """Problems with model.moe."""
+  problems = []
+  if not enabled(model):
+    if model.get('moe') and model.moe.num_experts < 0:
+      problems.append(f'model.moe.num_experts={model.moe.num_experts} must be >= 0 (0 = dense)')
+    return problems
+  moe = model.moe
+  positive(problems, 'model.moe.frequency', moe.frequency)
+  positive(problems, 'model.moe.top_k', moe.top_k)
+  if moe.top_k > moe.num_experts:
+    problems.append(f'model.moe.top_k={moe.top_k} > model.moe.num_experts={moe.num_experts}')
+  if moe.routing_algorithm == 'sinkhorn':
+    problems.append('model.moe.routing_algorithm=sinkhorn is not implemented (its exact NxD form is not '
+                    'reproduced here); use top_k')
+  else:
+    one_of(problems, 'model.moe.routing_algorithm', moe.routing_algorithm, ROUTING)
+  if moe.router_activation == 'sigmoid':
+    problems.append('model.moe.router_activation=sigmoid is not implemented (HF Mixtral and Qwen2-MoE route '
+                    'with softmax); use softmax')
+  else:
+    one_of(problems, 'model.moe.router_activation', moe.router_activation, ACTIVATIONS)
+  if moe.dropout:
+    problems.append(f'model.moe.dropout={moe.dropout} is not implemented (expert dropout); set 0.0')
+  if not moe.dropless:
+    positive(problems, 'model.moe.capacity_factor', moe.capacity_factor)
+  positive(problems, 'model.moe.router_aux_loss_coef', moe.router_aux_loss_coef, allow_zero=True)
+  positive(problems, 'model.moe.router_z_loss_coef', moe.router_z_loss_coef, allow_zero=True)
+  positive(problems, 'model.moe.ffn_hidden_size', moe.ffn_hidden_size, allow_zero=True)
+  positive(problems, 'model.moe.shared_expert_intermediate_size', moe.shared_expert_intermediate_size,
+           allow_zero=True)
+  if model.activation != 'swiglu' or model.has_bias:
+    problems.append(f'model.moe: experts are SwiGLU without biases; model.activation={model.activation!r} '
+                    f'and model.has_bias={model.has_bias} are not supported with num_experts > 0')
+  if model.get('compile'):
+    problems.append('model.compile=True with model.moe.num_experts > 0: routing sizes are data-dependent '
+                    '(a graph per batch); set model.compile=False')
+  return problems
+
+
+def check_layout(model, strategy, device='auto') -> list:
+  """Layouts MoE cannot run under (distributed_strategy degrees already > 0)."""
+  problems = []
+  ep = strategy.get('expert_model_parallel_size', 1)
+  if not enabled(model):
+    if ep > 1:
+      problems.append(f'distributed_strategy.expert_model_parallel_size={ep} needs model.moe.num_experts > 0')
+    return problems
+  if model.moe.num_experts % ep:
+    problems.append(f'model.moe.num_experts={model.moe.num_experts} is not divisible by '
+                    f'distributed_strategy.expert_model_parallel_size={ep}')
+  if device == 'xla':
+    problems.append('model.moe.num_experts > 0 with device=xla: routing sizes are data-dependent (a graph per '
+                    'batch under torch-xla); use cuda or cpu')
+  pp = strategy.pipeline_model_parallel_size
+  if pp > 1 and adds_loss(model):
+    problems.append(f'model.moe: the load-balancing / z losses combine every MoE layer of a sequence (HF\'s '
+                    f'formula) and need them on one stage; pipeline_model_parallel_size={pp}: set '
+                    'model.moe.output_router_logits=False and router_z_loss_coef=0, or pp=1')
+  return problems
