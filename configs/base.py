@@ -77,6 +77,7 @@ def get_config(arg=None):
   strategy.zero1 = False                      # shard optimizer state + fp32 master weights over DP
   strategy.zero1_collectives = 'auto'         # auto | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather (auto: fastest on the backend)
   strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)
+  strategy.expert_model_parallel_size = 1    # EP degree e: MoE experts sharded over e ranks carved from data parallel (Megatron)
   strategy.kv_replicator = 1                  # copies of each KV head when t > num_kv_heads (t = kv_heads * kv_replicator)
   strategy.collective_timeout_s = 300         # a collective that waits longer fails, naming rank and op
 
@@ -156,7 +157,7 @@ def get_config(arg=None):
   moe.frequency = 1                        # layer i is MoE when (i + 1) % frequency == 0 (HF decoder_sparse_step)
   moe.top_k = 2                            # experts per token
   moe.routing_algorithm = 'top_k'          # top_k (sinkhorn is refused: not implemented)
-  moe.router_activation = 'softmax'        # softmax over the router logits (sigmoid is refused)
+  moe.router_activation = 'softmax'        # softmax | sigmoid: the router's affinities (top-k of them; the aux loss sums them)
   moe.normalize_top_k_affinities = True    # top-k weights renormalized to sum 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
   moe.capacity_factor = 2.0                # dropless=False: each expert keeps ceil(cf * s * top_k / E) tokens per sequence
   moe.dropless = False                     # True: no token is ever dropped
@@ -165,7 +166,7 @@ def get_config(arg=None):
   moe.router_z_loss_coef = 0.0             # weight of the router z-loss (ST-MoE); 0 = off
   moe.dropout = 0.0                        # NxD's expert dropout: only 0 (refused otherwise)
   moe.sinkhorn_iterations = 30             # NxD's sinkhorn settings: read only with routing_algorithm=sinkhorn (refused)
-  moe.sinkhorn_tol = 0.0
+  moe.sinkhorn_tol = placeholder(float)
   moe.ffn_hidden_size = 0                  # each expert's inner width; 0 = model.ffn_hidden_size (Qwen2-MoE: moe_intermediate_size)
   moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
   model.fusions = config_dict.ConfigDict()

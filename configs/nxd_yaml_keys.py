@@ -122,6 +122,9 @@ RULES = {
         'checkpoints always hold the fp32 masters (master.* arrays) beside the bf16 parameters, so a resume is '
         'exact; NxD\'s False re-derives them from the bf16 weights', True, False),
     'distributed_strategy.context_parallel_size': _na('1 = no context parallelism (not built yet)', 1),
+    'model.moe.sinkhorn_tol': Rule('model.moe.sinkhorn_tol', convert=lambda v: None if v in (None, 'None') else float(v)),
+    'distributed_strategy.token_shuffle_group_size': _na('1 = no token shuffle: tokens route per sequence, so which '
+                                                         'drop is layout-free; shuffling them over DP ranks is not built', 1),
     'model.fusions.ring_attention': _na('ring attention goes with context parallelism (not built yet)', False),
     'model.optim.capturable': _na('set by the device: capturable on XLA, not elsewhere', True, False),
     'model_alignment_strategy.peft.lora_verbose': _na('the start-up summary always shows the adapters', True, False),
@@ -152,9 +155,6 @@ FP32_GRADS_CC = ('read by no code of NxD Training 2.26 either; data-parallel gra
 # Files that need a feature flatron does not have yet: feature -> (keys that ask for it, the
 # value of each that does not); one line names it, instead of a table of unknown keys.
 MISSING_FEATURES = {
-    'mixture of experts and expert parallelism': (('model.moe.', None),
-                                                 ('distributed_strategy.expert_model_parallel_size', 1),
-                                                 ('distributed_strategy.token_shuffle_group_size', 1)),
     'context parallelism (ring attention)': (('distributed_strategy.context_parallel_size', 1),
                                              ('model.fusions.ring_attention', False)),
 }

@@ -8,7 +8,8 @@ Parameters are transformers' own (5.x layout), so HF import is a rename:
                                                        Qwen2-MoE's always-on expert, scaled by sigmoid(gate x)
 Experts are stacked on dim 0, so expert parallelism shards dim 0 (one box per rank, like TP).
 
-Routing, per token: p = softmax(router logits) (fp32), the top_k experts by p, their weights
+Routing, per token: p = softmax(router logits) (fp32; router_activation=sigmoid: sigmoid, NxD's
+Megatron Mixtral files), the top_k experts by p, their weights
 p / sum(top-k p) with normalize_top_k_affinities (Mixtral; Qwen2-MoE's norm_topk_prob may be
 off). Tokens are sorted by expert and each expert runs one matmul over its tokens
 (`Ops.expert_ffn`: local here, all-to-all dispatched under expert parallelism).
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 from config_checks import one_of, positive
 
 ROUTING = ('top_k',)
-ACTIVATIONS = ('softmax',)
+ACTIVATIONS = ('softmax', 'sigmoid')
 METRICS = ('moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'moe_dropped_fraction')
 
 
@@ -104,7 +105,8 @@ def capacity(cfg, tokens) -> int:
 def route(logits_bse, cfg):
   """(probs fp32 [b,s,E], top-k weights fp32 [b,s,k], top-k experts [b,s,k], kept [b,s,k] bool)."""
   moe = cfg.moe
-  probs = torch.softmax(logits_bse.float(), dim=-1)
+  logits = logits_bse.float()
+  probs = torch.sigmoid(logits) if moe.router_activation == 'sigmoid' else torch.softmax(logits, dim=-1)
   weights, experts = torch.topk(probs, moe.top_k, dim=-1)
   if moe.normalize_top_k_affinities:
     weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -226,11 +228,7 @@ def check(model) -> list:
                     'reproduced here); use top_k')
   else:
     one_of(problems, 'model.moe.routing_algorithm', moe.routing_algorithm, ROUTING)
-  if moe.router_activation == 'sigmoid':
-    problems.append('model.moe.router_activation=sigmoid is not implemented (HF Mixtral and Qwen2-MoE route '
-                    'with softmax); use softmax')
-  else:
-    one_of(problems, 'model.moe.router_activation', moe.router_activation, ACTIVATIONS)
+  one_of(problems, 'model.moe.router_activation', moe.router_activation, ACTIVATIONS)
   if moe.dropout:
     problems.append(f'model.moe.dropout={moe.dropout} is not implemented (expert dropout); set 0.0')
   if not moe.dropless:

@@ -172,8 +172,6 @@ def current(name):
 
 def needs(name):
   """The feature a 2.26 file needs that flatron lacks (its one-line refusal), or None."""
-  if 'mixtral' in name:
-    return 'mixture of experts and expert parallelism'
   return 'context parallelism (ring attention)' if '_CP_' in name else None
 
 
