@@ -17,7 +17,7 @@ import torch
 
 from checkpoint import steps as checkpoint_steps, storage, store
 from model import hf, lora, transformer
-from parallel import device as devices, pipeline, tensor, zero
+from parallel import device as devices, experts, pipeline, tensor, zero
 
 
 def _rank_mesh(mesh, rank):
@@ -44,11 +44,12 @@ def param_boxes(config, mesh, rank):
   return tensor.boxes(config.model, mesh_r, pipeline.config_owned_names(config, mesh_r))
 
 
-def _shard_box(box, local_rows, config, mesh, rank):
-  """The optimizer-state box: the parameter box narrowed to this rank's ZeRO rows."""
+def _shard_box(name, box, local_rows, config, mesh, rank):
+  """The optimizer-state box: the parameter box narrowed to this rank's ZeRO rows (MoE experts
+  under expert parallelism: shards over the DP ranks holding the same experts)."""
   mesh_r = _rank_mesh(mesh, rank)
-  parts = mesh.dp if config.distributed_strategy.zero1 and mesh.dp > 1 else 1
-  rows, _ = zero.shard_rows(local_rows, parts, mesh_r.dp_rank if parts > 1 else 0)
+  _, parts, index = experts.domain(mesh_r, name, config.distributed_strategy.zero1 and mesh.dp > 1)
+  rows, _ = zero.shard_rows(local_rows, parts, index)
   start = box[0].start
   return (slice(start + rows.start, start + rows.stop),) + tuple(box[1:])
 
@@ -58,7 +59,7 @@ def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **
   the layout it was saved at, the optimizer's state keys and step)."""
   strategy = config.distributed_strategy
   return {'consumed_samples': consumed_samples, 'config': json.loads(config.to_json_best_effort()),
-          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp,
+          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp, **({'ep': mesh.ep} if mesh.ep > 1 else {}),
                      'vp': strategy.virtual_pipeline_model_parallel_size, 'zero1': strategy.zero1},
           'optimizer_state_keys': list(state_keys), 'optimizer_step': optimizer_step, **extra}
 
@@ -105,7 +106,7 @@ class StateLayout:
     if box is None:
       return None
     if kind == 'shard':
-      box = _shard_box(box, box[0].stop - box[0].start, self.config, self.mesh, rank)
+      box = _shard_box(param, box, box[0].stop - box[0].start, self.config, self.mesh, rank)
     return _clip(param, box, self.config.model)
 
   def layouts(self):

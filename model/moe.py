@@ -138,6 +138,8 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
   logits = F.linear(x_bsh, params[prefix + '.gate.weight'])
   probs, weights, experts, kept = route(logits, cfg)
   if ops.moe is not None:
+    if ops.residual_slices > 1:
+      logits, probs = _own_gradient(logits, ops), _own_gradient(probs, ops)
     ops.moe.record(layer, logits, probs, experts, kept)
   flat_x = x_bsh.reshape(b * s, h)
   token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(moe.top_k)
@@ -156,6 +158,17 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
                       F.linear(flat_x, params[sp + '.up_proj.weight']), params[sp + '.down_proj.weight'])
     combined = combined + torch.sigmoid(F.linear(flat_x, params[prefix + '.shared_expert_gate.weight'])) * shared
   return combined.view(b, s, h)
+
+
+def _own_gradient(x_bse, ops):
+  """x itself (bitwise), whose gradient reaches only this rank's sequence slice (SP). Every TP
+  rank records the whole sequence's routing; the auxiliary losses' gradients, summed over TP
+  like every SP gradient, must come once from each position."""
+  s = x_bse.shape[1]
+  own = ops.mask_for_slice(torch.arange(s, device=x_bse.device)[None], 'seq')[0]
+  mask = torch.zeros(s, dtype=x_bse.dtype, device=x_bse.device).index_fill(0, own, 1.0)[None, :, None]
+  fixed = x_bse.detach()
+  return fixed + mask * (x_bse - fixed)
 
 
 class Collector:

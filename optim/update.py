@@ -23,7 +23,7 @@ import typing
 import torch
 
 from optim import optimizers, schedules, sr_update
-from parallel import comm, grad_buffer, grads as grad_ops, precision, zero
+from parallel import comm, experts, grad_buffer, grads as grad_ops, precision, zero
 
 
 class Rows(typing.NamedTuple):
@@ -34,6 +34,31 @@ class Rows(typing.NamedTuple):
 
 def owned_rows(num_rows, parts, index) -> Rows:
   return Rows(*zero.shard_rows(num_rows, parts, index))
+
+
+class _Buffers:
+  """The gradient buckets of each reduction domain (parallel/experts.py: dense parameters over
+  DP; MoE experts under expert parallelism over the DP ranks holding the same experts)."""
+
+  def __init__(self, buffers):
+    self.buffers = buffers
+    self.of = {n: b for b in buffers for n in b.layout}
+
+  def accumulate(self, name, grad):
+    self.of[name].accumulate(name, grad)
+
+  def start(self, backwards):
+    for b in self.buffers:
+      b.start(backwards)
+
+  def reduced(self):
+    out = {}
+    for b in self.buffers:
+      out.update(b.reduced())
+    return out
+
+  def bytes(self):
+    return sum(b.bytes() for b in self.buffers)
 
 
 class Updater:
@@ -55,11 +80,19 @@ class Updater:
                                    for n, p in params.items()}
     strategy = config.distributed_strategy
     self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
-    # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward.
-    self.grads = grad_buffer.GradBuffer(params, self.trainable, self.recipe.grad_acc_dtype, self.parts,
-                                        self.index, mesh.dp_group, self.bucket_bytes, self.collective,
-                                        strategy.overlap_grad_reduce)
-    self.rows = {n: owned_rows(params[n].shape[0], self.parts, self.index) for n in self.trainable}
+    # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward;
+    # each domain (dense: DP, experts: expert DP) has its buckets, ZeRO-1 parts and group.
+    self.zero1, self.domains = zero1, {}
+    for n in self.trainable:
+      self.domains.setdefault(experts.domain(mesh, n, zero1), []).append(n)
+    self.grads = _Buffers([grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group,
+                                                  self.bucket_bytes,
+                                                  grad_buffer.collective_for(strategy.zero1_collectives,
+                                                                             group if parts > 1 else None),
+                                                  strategy.overlap_grad_reduce)
+                           for (group, parts, index), names in self.domains.items()])
+    self.rows = {n: owned_rows(params[n].shape[0], parts, index)
+                 for (_, parts, index), names in self.domains.items() for n in names}
     # Without a master copy the shard is a view of the parameter's rows.
     self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
                    for n in self.trainable}
@@ -89,7 +122,7 @@ class Updater:
     for group in self.optimizer.param_groups:
       group['lr'] = lr
     owned = {n: g if g.dtype == torch.float32 else g.float() for n, g in gradients.items()}
-    norm = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
+    norm = self._clip(owned)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
     if norm.device.type == 'xla':
       # No host sync inside a traced step: update, then keep the old values where the step
@@ -102,6 +135,20 @@ class Updater:
         self._update(owned, step)
     self._clear()
     return norm, ok
+
+  def _clip(self, owned):
+    """grads.clip over every domain: each domain's boxes are disjoint over its own group."""
+    if self.mesh.ep == 1:
+      return grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
+    by_group = {}
+    for n, g in owned.items():
+      by_group.setdefault(experts.norm_group(self.mesh, n, self.zero1), {})[n] = g
+    norm = torch.stack([grad_ops.global_norm(part, self.mesh, group) ** 2 for group, part in by_group.items()]
+                       ).sum().sqrt()
+    max_norm = self.config.trainer.gradient_clip_val
+    if max_norm > 0 and owned:
+      torch._foreach_mul_(list(owned.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
 
   def _update(self, owned, step, keep_if_not=None):
     fused = self._fused_sr(owned, step) if keep_if_not is None else set()
@@ -129,8 +176,11 @@ class Updater:
       self.master[n].data = self._owned(n)         # a view of the parameter's rows again
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
-    zero.gather_rows(rounded, self.params, self.trainable, self.parts, self.index, self.group, self.collective,
-                     self.bucket_bytes)
+    for (group, parts, index), names in self.domains.items():
+      zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, parts, index,
+                       group if parts > 1 else None, grad_buffer.collective_for(
+                           self.config.distributed_strategy.zero1_collectives, group if parts > 1 else None),
+                       self.bucket_bytes)
 
   def _fused_sr(self, owned, step):
     """bf16SR under torch's Adam(W): rows and moments stepped and rounded in one pass each

@@ -10,6 +10,7 @@ Conjugate pairs (forward / backward):
   gather_seq         all-gather / reduce-scatter  (SP: entering a TP region)
   reduce_scatter_seq reduce-scatter / all-gather  (SP: leaving it)
   split_seq          keep own shard / all-gather  (SP: where the sequence is first sharded)
+  all_to_all         rows to each rank / the reverse all-to-all (MoE expert parallelism)
 """
 import torch
 import torch.distributed as dist
@@ -186,3 +187,30 @@ def reduce_scatter_seq(x, group, dim=1):
 
 def split_seq(x, group, dim=1):
   return x if group is None else _split_seq(x, group, dim)
+
+
+def all_to_all_single(out, x, out_splits, in_splits, group, name='all_to_all'):
+  """Rows of `x`: in_splits[i] of them to rank i; `out` gets out_splits[i] rows from rank i."""
+  _run(name, group, lambda: dist.all_to_all_single(out, x, out_splits, in_splits, group=group))
+  return out
+
+
+class _AllToAll(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, group, send, recv, name):  # pylint: disable=arguments-differ
+    ctx.group, ctx.send, ctx.recv, ctx.name = group, send, recv, name
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    return all_to_all_single(out, x.contiguous(), recv, send, group, name)
+
+  @staticmethod
+  def backward(ctx, grad):  # pylint: disable=arguments-differ
+    out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+    return all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, ctx.group,
+                             f'grad of {ctx.name}'), None, None, None, None
+
+
+def all_to_all(x, group, send, recv, name='all_to_all'):
+  """Differentiable all-to-all of rows: send[i] rows of `x` (in order) to rank i, recv[i]
+  rows received from rank i, concatenated in rank order; the gradient goes back the same way."""
+  return x if group is None else _AllToAll.apply(x, group, list(send), list(recv), name)

@@ -5,6 +5,11 @@ size 1 needs no process group at all: every collective in parallel/comm.py is th
 Groups are passed down explicitly; there is no global state beyond torch.distributed's own.
 
     rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+
+Expert parallelism (MoE) is carved from data parallel, as Megatron does: ep consecutive DP
+ranks form an `ep` group (each holds 1/ep of the experts, and tokens are exchanged within it);
+the DP ranks holding the same experts (dp_rank % ep alike) form the `expert_dp` group that
+sums those experts' gradients. Dense parameters still reduce over the whole DP group.
 """
 import dataclasses
 import datetime
@@ -19,7 +24,7 @@ from parallel import device as devices, xla
 
 # distributed_strategy's degrees: every other layout check divides by them.
 SIZE_KEYS = ('tensor_model_parallel_size', 'pipeline_model_parallel_size',
-             'virtual_pipeline_model_parallel_size', 'kv_replicator')
+             'virtual_pipeline_model_parallel_size', 'kv_replicator', 'expert_model_parallel_size')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +43,21 @@ class Mesh:
   host_group: Optional[object] = None    # gloo over all ranks, CPU tensors, main thread only:
                                          # agreements (stop signals, start-up checks)
   timeout_s: float = 300.0
+  ep: int = 1                            # expert parallel degree (divides dp)
+  ep_group: Optional[object] = None      # the ep consecutive DP ranks sharing out the experts
+  expert_dp_group: Optional[object] = None  # DP ranks holding the same experts
+
+  @property
+  def ep_rank(self):
+    return self.dp_rank % self.ep
+
+  @property
+  def expert_dp(self):
+    return self.dp // self.ep
+
+  @property
+  def expert_dp_rank(self):
+    return self.dp_rank // self.ep
 
   @property
   def world_size(self):
@@ -60,7 +80,7 @@ class Mesh:
 
   def describe(self):
     return (f'rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp} '
-            f'tp {self.tp_rank}/{self.tp}')
+            f'tp {self.tp_rank}/{self.tp}' + (f' ep {self.ep_rank}/{self.ep}' if self.ep > 1 else ''))
 
 
 def check_sizes(strategy) -> list:
@@ -77,6 +97,10 @@ def check(strategy, world_size) -> list:
   if world_size % (tp * pp):
     return [f'world size {world_size} is not divisible by tensor_model_parallel_size x '
             f'pipeline_model_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} processes']
+  ep = strategy.get('expert_model_parallel_size', 1)
+  if (world_size // (tp * pp)) % ep:
+    return [f'distributed_strategy.expert_model_parallel_size={ep} must divide the data-parallel degree '
+            f'{world_size // (tp * pp)} (experts are sharded over DP ranks); launch a multiple of {tp * pp * ep}']
   return []
 
 
@@ -95,6 +119,12 @@ def _groups(grid, rank, make_group):
       # first and last PP stage: the copies of a tied embedding
       'embed': {(d, t): [grid.rank_of(d, 0, t), grid.rank_of(d, grid.pp - 1, t)]
                 for d, _, t in coords} if grid.pp > 1 else {},
+      # expert parallelism: ep consecutive DP ranks, and the DP ranks holding the same experts
+      'ep': {(d // grid.ep, p, t): [grid.rank_of(d - d % grid.ep + k, p, t) for k in range(grid.ep)]
+             for d, p, t in coords} if grid.ep > 1 else {},
+      'expert_dp': {(d % grid.ep, p, t): [grid.rank_of(k * grid.ep + d % grid.ep, p, t)
+                                          for k in range(grid.dp // grid.ep)]
+                    for d, p, t in coords} if grid.ep > 1 else {},
   }
   for name, members_by_key in families.items():
     for members in members_by_key.values():
@@ -115,6 +145,9 @@ def init(config, device_name=None) -> Mesh:
     raise ValueError(f'world size {world} is not divisible by tp x pp = {tp} x {pp}')
   dp = world // (tp * pp)
   kv_replicator = d.kv_replicator
+  ep = d.get('expert_model_parallel_size', 1)
+  if dp % ep:
+    raise ValueError(f'expert_model_parallel_size={ep} does not divide the data-parallel degree {dp}')
   if world == 1:
     return Mesh(device=device, kv_replicator=kv_replicator, timeout_s=d.collective_timeout_s)
   timeout = datetime.timedelta(seconds=d.collective_timeout_s)
@@ -125,8 +158,9 @@ def init(config, device_name=None) -> Mesh:
       dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
   # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
   make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, kv_replicator=kv_replicator), rank, make_group)
+  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, kv_replicator=kv_replicator, ep=ep), rank, make_group)
   return Mesh(dp=dp, pp=pp, tp=tp, rank=rank, device=device, kv_replicator=kv_replicator,
+              ep=ep, ep_group=groups.get('ep'), expert_dp_group=groups.get('expert_dp'),
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
               kv_group=groups.get('kv'), embed_group=groups.get('embed'), timeout_s=d.collective_timeout_s,
               host_group=dist.new_group(backend='gloo', timeout=timeout))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model import layers, lora, transformer
-from parallel import comm, precision
+from parallel import comm, experts, precision
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 ROW_PARALLEL = ('o_proj', 'down_proj')
@@ -61,6 +61,8 @@ def _split_dim(name):
   replicated), a row-parallel layer's A like its weight (B replicated)."""
   if name in VOCAB_TABLES:
     return 0
+  if '.shared_expert.' in name:        # MoE's shared expert: replicated like the experts (parallel/experts.py)
+    return None
   module, split = _module(name), lora.split_name(name)
   if split:
     factor = split[1]
@@ -116,7 +118,8 @@ def tp_box(name, spec, tp, tp_rank, kv_replicator=1):
 def boxes(model_cfg, mesh, names=None):
   """name -> box for this rank (all parameters, or `names`), at the TP-padded vocabulary."""
   specs = transformer.param_specs(model_cfg, mesh.tp)
-  return {name: tp_box(name, specs[name], mesh.tp, mesh.tp_rank, mesh.kv_replicator)
+  return {name: experts.ep_box(name, tp_box(name, specs[name], mesh.tp, mesh.tp_rank, mesh.kv_replicator),
+                               specs[name], mesh)
           for name in (names or specs)}
 
 
@@ -204,8 +207,11 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
 
 def config_ops(config, mesh):
   """make_ops as a config asks: sequence parallel, and the TP reductions' dtype."""
-  return make_ops(mesh, config.distributed_strategy.sequence_parallel,
-                  precision.parallel_layers_reduce_dtype(config.precision))
+  ops = make_ops(mesh, config.distributed_strategy.sequence_parallel,
+                 precision.parallel_layers_reduce_dtype(config.precision))
+  if mesh.ep > 1:
+    ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep))
+  return ops
 
 
 def describe_layout(config, mesh):
@@ -218,10 +224,16 @@ def describe_layout(config, mesh):
     rows = tp_box(name, specs[name], mesh.tp, t, mesh.kv_replicator)[0]
     return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
 
+  def ffn(r):
+    if 'layers.0.mlp.up_proj.weight' in specs:
+      return f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}'
+    name = 'layers.0.mlp.experts.down_proj'       # MoE: the experts this rank holds
+    rows = experts.ep_box(name, transformer.full_box(specs[name].shape), specs[name], r)[0]
+    return f'experts {rows.start}-{rows.stop - 1}'
+
   ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
   return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank} | '
           f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
           f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}, '
-          f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}, '
-          f'vocab rows {span("embed_tokens.weight", r.tp_rank)}'
+          f'{ffn(r)}, vocab rows {span("embed_tokens.weight", r.tp_rank)}'
           for r in ranks]

@@ -18,7 +18,7 @@ STEPS = 10
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
-                  family=None):
+                  family=None, moe=0, ep=1, capacity=1.0, aux=True):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -41,6 +41,10 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   if family:                                 # model/hf.py's families' blocks (tests/test_hf.py checks them vs HF)
     apply_family(c.model, family)
   d.collective_timeout_s = 120
+  if moe:          # MoE (model/moe.py): `moe` experts, top-2, dropping at `capacity` (0: dropless), aux losses
+    c.model.moe.update(num_experts=moe, top_k=2, capacity_factor=capacity or 1.0, dropless=not capacity,
+                       router_z_loss_coef=0.001 if aux else 0.0, output_router_logits=aux)
+    d.expert_model_parallel_size = ep
   if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
     peft = c.model_alignment_strategy.peft
     peft.lora_rank, peft.target_modules, peft.lora_alpha, peft.lora_dropout = lora, ('all-linear',), 8.0, lora_dropout
@@ -99,8 +103,9 @@ def train_on_rank(workdir, layout):
 def rank_result(config, workdir, params):
   """(losses, grad norms) from rank 0's metrics.jsonl, and this rank's boxes."""
   d = config.distributed_strategy
-  mesh = meshes.Mesh(tp=d.tensor_model_parallel_size, pp=d.pipeline_model_parallel_size,
-                     rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator)
+  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
+  mesh = meshes.Mesh(tp=tp, pp=pp, rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator,
+                     dp=int(os.environ.get('WORLD_SIZE', 1)) // (tp * pp), ep=d.expert_model_parallel_size)
   boxes = tensor.boxes(config.model, mesh, list(params))
   losses, norms = None, None
   if mesh.rank == 0:
@@ -145,7 +150,7 @@ def reference(tmp_path_factory, **model_layout):
 
 # what the reference run depends on
 MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
-              'qkv_bias', 'rope_llama3', 'family')
+              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux')
 
 
 def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,

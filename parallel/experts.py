@@ -1,0 +1,68 @@
+"""Expert parallelism (MoE): which experts a rank holds, the all-to-all token exchange, and
+which ranks reduce (and ZeRO-shard) each parameter's gradients.
+
+With expert_model_parallel_size = e, the ep group's rank r holds experts [r E/e, (r+1) E/e) of
+every MoE layer: dim 0 of the stacked expert tensors (model/moe.py), a box like TP's, so
+checkpoints stay layout-free. Routers, shared experts and everything dense are whole on every
+rank. Under TP the experts are replicated (every TP rank runs all its tokens through them; the
+TP ranks' results are identical), not split Megatron's way.
+
+A MoE layer under EP: each rank routes its own sequences (capacity per sequence: the same
+drops at every layout), sorts its tokens by expert, then
+  1. all-to-all of the per-expert counts, 2. all-to-all of the tokens to their experts' ranks,
+  3. the local experts on the received tokens (regrouped by expert), 4. all-to-all back.
+The backward runs the same exchanges in reverse (comm.all_to_all). An expert's gradient on a
+rank then holds the tokens of its whole ep group; summing it over the expert_dp group (the DP
+ranks holding the same experts) gives the global gradient. Dense gradients sum over all of DP.
+"""
+import torch
+
+from model import moe
+from parallel import comm
+
+
+def ep_box(name, box, spec, mesh):
+  """`box` narrowed to this rank's experts when `name` is a stacked expert tensor."""
+  if mesh.ep == 1 or not moe.is_expert_param(name):
+    return box
+  per = spec.shape[0] // mesh.ep
+  return (slice(mesh.ep_rank * per, (mesh.ep_rank + 1) * per),) + tuple(box[1:])
+
+
+def domain(mesh, name, zero1):
+  """(group that sums the gradient of `name` over data parallel, ZeRO-1 parts, this rank's
+  part): dense parameters over DP, expert tensors over the DP ranks holding the same experts."""
+  expert = mesh.ep > 1 and moe.is_expert_param(name)
+  group = mesh.expert_dp_group if expert else mesh.dp_group
+  size, index = (mesh.expert_dp, mesh.expert_dp_rank) if expert else (mesh.dp, mesh.dp_rank)
+  return (group, size, index) if zero1 and size > 1 else (group, 1, 0)
+
+
+def norm_group(mesh, name, zero1):
+  """The group over which the boxes of `name` that ranks hold are disjoint (for global norms):
+  ZeRO-1's DP shards; for experts also the ep group (all of DP under ZeRO-1)."""
+  if mesh.ep > 1 and moe.is_expert_param(name):
+    return mesh.dp_group if zero1 and mesh.expert_dp > 1 else mesh.ep_group
+  return mesh.dp_group if zero1 else None
+
+
+def expert_ffn(group, ep):
+  """Ops.expert_ffn over an ep group: tokens sorted by (global) expert go to the ranks holding
+  their experts and come back in the same order."""
+
+  def ffn(x_th, counts, gate_up_efh, down_ehf):
+    local = gate_up_efh.shape[0]
+    send_counts = torch.tensor(counts, dtype=torch.int64, device=x_th.device).view(ep, local)
+    recv_counts = torch.empty_like(send_counts)
+    comm.all_to_all_single(recv_counts.view(-1), send_counts.view(-1), [local] * ep, [local] * ep, group,
+                           'all_to_all(tokens per expert)')
+    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    received = comm.all_to_all(x_th, group, send, recv, 'all_to_all(tokens to experts)')
+    # received rows are ordered (source rank, expert): regroup them by expert, stably
+    expert_of = torch.arange(local, device=x_th.device).repeat(ep).repeat_interleave(recv_counts.view(-1))
+    order = torch.sort(expert_of, stable=True).indices
+    y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_up_efh, down_ehf)
+    back = torch.zeros_like(y).index_copy(0, order, y)
+    return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
+
+  return ffn
