@@ -60,6 +60,16 @@ class _Buffers:
   def bytes(self):
     return sum(b.bytes() for b in self.buffers)
 
+  @property
+  def buckets(self):
+    return [bucket for b in self.buffers for bucket in b.buckets]
+
+  def __getattr__(self, name):        # one domain (no expert parallelism): the GradBuffer's own
+    buffers = self.__dict__.get('buffers', ())
+    if len(buffers) == 1:
+      return getattr(buffers[0], name)
+    raise AttributeError(name)
+
 
 class Updater:
 
