@@ -40,7 +40,7 @@ from config_checks import one_of, positive
 
 ROUTING = ('top_k',)
 ACTIVATIONS = ('softmax', 'sigmoid')
-METRICS = ('moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'moe_dropped_fraction')
+METRICS = ('lm_loss', 'moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'moe_dropped_fraction')
 
 
 def enabled(cfg) -> bool:

@@ -296,13 +296,16 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
   chunk = cfg.fusions.get('chunked_cross_entropy', 0)
   if objective is not None and chunk:     # the objective's losses run the head chunk by chunk
-    return _with_aux(objective.loss(chunked_ce.HeadInput(x_bsh, head, chunk), batch, cfg, ops), aux_sum)
+    return _with_aux(objective.loss(chunked_ce.HeadInput(x_bsh, head, chunk), batch, cfg, ops), aux_sum, ops)
   logits = ops.lm_head(x_bsh, head)
-  return logits if objective is None else _with_aux(objective.loss(logits, batch, cfg, ops), aux_sum)
+  return logits if objective is None else _with_aux(objective.loss(logits, batch, cfg, ops), aux_sum, ops)
 
 
-def _with_aux(out, aux_sum):
+def _with_aux(out, aux_sum, ops):
+  """The objective's loss plus MoE's auxiliary losses; the objective's own is tallied as lm_loss."""
   loss, metrics = out
+  if ops.moe_tally is not None and ops.moe is not None:
+    ops.moe_tally['lm_loss'] = ops.moe_tally.get('lm_loss', 0) + loss.detach()
   return (loss, metrics) if aux_sum is None else (loss + aux_sum, metrics)
 
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from model import lora, objectives, transformer
+from model import lora, moe, objectives, transformer
 from parallel import activations, comm, device as devices, grad_buffer, precision
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -45,8 +45,10 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
-  if sizes is None:
-    sizes = {n: math.prod(spec.shape) // (tp * pp) for n, spec in transformer.param_specs(m, tp).items()}
+  if sizes is None:         # MoE experts: replicated over TP, 1/ep of them per rank (parallel/experts.py)
+    ep = d.get('expert_model_parallel_size', 1)
+    sizes = {n: math.prod(spec.shape) // ((pp * ep) if moe.is_expert_param(n) else (tp * pp))
+             for n, spec in transformer.param_specs(m, tp).items()}
   n = param_counts(config, sizes)
   shards = dp if d.zero1 and dp > 1 else 1
   param_bytes = recipe.param_dtype.itemsize

@@ -51,6 +51,7 @@ def forward_outputs(params, batches, config, mesh, ops, objective, recipe):
   """`objective`'s first output for each micro batch on last-stage ranks (None on the others):
   a forward-only pass, e.g. [b, 2] reference log-probs."""
   out = [None] * len(batches)
+  ops = dataclasses.replace(ops, moe_tally=None)     # a reference's routing is not this step's
 
   def keep(i, result):
     out[i] = result[0].detach()

@@ -1,6 +1,8 @@
 """parallel/experts.py: expert parallelism trains like one device (fp32, 10 steps, capacity
 dropping and the auxiliary losses on), with ZeRO-1, TP and PP; the all-to-all round trip; a
 step saved at ep2 resumes at ep1."""
+import os
+
 import pytest
 import torch
 
@@ -65,3 +67,19 @@ def test_boxes_and_groups():
   assert experts.ep_box('layers.0.mlp.gate.weight', (slice(0, 8),), spec, m)[0] == slice(0, 8)
   assert experts.domain(m, 'layers.0.mlp.experts.down_proj', True)[1:] == (2, 1)
   assert experts.domain(m, 'layers.0.mlp.gate.weight', True)[1:] == (4, 3)
+
+
+def test_a_step_saved_at_ep2_resumes_bitwise_at_ep2_and_continues_at_ep1(tmp_path):
+  """Checkpoints are layout-free: each expert box is stored once, in its global place."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tests.test_session import _resume_from, _run, losses  # pylint: disable=import-outside-toplevel
+  ep2, ep1 = dict(moe=4, ep=2, zero1=True), dict(moe=4)
+  world.run(_run, 2, str(tmp_path / 'saved'), ep2, 10)
+  saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
+  world.run(_run, 2, str(tmp_path / 'saved'), ep2, 0)                 # resumes there, at ep2
+  world.run(_run, 2, str(tmp_path / 'straight_ep2'), ep2, 0)
+  assert losses(tmp_path / 'saved') == losses(tmp_path / 'straight_ep2')   # identical floats
+  os.makedirs(tmp_path / 'ep1')
+  world.run(_resume_from, 1, str(tmp_path / 'ep1'), ep1, saved)
+  world.run(_run, 1, str(tmp_path / 'straight_ep1'), ep1, 0)
+  np.testing.assert_allclose(losses(tmp_path / 'ep1'), losses(tmp_path / 'straight_ep1')[10:], rtol=1e-5)
