@@ -79,7 +79,8 @@ def command_line_wins(config, overrides):
   a key typed on the command line is never dropped)."""
   if config.model_source != 'hf':
     return
-  keys = [k.split('.')[1] for k in overrides if k.startswith('model.') and k.split('.')[1] not in
+  keys = [('.'.join(k.split('.')[1:3]) if k.split('.')[1] == 'moe' else k.split('.')[1])
+          for k in overrides if k.startswith('model.') and k.split('.')[1] not in
           ('model_config', 'model_config_overrides', 'optim', 'peft', 'fusions')]
   if keys:
     config.model.model_config_overrides = tuple(dict.fromkeys([*config.model.model_config_overrides, *keys]))

@@ -33,14 +33,16 @@ def apply_hf_model_config(config):
     hf_model = hf.read_config(config.model.model_config, config.model)
   except (ValueError, FileNotFoundError) as e:
     raise validate.ConfigError(f'model.model_config: {e}') from None
-  def copy(src, dst):
+  def copy(src, dst, prefix=''):
     for key, value in src.items():
+      if prefix + key in keep:
+        continue
       if isinstance(value, config_dict.ConfigDict):
-        copy(value, dst[key])           # rope_scaling's keys (optim, peft... are the base's own)
+        copy(value, dst[key], f'{prefix}{key}.')   # rope_scaling's, moe's keys (optim, peft... are the base's own)
       elif value != dst[key]:
         dst[key] = value
-  keep = set(config.model.model_config_overrides)
-  copy({k: v for k, v in hf_model.items() if k not in keep}, config.model)
+  keep = set(config.model.model_config_overrides)      # top-level keys, or dotted (moe.dropless)
+  copy(hf_model, config.model)
 
 
 def apply_tokenizer_vocab(config):

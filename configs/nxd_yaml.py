@@ -193,6 +193,8 @@ def load(path) -> Mapped:
     config.model.model_config_overrides = tuple(
         k for k, v in model.items() if not isinstance(v, dict) and f'model.{k}' in known
         and k not in ('model_config', 'model_config_overrides') and isinstance(_get(config, f'model.{k}'), (int, float)))
+    # and the YAML's MoE settings (capacity, dropless...) over config.json's (HF routes dropless)
+    config.model.model_config_overrides += tuple(f'moe.{k}' for k in model.get('moe') or {})
   report += _runtime_keys(config)
   if model.get('weight_init_only') and config.exp_manager.resume_from_checkpoint:
     config.exp_manager.init_from = config.exp_manager.resume_from_checkpoint

@@ -45,7 +45,9 @@ def _check_run(config) -> list:
   one_of(problems, 'device', config.device, DEVICES)
   one_of(problems, 'model_source', config.model_source, MODEL_SOURCES)
   for key in model.model_config_overrides:
-    if key not in model or isinstance(model[key], type(model)):
+    section, _, leaf = key.rpartition('.')        # a dotted key names one inside a section (moe.dropless)
+    holder = model if not section else model[section] if section in model else {}
+    if leaf not in holder or isinstance(holder[leaf], type(model)):
       problems.append(f'model.model_config_overrides names {key!r}, which is not a model key; '
                       'list keys of the model section, e.g. (\'num_layers\', \'hidden_size\')')
   if config.model_source == 'hf' and not model.model_config:

@@ -319,3 +319,26 @@ def test_the_first_name_of_the_module_still_loads_a_file():
   from configs import nxdt  # pylint: disable=import-outside-toplevel
   path = current('megatron_llama_7B_config.yaml')
   assert nxdt.get_config(path).to_dict() == nxd_yaml.get_config(path).to_dict()
+
+
+@pytest.mark.parametrize('name', ['hf_mixtral_8x7b_config.yaml', 'hf_mixtral_8x7b_dropless_config.yaml'])
+def test_hf_mixtral_trains_3_steps_at_ep2_with_size_overrides_only(tmp_path, name):
+  """Two processes (expert_model_parallel_size=2 over dp 2); the YAML's capacity / dropless
+  settings win over config.json's (HF routes dropless), as its other architecture keys do."""
+  paths = _assets(tmp_path)
+  mixtral = llama_tiny.get_config().model
+  mixtral.vocab_size = 512
+  mixtral.moe.update(num_experts=8, dropless=True)
+  (tmp_path / 'mixtral.json').write_text(json.dumps(hf.config_to_hf(mixtral)))
+  overrides = [flag.format(**paths) for flag in SIZE + HF + ['--config.data.train_dir={pretok}']]
+  overrides = [o.replace(str(paths['config']), str(tmp_path / 'mixtral.json')) for o in overrides]
+  out = procs.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+                   f'--config=configs/nxd_yaml.py:{current(name)}', f'--workdir={tmp_path / "run"}', *overrides,
+                   '--config.distributed_strategy.expert_model_parallel_size=2'], timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  steps = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl') if '"loss"' in line]
+  assert [s['step'] for s in steps][-1] == 3 and all(math.isfinite(s['loss']) for s in steps)
+  assert all(s['moe_aux_loss'] > 0 for s in steps)
+  assert any(s['moe_dropped_fraction'] > 0 for s in steps) == ('dropless' not in name)
+  config = json.load(open(tmp_path / 'run' / 'config.json'))
+  assert config['model']['moe']['num_experts'] == 8 and config['model']['moe']['dropless'] == ('dropless' in name)
