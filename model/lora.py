@@ -141,8 +141,8 @@ def module_path(linear) -> str:
 def is_target(peft, linear) -> bool:
   """Whether linear `linear` ('layers.3.self_attn.q_proj') gets an adapter, by peft's rules."""
   path, proj = module_path(linear), linear.rsplit('.', 1)[-1]
-  if proj not in MODULES:
-    return False
+  if proj not in MODULES or '.mlp.shared_expert.' in linear + '.':
+    return False      # MoE layers (model/moe.py) take no adapters: their experts stay frozen
   if is_regex(peft):        # peft applies layers_to_transform to listed names only, not to a regex
     return re.fullmatch(option(peft, 'target_modules'), path) is not None
   hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))

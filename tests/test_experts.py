@@ -83,3 +83,16 @@ def test_a_step_saved_at_ep2_resumes_bitwise_at_ep2_and_continues_at_ep1(tmp_pat
   world.run(_resume_from, 1, str(tmp_path / 'ep1'), ep1, saved)
   world.run(_run, 1, str(tmp_path / 'straight_ep1'), ep1, 0)
   np.testing.assert_allclose(losses(tmp_path / 'ep1'), losses(tmp_path / 'straight_ep1')[10:], rtol=1e-5)
+
+
+@pytest.mark.parametrize('layout', ['ep2_lora', 'ep2_sft'])
+def test_lora_and_sft_on_a_moe_model_at_ep2_train_like_one_device(layout, tmp_path, tmp_path_factory):
+  """LoRA on every linear of the attention (MoE layers take none; experts frozen), and SFT's
+  packed rows with masked prompts, each at ep2 x zero1 against one device."""
+  from tests.test_train import write_records  # pylint: disable=import-outside-toplevel
+  kwargs = dict(moe=4, ep=2, zero1=True)
+  if layout == 'ep2_lora':
+    kwargs['lora'] = 4
+  else:
+    kwargs['sft'] = write_records(tmp_path_factory.mktemp('sft') / 'records.jsonl', 64)
+  parity.check_layout(layout, 2, kwargs, tmp_path, tmp_path_factory)
