@@ -18,6 +18,12 @@ steps interleaved (eager, compiled, eager, ...) per precision recipe and prints 
 (--bench_hf_model: tools/bench_hf.py's 32M Llama instead of --config's model):
 
     python -m tools.bench --config=configs/llama_tiny.py --compare_compile=fp32,mixed_precision,bf16SR,autocast
+
+--compare_moe (a config with model.moe): its MoE model, the dense model of equal active FLOPs
+(ffn = top_k x the expert width, no router) and transformers' Mixtral (its eager experts loop,
+dropless, from the same initial weights), stepped interleaved on the same batches (fp32):
+
+    python -m tools.bench --config=configs/mixtral_tiny.py --compare_moe
 """
 import dataclasses
 import os
@@ -32,7 +38,7 @@ import torch
 import tools
 from configs import validate
 from data.loader import Loader
-from model import transformer
+from model import hf, moe, transformer
 from optim import update
 from parallel import compiled, device as devices, mesh as meshes, tensor, training
 
@@ -114,6 +120,50 @@ def compare_compile(base_config, recipes, steps, warmup):
   return rows
 
 
+def compare_moe(config, steps, warmup):
+  """{name: tokens/s}: the MoE model, its dense equal-active-FLOPs twin and transformers' Mixtral,
+  one step each in turn on the same batches (medians past warm-up)."""
+  from tools import bench_hf  # pylint: disable=import-outside-toplevel
+  m = config.model
+  dense = config.copy_and_resolve_references()
+  dense.model.moe.num_experts = 0
+  dense.model.ffn_hidden_size = moe.expert_ffn_size(m) * m.moe.top_k
+  runs = {'flatron MoE': Run.build(config, steps + warmup), 'flatron dense (equal active FLOPs)': Run.build(dense, steps + warmup)}
+  model, optimizer = _hf_mixtral(config, runs['flatron MoE'].params)
+  hf_times = []
+  for step in range(steps + warmup):
+    for run in runs.values():
+      run.step()
+    start = time.perf_counter()
+    bench_hf.hf_step(model, optimizer, runs['flatron MoE'].batches[step], 'fp32', config.trainer.gradient_clip_val,
+                     m.optim.lr)
+    hf_times.append(time.perf_counter() - start)
+  tokens = config.data.global_batch_size * config.data.seq_length
+  out = {name: tokens / statistics.median(run.times[warmup:]) for name, run in runs.items()}
+  out["transformers' MixtralForCausalLM (dropless)"] = tokens / statistics.median(hf_times[warmup:])
+  return out
+
+
+def _hf_mixtral(config, params):
+  os.environ.setdefault('HF_HUB_OFFLINE', '1')
+  import transformers  # pylint: disable=import-outside-toplevel
+  from optim import optimizers  # pylint: disable=import-outside-toplevel
+  m = config.model.copy_and_resolve_references()
+  m.moe.dropless = True                        # HF routes every token
+  hf_config = transformers.MixtralConfig(**{k: v for k, v in hf.config_to_hf(m).items()
+                                            if k not in ('architectures', 'model_type')})
+  hf_config._attn_implementation = 'sdpa'  # pylint: disable=protected-access
+  model = transformers.MixtralForCausalLM(hf_config)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(params[name.removeprefix('model.')].detach().float()[:p.shape[0]])
+  o = config.model.optim
+  named = list(model.named_parameters())
+  groups = [{'params': [p for n, p in named if optimizers.decays_weight(n)], 'weight_decay': o.weight_decay},
+            {'params': [p for n, p in named if not optimizers.decays_weight(n)], 'weight_decay': 0.0}]
+  return model.train(), torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+
+
 def format_table(rows) -> str:
   lines = ['| recipe | eager tok/s | compiled tok/s | speed-up | compile s | first step eager / compiled s | graphs |',
            '|---|---:|---:|---:|---:|---:|---:|']
@@ -134,6 +184,8 @@ def define_flags():
   flags.DEFINE_integer('warmup', 3, 'Untimed warm-up steps.')
   flags.DEFINE_list('compare_compile', [], 'Precision recipes to time eager against model.compile (a table).')
   flags.DEFINE_bool('bench_hf_model', False, "With --compare_compile: tools/bench_hf.py's 32M Llama.")
+  flags.DEFINE_bool('compare_moe', False, "MoE tokens/s beside the dense model of equal active FLOPs and "
+                    "transformers' Mixtral (a config with model.moe).")
 
 
 def main(argv):
@@ -146,6 +198,15 @@ def main(argv):
     print(f'{config.name}: {transformer.count_params(config.model):,} params, {torch.get_num_threads()} threads, '
           f'median of {FLAGS.steps} steps after {FLAGS.warmup} warm-up, eager and compiled interleaved')
     print(format_table(compare_compile(config, FLAGS.compare_compile, FLAGS.steps, FLAGS.warmup)))
+    return
+  if FLAGS.compare_moe:
+    c = FLAGS.config
+    print(f'{c.name}: {c.model.moe.num_experts} experts, top-{c.model.moe.top_k}, '
+          f'{transformer.count_params(c.model):,} params, {torch.get_num_threads()} threads, '
+          f'{c.data.global_batch_size * c.data.seq_length:,} tokens/step, median of {FLAGS.steps} steps after '
+          f'{FLAGS.warmup} warm-up, interleaved')
+    for name, rate in compare_moe(c, FLAGS.steps, FLAGS.warmup).items():
+      print(f'  MoE tokens/s | {name}: {rate:,.0f}')
     return
   r = bench(FLAGS.config, FLAGS.steps, FLAGS.warmup)
   print(f"{r['name']}: {r['params']:,} params on {r['device']} ({r['threads']} threads), "
