@@ -123,11 +123,13 @@ def route(logits_bse, cfg):
 
 def local_expert_ffn(x_th, counts, gate_up_efh, down_ehf):
   """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU:
-  one matmul pair per expert, no loop over tokens."""
+  one matmul pair per expert, no loop over tokens. The stacks are unbound once: indexing them
+  per expert would make each expert's backward write a whole-stack gradient (E^2 traffic)."""
   outs = []
-  for e, chunk in enumerate(x_th.split(counts)):
-    gate, up = F.linear(chunk, gate_up_efh[e]).chunk(2, dim=-1)
-    outs.append(F.linear(F.silu(gate) * up, down_ehf[e]))
+  for chunk, gate_up, down in zip(x_th.split(counts), gate_up_efh.unbind(0), down_ehf.unbind(0)):
+    if chunk.shape[0]:
+      gate, up = F.linear(chunk, gate_up).chunk(2, dim=-1)
+      outs.append(F.linear(F.silu(gate) * up, down))
   return torch.cat(outs) if outs else x_th[:0]
 
 
