@@ -88,8 +88,12 @@ class Updater:
     devices; on XLA a device bool (read on log steps)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
-    owned = {n: g if g.dtype == torch.float32 else g.float() for n, g in gradients.items()}
-    norm = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
+    # bf16SR's one-pass update reads the bf16 gradients and applies the clip coefficient itself
+    # (the same fp32 multiply): no fp32 copy of them, no pass to scale them.
+    fused = self._fusable_sr()
+    owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
+    norm, coefficient = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val,
+                                      extra_group=self.group, unscaled=fused)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
     if norm.device.type == 'xla':
       # No host sync inside a traced step: update, then keep the old values where the step
@@ -99,12 +103,13 @@ class Updater:
     else:
       ok = bool(finite)
       if ok:
-        self._update(owned, step)
+        self._update(owned, step, fused=fused, scale=coefficient)
     self._clear()
     return norm, ok
 
-  def _update(self, owned, step, keep_if_not=None):
-    fused = self._fused_sr(owned, step) if keep_if_not is None else set()
+  def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None):
+    if fused:
+      self._fused_sr(fused, owned, step, scale)
     narrow = self._widen(skip=fused)
     if keep_if_not is not None:
       before = {id(t): t.clone() for t in self._state_tensors()}
@@ -132,17 +137,22 @@ class Updater:
     zero.gather_rows(rounded, self.params, self.trainable, self.parts, self.index, self.group, self.collective,
                      self.bucket_bytes)
 
-  def _fused_sr(self, owned, step):
-    """bf16SR under torch's Adam(W): rows and moments stepped and rounded in one pass each
-    (optim/sr_update.py), bit for bit keyed as _round_all keys them. Returns the names done."""
+  def _fusable_sr(self):
+    """Names whose update is bf16SR's one pass (optim/sr_update.py): bf16 rows without a master
+    under torch's Adam(W), stochastically rounded, on a device type it is compiled for."""
     names = [n for n, m in self.master.items() if m.dtype != torch.float32]
     if not (names and self.recipe.stochastic_rounding
             and sr_update.fusable(self.optimizer, self.master[names[0]].device)):
-      return set()
+      return frozenset()
+    return frozenset(names)
+
+  def _fused_sr(self, names, owned, step, scale):
+    """Rows and moments of `names` stepped and rounded in one pass each from the unscaled
+    gradients `owned` times `scale` (the clip coefficient; None: 1), bit for bit keyed as
+    _round_all keys them."""
     sr_update.adamw_step(self.optimizer, {n: self.master[n] for n in names}, owned,
                          {n: self._owned_box(n) for n in names},
-                         {n: (self.config.seed, 'sr', step, n) for n in names})
-    return set(names)
+                         {n: (self.config.seed, 'sr', step, n) for n in names}, scale=scale)
 
   def _widen(self, skip=()):
     """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their

@@ -69,9 +69,18 @@ def global_norm(tensors_by_name, mesh, extra_group=None):
   return total.sqrt()
 
 
-def clip(grads, mesh, max_norm, extra_group=None):
-  """Global norm of `grads` (name -> tensor); scaled so it is at most `max_norm` (0 = off)."""
+def clip_coefficient(norm, max_norm):
+  """The factor gradients of global norm `norm` are scaled by so it is at most `max_norm`
+  (an fp32 0-dim tensor), or None where clipping is off (max_norm 0)."""
+  return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+
+
+def clip(grads, mesh, max_norm, extra_group=None, unscaled=()):
+  """Global norm of `grads` (name -> tensor); scaled in place so it is at most `max_norm` (0 = off),
+  but for the names in `unscaled`, which the caller scales itself. Returns (norm, coefficient or None)."""
   norm = global_norm(grads, mesh, extra_group)
-  if max_norm > 0 and grads:
-    torch._foreach_mul_(list(grads.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-  return norm
+  coefficient = clip_coefficient(norm, max_norm)
+  scaled = [g for n, g in grads.items() if n not in unscaled]
+  if coefficient is not None and scaled:
+    torch._foreach_mul_(scaled, coefficient)
+  return norm, coefficient
