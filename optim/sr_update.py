@@ -87,7 +87,7 @@ def _run(kernel, device, *args):
 
 def _layout(box, global_shape, device):
   sizes, layout = precision.index_layout(box, global_shape)
-  return sizes, torch.tensor(layout, dtype=torch.int64, device=device)
+  return sizes, torch.tensor(layout, dtype=precision.layout_dtype(global_shape), device=device)
 
 
 def _seed(key, device):
@@ -101,6 +101,18 @@ def round_at(x, box, global_shape, *key) -> torch.Tensor:
   sizes, layout = _layout(box, global_shape, x.device)
   out = _run(_round_kernel, x.device, x.reshape(sizes), layout, _seed(key, x.device))
   return out.view(x.shape)
+
+
+def _square_sum_kernel(x):
+  return x.float().pow(2).sum()
+
+
+def square_sum(t) -> torch.Tensor:
+  """grads.square_sum (the fp32 sum of squares) compiled: one pass over bf16 gradients where
+  eager widens a full fp32 copy and squares it into another. Its loop sums in another order
+  than eager's, so its bits are its own (the eager fallback is eager's; norms are not layout-
+  invariant bit for bit anyway: shards are summed in other orders)."""
+  return _run(_square_sum_kernel, t.device, t.detach().reshape(-1))
 
 
 def fusable(optimizer, device) -> bool:

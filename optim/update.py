@@ -89,11 +89,13 @@ class Updater:
     for group in self.optimizer.param_groups:
       group['lr'] = lr
     # bf16SR's one-pass update reads the bf16 gradients and applies the clip coefficient itself
-    # (the same fp32 multiply): no fp32 copy of them, no pass to scale them.
+    # (the same fp32 multiply): no fp32 copy of them, no pass to scale them; their norm is a
+    # compiled loop too (one pass over the bf16 buckets, where eager widens a copy).
     fused = self._fusable_sr()
     owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
     norm, coefficient = grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val,
-                                      extra_group=self.group, unscaled=fused)
+                                      extra_group=self.group, unscaled=fused,
+                                      squares_of=sr_update.square_sum if fused else grad_ops.square_sum)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
     if norm.device.type == 'xla':
       # No host sync inside a traced step: update, then keep the old values where the step

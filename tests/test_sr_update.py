@@ -184,3 +184,11 @@ def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
     got = sr_update.round_at(x, full_box((10, 30)), (10, 30), 1)
   assert 'running it eagerly' in caplog.text
   assert torch.equal(bits(got), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
+
+
+def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
+  g = torch.Generator().manual_seed(6)
+  for t in [torch.randn(300, 70, generator=g).bfloat16(), torch.randn(1001, generator=g), torch.zeros(0)]:
+    got = sr_update.square_sum(t)
+    assert got.dtype == torch.float32 and got.shape == ()
+    torch.testing.assert_close(got, t.double().pow(2).sum().float(), rtol=1e-5, atol=0)
