@@ -55,6 +55,11 @@ class Updater:
                                    for n, p in params.items()}
     strategy = config.distributed_strategy
     self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
+    # ZeRO-1's in-place gathers left in flight after an update (name -> work), waited on by
+    # wait_params: the next forward's layers, or anything else that reads the parameters.
+    self.overlap_gather = bool(strategy.overlap_param_gather and self.group is not None
+                               and self.collective == 'all_reduce' and mesh.device.type != 'xla')
+    self.pending = {}
     # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward.
     self.grads = grad_buffer.GradBuffer(params, self.trainable, self.recipe.grad_acc_dtype, self.parts,
                                         self.index, mesh.dp_group, self.bucket_bytes, self.collective,
@@ -82,10 +87,17 @@ class Updater:
     c = self.config
     return schedules.lr_at(step, c.model.optim.sched, c.model.optim.lr, c.trainer.max_steps, c.model.hidden_size)
 
-  def step(self, gradients, lr, step, loss=None):
+  def wait_params(self, match=None):
+    """Wait for the parameter gathers left in flight (distributed_strategy.overlap_param_gather)
+    of the names `match(name)` accepts (None: all); until then their other ranks' rows are zeros."""
+    for n in [n for n in self.pending if match is None or match(n)]:
+      comm.wait(self.pending.pop(n), 'all_reduce(bitwise OR: params over dp, ZeRO-1)', self.group)
+
+  def step(self, gradients, lr, step, loss=None, defer_gather=False):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.
     Returns (grad norm, whether the update happened): the one host sync of a step on eager
-    devices; on XLA a device bool (read on log steps)."""
+    devices; on XLA a device bool (read on log steps). `defer_gather`: ZeRO-1's parameter
+    gathers stay in flight (overlap_param_gather); the caller waits (wait_params)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
     # bf16SR's one-pass update reads the bf16 gradients and applies the clip coefficient itself
@@ -107,6 +119,8 @@ class Updater:
       if ok:
         self._update(owned, step, fused=fused, scale=coefficient)
     self._clear()
+    if not defer_gather:
+      self.wait_params()
     return norm, ok
 
   def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None):
@@ -136,8 +150,8 @@ class Updater:
       self.master[n].data = self._owned(n)         # a view of the parameter's rows again
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
-    zero.gather_rows(rounded, self.params, self.trainable, self.parts, self.index, self.group, self.collective,
-                     self.bucket_bytes)
+    self.pending = zero.gather_rows(rounded, self.params, self.trainable, self.parts, self.index, self.group,
+                                    self.collective, self.bucket_bytes, async_op=self.overlap_gather)
 
   def _fusable_sr(self):
     """Names whose update is bf16SR's one pass (optim/sr_update.py): bf16 rows without a master
