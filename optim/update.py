@@ -57,7 +57,7 @@ class Updater:
     self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
     # ZeRO-1's in-place gathers left in flight after an update (name -> work), waited on by
     # wait_params: the next forward's layers, or anything else that reads the parameters.
-    self.overlap_gather = bool(strategy.overlap_param_gather and self.group is not None
+    self.overlap_gather = bool(strategy.get('overlap_param_gather', True) and self.group is not None
                                and self.collective == 'all_reduce' and mesh.device.type != 'xla')
     self.pending = {}
     # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward.
