@@ -182,10 +182,15 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   reporter = logs.StepReporter(config, mesh, log, peak, total, start_step, flops_per_token)
   val = None
   for step in range(start_step, total):
+    # ZeRO-1's parameter gathers stay in flight into the next step's forward (overlap_param_gather):
+    # whatever reads the parameters in between waits for them first (updater.wait_params).
     out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
-                              reference)
+                              reference, defer_param_gather=True)
     last = step + 1 == total
+    if last:
+      updater.wait_params()
     if config.exp_manager.log_parameter_norm and (logs.every(step + 1, t.log_every_n_steps) or last):
+      updater.wait_params()
       out['param_norm'] = grads.global_norm(params, mesh)      # of this step's parameters, read later
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
     if step == start_step:
@@ -200,7 +205,10 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     stopped = None if last else checkpoints.stop_reason(step + 1)
     saving = checkpoints.due(step + 1, last, stopped is not None)
     val = None                              # a validation metric as monitor: every save is validated
+    if saving or stopped:
+      updater.wait_params()
     if validation_due(t, train_data, step + 1, last, before, consumed_samples) or (saving and checkpoints.needs_metrics):
+      updater.wait_params()
       reporter.flush()
       val = evaluate_and_log('val', params, data['valid'], t.limit_val_batches, config, mesh, ops, reference, log,
                              step + 1, consumed_samples)

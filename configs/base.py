@@ -77,6 +77,7 @@ def get_config(arg=None):
   strategy.zero1 = False                      # shard optimizer state + fp32 master weights over DP
   strategy.zero1_collectives = 'auto'         # auto | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather (auto: fastest on the backend)
   strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)
+  strategy.overlap_param_gather = True        # ZeRO-1: leave the updated parameters' gathers in flight; the next forward waits for each layer's (bitwise the same results)
   strategy.expert_model_parallel_size = 1    # EP degree e: MoE experts sharded over e ranks carved from data parallel (Megatron)
   strategy.kv_replicator = 1                  # copies of each KV head when t > num_kv_heads (t = kv_heads * kv_replicator)
   strategy.collective_timeout_s = 300         # a collective that waits longer fails, naming rank and op

@@ -4,7 +4,8 @@ bf16SR keeps parameters and Adam moments in bf16 (NxD Training's recipe). Done w
 an update widens rows and moments to fp32 copies, runs torch's AdamW over them (a pass per op)
 and rounds all three back (several more passes each, plus a hash of every element's index):
 about as long as forward and backward together. `adamw_step` does it per tensor in one fused
-loop -- read bf16 row, fp32 gradient and bf16 moments, write the three rounded -- compiled by
+loop -- read bf16 row, gradient (bf16, scaled by the clip coefficient in the loop) and bf16
+moments, write the three rounded -- compiled by
 torch.compile (inductor: C++ on CPU) and 6x cheaper than the eager pipeline on the 32M bench.
 
 The math is torch.optim.AdamW's (Adam's) single-tensor step, op for op in fp32, and the
@@ -39,10 +40,13 @@ def _round_kernel(x, layout, seed):
   return _round(x.float(), precision.index_from_layout(x.shape, layout), seed)
 
 
-def _adamw_kernel(param, grad, exp_avg, exp_avg_sq, scalars, layout, seeds, l2):
+def _adamw_kernel(param, grad, scale, exp_avg, exp_avg_sq, scalars, layout, seeds, l2):
   """In place: torch's single-tensor Adam(W) step on bf16 param/moments widened to fp32,
-  each result rounded back with its own seed. scalars: fp32 [param decay, 1 - beta1, beta2,
-  1 - beta2, sqrt(bias correction 2), eps, -step size, L2 weight decay (Adam)]."""
+  each result rounded back with its own seed. grad: bf16 or fp32, times the fp32 `scale` (the
+  clip coefficient: the multiply clipping does in place, so the same bits). scalars: fp32
+  [param decay, 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step size,
+  L2 weight decay (Adam)]."""
+  grad = grad.float() * scale
   p = param.float()
   if l2:                                        # Adam: grad.add(param, alpha=weight_decay)
     grad = grad + scalars[7] * p
@@ -83,7 +87,7 @@ def _run(kernel, device, *args):
 
 def _layout(box, global_shape, device):
   sizes, layout = precision.index_layout(box, global_shape)
-  return sizes, torch.tensor(layout, dtype=torch.int64, device=device)
+  return sizes, torch.tensor(layout, dtype=precision.layout_dtype(global_shape), device=device)
 
 
 def _seed(key, device):
@@ -97,6 +101,18 @@ def round_at(x, box, global_shape, *key) -> torch.Tensor:
   sizes, layout = _layout(box, global_shape, x.device)
   out = _run(_round_kernel, x.device, x.reshape(sizes), layout, _seed(key, x.device))
   return out.view(x.shape)
+
+
+def _square_sum_kernel(x):
+  return x.float().pow(2).sum()
+
+
+def square_sum(t) -> torch.Tensor:
+  """grads.square_sum (the fp32 sum of squares) compiled: one pass over bf16 gradients where
+  eager widens a full fp32 copy and squares it into another. Its loop sums in another order
+  than eager's, so its bits are its own (the eager fallback is eager's; norms are not layout-
+  invariant bit for bit anyway: shards are summed in other orders)."""
+  return _run(_square_sum_kernel, t.device, t.detach().reshape(-1))
 
 
 def fusable(optimizer, device) -> bool:
@@ -119,13 +135,16 @@ def _scalars(group, step, device):
   return torch.tensor(values, dtype=torch.float32, device=device), not decoupled and wd != 0
 
 
-def adamw_step(optimizer, rows, grads, placement, keys):
+def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
   """One Adam(W) step of `optimizer` (fusable) on bf16 `rows` (name -> the optimizer's param,
-  written in place) from fp32 `grads`, state created and counted as torch's step would.
+  written in place) from `grads` (bf16 or fp32) times `scale` (an fp32 0-dim tensor, the clip
+  coefficient; None: 1, which changes no bit), state created and counted as torch's step would.
   `placement`: name -> (box, global shape) of the rows; `keys`: name -> the rounding key of
   the rows, whose moments use key + ('exp_avg',) and key + ('exp_avg_sq',)."""
   names = {id(r): n for n, r in rows.items()}
   with torch.no_grad():
+    device = next(iter(rows.values())).device if rows else None
+    scale = torch.ones((), device=device) if scale is None else scale.to(device=device, dtype=torch.float32)
     for group in optimizer.param_groups:
       cached = {}
       for t in group['params']:
@@ -149,5 +168,5 @@ def adamw_step(optimizer, rows, grads, placement, keys):
         key = keys[name]
         seeds = torch.tensor([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
                               precision.key_seed(*key, 'exp_avg_sq')], dtype=torch.int32, device=t.device)
-        _run(_adamw_kernel, t.device, t.view(sizes), grads[name].reshape(sizes),
+        _run(_adamw_kernel, t.device, t.view(sizes), grads[name].reshape(sizes), scale,
              state['exp_avg'].view(sizes), state['exp_avg_sq'].view(sizes), scalars, layout, seeds, l2)

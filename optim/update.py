@@ -90,6 +90,10 @@ class Updater:
                                    for n, p in params.items()}
     strategy = config.distributed_strategy
     self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
+    # ZeRO-1's in-place gathers left in flight after an update (name -> (work, group)), waited on
+    # by wait_params: the next forward's layers, or anything else that reads the parameters.
+    self.overlap_gather = bool(strategy.get('overlap_param_gather', True) and mesh.device.type != 'xla')
+    self.pending = {}
     # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward;
     # each domain (dense: DP, experts: expert DP) has its buckets, ZeRO-1 parts and group.
     self.zero1, self.domains = zero1, {}
@@ -125,14 +129,26 @@ class Updater:
     c = self.config
     return schedules.lr_at(step, c.model.optim.sched, c.model.optim.lr, c.trainer.max_steps, c.model.hidden_size)
 
-  def step(self, gradients, lr, step, loss=None):
+  def wait_params(self, match=None):
+    """Wait for the parameter gathers left in flight (distributed_strategy.overlap_param_gather)
+    of the names `match(name)` accepts (None: all); until then their other ranks' rows are zeros."""
+    for n in [n for n in self.pending if match is None or match(n)]:
+      work, group = self.pending.pop(n)
+      comm.wait(work, 'all_reduce(bitwise OR: params over dp, ZeRO-1)', group)
+
+  def step(self, gradients, lr, step, loss=None, defer_gather=False):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.
     Returns (grad norm, whether the update happened): the one host sync of a step on eager
-    devices; on XLA a device bool (read on log steps)."""
+    devices; on XLA a device bool (read on log steps). `defer_gather`: ZeRO-1's parameter
+    gathers stay in flight (overlap_param_gather); the caller waits (wait_params)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
-    owned = {n: g if g.dtype == torch.float32 else g.float() for n, g in gradients.items()}
-    norm = self._clip(owned)
+    # bf16SR's one-pass update reads the bf16 gradients and applies the clip coefficient itself
+    # (the same fp32 multiply): no fp32 copy of them, no pass to scale them; their norm is a
+    # compiled loop too (one pass over the bf16 buckets, where eager widens a copy).
+    fused = self._fusable_sr()
+    owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
+    norm, coefficient = self._clip(owned, fused)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
     if norm.device.type == 'xla':
       # No host sync inside a traced step: update, then keep the old values where the step
@@ -142,26 +158,34 @@ class Updater:
     else:
       ok = bool(finite)
       if ok:
-        self._update(owned, step)
+        self._update(owned, step, fused=fused, scale=coefficient)
     self._clear()
+    if not defer_gather:
+      self.wait_params()
     return norm, ok
 
-  def _clip(self, owned):
-    """grads.clip over every domain: each domain's boxes are disjoint over its own group."""
+  def _clip(self, owned, fused):
+    """grads.clip over every domain (each domain's boxes are disjoint over its own group), the
+    names in `fused` left for the fused update to scale. Returns (norm, coefficient or None)."""
+    max_norm = self.config.trainer.gradient_clip_val
+    squares_of = sr_update.square_sum if fused else grad_ops.square_sum
     if self.mesh.ep == 1:
-      return grad_ops.clip(owned, self.mesh, self.config.trainer.gradient_clip_val, extra_group=self.group)
+      return grad_ops.clip(owned, self.mesh, max_norm, extra_group=self.group, unscaled=fused,
+                           squares_of=squares_of)
     by_group = {}
     for n, g in owned.items():
       by_group.setdefault(experts.norm_group(self.mesh, n, self.zero1), {})[n] = g
-    norm = torch.stack([grad_ops.global_norm(part, self.mesh, group) ** 2 for group, part in by_group.items()]
-                       ).sum().sqrt()
-    max_norm = self.config.trainer.gradient_clip_val
-    if max_norm > 0 and owned:
-      torch._foreach_mul_(list(owned.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-    return norm
+    norm = torch.stack([grad_ops.global_norm(part, self.mesh, group, squares_of) ** 2
+                        for group, part in by_group.items()]).sum().sqrt()
+    coefficient = grad_ops.clip_coefficient(norm, max_norm)
+    scaled = [g for n, g in owned.items() if n not in fused]
+    if coefficient is not None and scaled:
+      torch._foreach_mul_(scaled, coefficient)
+    return norm, coefficient
 
-  def _update(self, owned, step, keep_if_not=None):
-    fused = self._fused_sr(owned, step) if keep_if_not is None else set()
+  def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None):
+    if fused:
+      self._fused_sr(fused, owned, step, scale)
     narrow = self._widen(skip=fused)
     if keep_if_not is not None:
       before = {id(t): t.clone() for t in self._state_tensors()}
@@ -187,22 +211,29 @@ class Updater:
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
     for (group, parts, index), names in self.domains.items():
-      zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, parts, index,
-                       group if parts > 1 else None, grad_buffer.collective_for(
-                           self.config.distributed_strategy.zero1_collectives, group if parts > 1 else None),
-                       self.bucket_bytes)
+      group = group if parts > 1 else None
+      collective = grad_buffer.collective_for(self.config.distributed_strategy.zero1_collectives, group)
+      works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, parts,
+                               index, group, collective, self.bucket_bytes,
+                               async_op=self.overlap_gather and collective == 'all_reduce')
+      self.pending.update({n: (w, group) for n, w in works.items()})
 
-  def _fused_sr(self, owned, step):
-    """bf16SR under torch's Adam(W): rows and moments stepped and rounded in one pass each
-    (optim/sr_update.py), bit for bit keyed as _round_all keys them. Returns the names done."""
+  def _fusable_sr(self):
+    """Names whose update is bf16SR's one pass (optim/sr_update.py): bf16 rows without a master
+    under torch's Adam(W), stochastically rounded, on a device type it is compiled for."""
     names = [n for n, m in self.master.items() if m.dtype != torch.float32]
     if not (names and self.recipe.stochastic_rounding
             and sr_update.fusable(self.optimizer, self.master[names[0]].device)):
-      return set()
+      return frozenset()
+    return frozenset(names)
+
+  def _fused_sr(self, names, owned, step, scale):
+    """Rows and moments of `names` stepped and rounded in one pass each from the unscaled
+    gradients `owned` times `scale` (the clip coefficient; None: 1), bit for bit keyed as
+    _round_all keys them."""
     sr_update.adamw_step(self.optimizer, {n: self.master[n] for n in names}, owned,
                          {n: self._owned_box(n) for n in names},
-                         {n: (self.config.seed, 'sr', step, n) for n in names})
-    return set(names)
+                         {n: (self.config.seed, 'sr', step, n) for n in names}, scale=scale)
 
   def _widen(self, skip=()):
     """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their

@@ -179,11 +179,15 @@ class GradBuffer:
 
 
 def check(strategy) -> list:
-  """distributed_strategy.zero1_collectives (overlap_grad_reduce is a bool: ConfigDict keeps its type)."""
+  """distributed_strategy.zero1_collectives and overlap_param_gather (the overlaps are bools: ConfigDict
+  keeps their type)."""
   problems = []
   one_of(problems, 'distributed_strategy.zero1_collectives', strategy.zero1_collectives, COLLECTIVES)
   if strategy.zero1_collectives != 'auto' and not strategy.zero1:
     problems.append(f'distributed_strategy.zero1_collectives={strategy.zero1_collectives!r} is read only with '
                     'distributed_strategy.zero1=True (zero1 is False: plain DP always all-reduces); set zero1=True '
                     "or zero1_collectives='auto'")
+  if not strategy.get('overlap_param_gather', True) and not strategy.zero1:
+    problems.append('distributed_strategy.overlap_param_gather=False is read only with distributed_strategy.zero1=True '
+                    '(zero1 is False: plain DP gathers no parameters); set zero1=True or overlap_param_gather=True')
   return problems

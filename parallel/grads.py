@@ -56,12 +56,17 @@ def counts_once(name, mesh):
   return True
 
 
-def global_norm(tensors_by_name, mesh, extra_group=None):
+def square_sum(t):
+  """The fp32 sum of squares of `t`'s elements."""
+  return t.detach().float().pow(2).sum()
+
+
+def global_norm(tensors_by_name, mesh, extra_group=None, squares_of=square_sum):
   """L2 norm of the global model's tensors, each element counted once (`extra_group`: a
-  group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP)."""
+  group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP; `squares_of`: how a
+  tensor's fp32 sum of squares is taken)."""
   device = mesh.device
-  squares = [t.detach().float().pow(2).sum() for n, t in tensors_by_name.items()
-             if t is not None and counts_once(n, mesh)]
+  squares = [squares_of(t) for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh)]
   total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
   total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
   total = comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
@@ -69,9 +74,19 @@ def global_norm(tensors_by_name, mesh, extra_group=None):
   return total.sqrt()
 
 
-def clip(grads, mesh, max_norm, extra_group=None):
-  """Global norm of `grads` (name -> tensor); scaled so it is at most `max_norm` (0 = off)."""
-  norm = global_norm(grads, mesh, extra_group)
-  if max_norm > 0 and grads:
-    torch._foreach_mul_(list(grads.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-  return norm
+def clip_coefficient(norm, max_norm):
+  """The factor gradients of global norm `norm` are scaled by so it is at most `max_norm`
+  (an fp32 0-dim tensor), or None where clipping is off (max_norm 0)."""
+  return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
+
+
+def clip(grads, mesh, max_norm, extra_group=None, unscaled=(), squares_of=square_sum):
+  """Global norm of `grads` (name -> tensor; global_norm's `squares_of`); scaled in place so it is
+  at most `max_norm` (0 = off), but for the names in `unscaled`, which the caller scales itself.
+  Returns (norm, coefficient or None)."""
+  norm = global_norm(grads, mesh, extra_group, squares_of)
+  coefficient = clip_coefficient(norm, max_norm)
+  scaled = [g for n, g in grads.items() if n not in unscaled]
+  if coefficient is not None and scaled:
+    torch._foreach_mul_(scaled, coefficient)
+  return norm, coefficient

@@ -175,14 +175,15 @@ def update_temporaries(config, sizes, dp=1) -> int:
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
   16-bit gradients (bf16SR) are stepped from an fp32 copy of all owned rows (4 bytes each).
   For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU, optim/sr_update.py
-  steps and rounds each tensor in place in one compiled pass
-  (precision.FUSED_SR_DEVICES): nothing more. Elsewhere the step
+  steps and rounds each tensor in place in one compiled pass from the 16-bit gradients, after
+  a compiled norm (precision.FUSED_SR_DEVICES): nothing. Elsewhere the step
   runs on fp32 working rows and moments (4 + 8 bytes per element, less the 4 of the bf16
   moments freed as they widen), and then the larger of that plus the above, or that plus the
   rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
   one bucket of rows and moments (~24 bytes per element: fp32 input, int32 noise, bits and
   clamps, the bf16 result, the hash; a bucket may pass bucket_size by one tensor). With
-  ZeRO-1, the parameters' all-gather through one bucket."""
+  ZeRO-1, the parameters' all-gather through one bucket (the bitwise-OR all-reduce, auto's
+  choice on gloo, gathers each parameter in its own storage: nothing)."""
   recipe = precision.recipe(config.precision)
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
   trained = set(lora.trainable(config.model, sizes))
@@ -196,7 +197,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
   temporaries = max(optimizer, 4 * max(owned)) + grads32
   if fused_sr(config):
-    temporaries = grads32 + 4 * max(owned)
+    temporaries = 0          # it reads the 16-bit gradients, and their norm is a compiled pass too
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
     moments = ADAM_STATES.get(config.model.optim.name, 2)
     items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded
@@ -204,7 +205,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
     widened = 4 * (1 + moments) * sum(owned) - 2 * moments * sum(owned)
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
-  if shards > 1:
+  backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
+  if shards > 1 and grad_buffer.backend_choice(config.distributed_strategy.zero1_collectives, backend) != 'all_reduce':
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += _largest_bucket(full, _bucket_bytes(config))
   return temporaries

@@ -19,22 +19,45 @@ def to_device(batch, device):
   return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def _not_layer(name):
+  return not name.startswith('layers.')
+
+
+def _waiting(layer_fn, wait_params, hi):
+  """layer_fn that first waits for layer i's parameter gathers (ZeRO-1's overlap_param_gather),
+  and after the stage's last layer `hi - 1` for the rest (the final norm and the head)."""
+  def run(fn, params, i, *args):
+    wait_params(lambda n: n.startswith(f'layers.{i}.'))
+    out = layer_fn(fn, params, i, *args)
+    if i == hi - 1:
+      wait_params(_not_layer)
+    return out
+  return run
+
+
 def _run(params, batches, config, mesh, ops, recipe, objective, on_last, training=False,
-         layer_fn=None, dropout_key=None):
+         layer_fn=None, dropout_key=None, wait_params=None):
   """Run `batches` through this rank's chunks (the 1F1B / interleaved schedule when
   training, else forward only); the last stage's objective output of micro batch i goes to
-  on_last(i, out), whose result is what backward starts from."""
+  on_last(i, out), whose result is what backward starts from. `wait_params(match)`: waits for
+  the named parameters' gathers still in flight, called before each is first read."""
   m = config.model
   vp = config.distributed_strategy.virtual_pipeline_model_parallel_size
   bounds = pipeline.config_bounds(config, mesh.pp)
   last = len(bounds) - 1
-  layer_fn = compiled.layer_fn(m, mesh.device, layer_fn)
+  layer_fn = compiled.layer_fn(m, mesh.device, layer_fn) or (lambda fn, *args: fn(*args))
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank
+    run_layer = layer_fn
+    if wait_params is not None:
+      lo, hi = bounds[vs]
+      # the embedding first; the final norm and head after the last layer (all of it: no layers)
+      wait_params(lambda n: _not_layer(n) and (lo == hi or n.startswith('embed_')))
+      run_layer = _waiting(layer_fn, wait_params, hi)
     with precision.compute_context(recipe, mesh.device.type):
       out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x, last=vs == last,
-                              layer_fn=layer_fn, dropout_key=dropout_key, objective=objective)
+                              layer_fn=run_layer, dropout_key=dropout_key, objective=objective)
     return out if vs != last else on_last(i, out)
 
   shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
@@ -60,11 +83,12 @@ def forward_outputs(params, batches, config, mesh, ops, objective, recipe):
   return out
 
 
-def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True, reference=None):
+def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, training=True, reference=None,
+                     wait_params=None):
   """This rank's pass over the micro batches, accumulating grads of the objective's loss
   over the global batch (training); returns (this rank's loss sum, the global count, this
   rank's metric sums). `reference`: the reference model's params, for objectives that need
-  one (DPO), unless the batches carry precomputed `ref_logps`."""
+  one (DPO), unless the batches carry precomputed `ref_logps`. `wait_params`: see _run."""
   m = config.model
   objective = objectives.for_config(config)
   count = sum(objective.count(mb) for mb in micro_batches).to(mesh.device)
@@ -96,7 +120,8 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
       sums[name] = sums.get(name, 0) + value.detach()
     return loss / count
 
-  _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, layer_fn, dropout_key)
+  _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, layer_fn, dropout_key,
+       wait_params)
   loss_sum = sums.pop('loss')
   zero = torch.zeros((), device=mesh.device)
   metric_sums = {name: sums.get(name, zero) for name in objective.metrics}

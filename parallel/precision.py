@@ -120,7 +120,10 @@ def noise_at(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
   agree bit for bit, and 32-bit lanes vectorize twice as wide as the int64 splitmix64 it
   replaced. The seed is a tensor: on XLA a changing Python scalar would be a new graph per step.
   """
-  x = index.to(torch.int32) ^ seed ^ ((index >> 32).to(torch.int32) * _GOLDEN_32)
+  if index.dtype == torch.int32:     # indices below 2^31 (index_from_layout's int32 grid): no high word
+    x = index ^ seed
+  else:
+    x = index.to(torch.int32) ^ seed ^ ((index >> 32).to(torch.int32) * _GOLDEN_32)
   x = x ^ _shift_right(x, 16)
   x = x * _HASH_MUL_1
   x = x ^ _shift_right(x, 15)
@@ -169,13 +172,23 @@ def index_layout(box, global_shape):
 
 
 def index_from_layout(sizes, layout: torch.Tensor) -> torch.Tensor:
-  """int64 global indices over a grid of `sizes`, from index_layout's list as a tensor (traceable:
-  under torch.compile the aranges fuse into the kernel's loop indices)."""
+  """Global indices over a grid of `sizes`, from index_layout's list as a tensor (traceable:
+  under torch.compile the aranges fuse into the kernel's loop indices), in the layout's dtype:
+  int64, or int32 where every index of the global tensor is below 2^31 (layout_dtype), which
+  halves the integer lanes and gives noise_at the same bits."""
   index = layout[0]
   for dim, size in enumerate(sizes):
-    coords = torch.arange(size, dtype=torch.int64, device=layout.device) * layout[dim + 1]
+    coords = torch.arange(size, dtype=layout.dtype, device=layout.device) * layout[dim + 1]
     index = index + coords.view((-1,) + (1,) * (len(sizes) - 1 - dim))
   return index
+
+
+def layout_dtype(global_shape) -> torch.dtype:
+  """The index dtype for a tensor of global_shape: int32 while its indices fit (< 2^31)."""
+  numel = 1
+  for n in global_shape:
+    numel *= n
+  return torch.int32 if numel <= 2**31 else torch.int64
 
 
 def keyed_noise(box, global_shape, *key, device='cpu') -> torch.Tensor:

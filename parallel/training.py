@@ -13,17 +13,21 @@ from model import transformer
 from parallel import grads, passes, pipeline, precision, tensor
 
 
-def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None):
-  """One optimizer step. Returns metrics as tensors (the finite check is the one host sync)."""
+def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None, defer_param_gather=False):
+  """One optimizer step. Returns metrics as tensors (the finite check is the one host sync).
+  `defer_param_gather`: ZeRO-1's gathers of the updated parameters are left in flight
+  (distributed_strategy.overlap_param_gather) for the next step's forward to wait on layer by
+  layer; the caller calls updater.wait_params() before it reads the parameters otherwise."""
   updater.start(len(micro_batches))
   loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
-                                                  reference=reference)
+                                                  reference=reference, wait_params=updater.wait_params)
+  updater.wait_params()            # the stage's forward waited for what it used; nothing stays behind
   gradients = updater.gradients()
   grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights)
   lr = updater.lr(step)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
-  grad_norm, updated = updater.step(gradients, lr, step, loss)
+  grad_norm, updated = updater.step(gradients, lr, step, loss, defer_gather=defer_param_gather)
   lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
   if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
     raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')

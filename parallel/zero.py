@@ -23,16 +23,44 @@ def row_size(tensor):
 
 
 
-def gather_rows(values, params, names, parts, index, group, collective, bucket_bytes):
+def _in_place(p):
+  """Whether `p` can be gathered in its own storage: a contiguous whole of int32 words."""
+  return p.is_contiguous() and p.numel() * p.element_size() % 4 == 0
+
+
+def _gather_in_place(p, v, parts, index, group, async_op):
+  """The bitwise-OR gather of `p` in place: its owned rows take `v`, the other ranks' rows are
+  zeroed, and the all-reduce ORs every rank's rows in (x | 0 = x, rows are disjoint)."""
+  rows, _ = shard_rows(p.shape[0], parts, index)
+  flat = p.view(p.shape[0], -1)
+  own = flat[rows]
+  if own.data_ptr() != v.data_ptr():         # without a master copy the update wrote them already
+    own.copy_(v.reshape(own.shape))
+  flat[:rows.start].zero_()
+  flat[rows.stop:].zero_()
+  return comm.all_reduce_(p.view(-1).view(torch.int32), group, op=dist.ReduceOp.BOR, async_op=async_op,
+                          name='all_reduce(bitwise OR: params over dp, ZeRO-1, in place)')
+
+
+def gather_rows(values, params, names, parts, index, group, collective, bucket_bytes, async_op=False):
   """ZeRO-1's parameter gather: each rank's updated rows (`values`: name -> owned rows in the
-  parameter dtype) written into every rank's parameters, bucket by bucket through one
-  transient [parts, bucket] buffer: an all-gather, or (collective 'all_reduce') a bitwise-OR
-  all-reduce of a zero-filled buffer holding this rank's part, which is exact (x | 0 = x)."""
+  parameter dtype) written into every rank's parameters. Collective 'all_reduce': a bitwise-OR
+  all-reduce of each parameter in its own storage, this rank's rows in it and the others'
+  zeroed, which is exact (x | 0 = x) and needs no buffer (a 16-bit parameter of odd size goes
+  the buffered way below). Else bucket by bucket through one transient [parts, bucket] buffer
+  and an all-gather. With `async_op` the in-place all-reduces are left in flight: returns
+  name -> work (wait on each before the parameter is read: its other rows are zeros until then)."""
+  pending = {}
   with torch.no_grad():
     if group is None:
       for n, v in values.items():
         params[n].copy_(v)
-      return
+      return pending
+    if collective == 'all_reduce':
+      for n in names:
+        if n in values and _in_place(params[n]):
+          pending[n] = _gather_in_place(params[n], values[n], parts, index, group, async_op)
+      names = [n for n in names if n not in pending]
     per = {n: shard_rows(params[n].shape[0], parts, index)[1] for n in names}
     sizes = {n: per[n] * row_size(params[n]) * params[n].element_size() * parts for n in names}
     for bucket in comm.buckets([n for n in names if n in values], sizes, bucket_bytes):
@@ -56,3 +84,4 @@ def gather_rows(values, params, names, parts, index, group, collective, bucket_b
         rows = full[:, offset:offset + length].reshape(-1, row_size(p))
         p.copy_(rows[:p.shape[0]].view_as(p))
         offset += length
+  return pending if async_op else {}

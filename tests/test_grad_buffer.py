@@ -109,3 +109,13 @@ def test_a_zero1_collective_without_zero1_is_refused_with_both_keys():
   problems = validate.check(config)
   assert any("zero1_collectives='reduce_scatter' is read only with distributed_strategy.zero1=True" in p
              for p in problems), problems
+
+
+def test_param_gather_overlap_off_without_zero1_is_refused_with_both_keys():
+  config = _config()                                      # zero1 is False
+  config.distributed_strategy.overlap_param_gather = False
+  problems = validate.check(config)
+  assert any('overlap_param_gather=False is read only with distributed_strategy.zero1=True' in p
+             for p in problems), problems
+  config.distributed_strategy.zero1 = True
+  assert not validate.check(config)

@@ -98,7 +98,9 @@ def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
   c = llama_tiny.get_config()
   sizes = {'a': 1000, 'b': 5000, 'c': 10}
   assert memory.update_temporaries(c, sizes) == 2 * 4 * 5000
-  c.distributed_strategy.zero1 = True       # owned rows: half of each, and the all-gather's bucket
+  c.distributed_strategy.zero1 = True       # owned rows: half of each; gloo's OR gather is in place
+  assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500
+  c.distributed_strategy.zero1_collectives = 'reduce_scatter'     # the all-gather's bucket
   assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500 + 4 * 6010   # one bucket holds all
 
 

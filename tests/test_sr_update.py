@@ -52,8 +52,9 @@ def _state(rows, seed):
               (torch.rand(r.shape, generator=g) * 1e-6).bfloat16()) for n, r in rows.items()}
 
 
-def _fused(rows, grads_and_moments, optimizer_cls, boxes, steps=2, **kwargs):
-  """`steps` fused steps on bf16 copies of `rows`; returns rows and moments."""
+def _fused(rows, grads_and_moments, optimizer_cls, boxes, steps=2, scale=None, **kwargs):
+  """`steps` fused steps on bf16 copies of `rows` (gradients times `scale` in the loop); returns
+  rows and moments."""
   rows = {n: r.clone() for n, r in rows.items()}
   opt = optimizer_cls([{'params': [rows['w']], 'weight_decay': 0.1},
                        {'params': [rows['b']], 'weight_decay': 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, **kwargs)
@@ -63,7 +64,7 @@ def _fused(rows, grads_and_moments, optimizer_cls, boxes, steps=2, **kwargs):
     if step == 0:                                   # moments from a previous step, as a resume loads them
       for n, (_, m, v) in grads_and_moments.items():
         opt.state[rows[n]].update(step=torch.tensor(3.0), exp_avg=m.clone(), exp_avg_sq=v.clone())
-    sr_update.adamw_step(opt, rows, grads, boxes, {n: (0, 'sr', step, n) for n in rows})
+    sr_update.adamw_step(opt, rows, grads, boxes, {n: (0, 'sr', step, n) for n in rows}, scale=scale)
   return {n: (r, opt.state[r]['exp_avg'], opt.state[r]['exp_avg_sq'], opt.state[r]['step']) for n, r in rows.items()}
 
 
@@ -119,6 +120,27 @@ def test_compiled_fused_step_is_the_eager_kernel_bit_for_bit(monkeypatch):
       assert torch.equal(bits(c), bits(e))
 
 
+def test_bf16_gradients_scaled_in_the_loop_are_the_clipped_fp32_gradients_bit_for_bit(monkeypatch):
+  """Updater.step hands the fused step the bf16 gradient buckets and the clip coefficient; the
+  unfused path widens them and scales in place (grads.clip): the same fp32 multiply."""
+  moments = _state(ROWS, 5)
+  bf16 = {n: (g.bfloat16(), m, v) for n, (g, m, v) in moments.items()}
+  scale = torch.tensor(0.3711)
+  clipped = {}
+  for n, (g, m, v) in bf16.items():
+    widened = g.float()
+    torch._foreach_mul_([widened], scale)
+    clipped[n] = (widened, m, v)
+  want = _fused(ROWS, clipped, torch.optim.AdamW, BOXES, steps=1)
+  got = _fused(ROWS, bf16, torch.optim.AdamW, BOXES, steps=1, scale=scale)
+  unscaled = _fused(ROWS, clipped, torch.optim.AdamW, BOXES, steps=1, scale=torch.tensor(1.0))
+  monkeypatch.setattr(sr_update, '_compiled', lambda kernel: kernel)
+  eager = _fused(ROWS, bf16, torch.optim.AdamW, BOXES, steps=1, scale=scale)
+  for n in ROWS:
+    for g, w, u, e in zip(got[n][:3], want[n][:3], unscaled[n][:3], eager[n][:3]):
+      assert torch.equal(bits(g), bits(w)) and torch.equal(bits(u), bits(w)) and torch.equal(bits(e), bits(w))
+
+
 def test_fused_step_rounds_alike_on_every_layout():
   moments = _state(ROWS, 3)
   whole = _fused(ROWS, moments, torch.optim.AdamW, BOXES, steps=1)
@@ -162,3 +184,11 @@ def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
     got = sr_update.round_at(x, full_box((10, 30)), (10, 30), 1)
   assert 'running it eagerly' in caplog.text
   assert torch.equal(bits(got), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
+
+
+def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
+  g = torch.Generator().manual_seed(6)
+  for t in [torch.randn(300, 70, generator=g).bfloat16(), torch.randn(1001, generator=g), torch.zeros(0)]:
+    got = sr_update.square_sum(t)
+    assert got.dtype == torch.float32 and got.shape == ()
+    torch.testing.assert_close(got, t.double().pow(2).sum().float(), rtol=1e-5, atol=0)

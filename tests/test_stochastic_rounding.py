@@ -218,6 +218,10 @@ def test_noise_is_the_top_of_lowbias32_of_the_global_index():
   big = torch.tensor([3, 2**32 + 3, 2**40 + 7, 2**33 - 1], dtype=torch.int64)
   seed = torch.tensor(precision.key_seed(1, 'big'), dtype=torch.int32)
   assert precision.noise_at(big, seed).tolist() == [lowbias32_noise_reference((1, 'big'), i) for i in big.tolist()]
+  # int32 indices (tensors of at most 2^31 elements, optim/sr_update.py's loops) hash alike.
+  small = torch.tensor([0, 3, 2**20 + 5, 2**31 - 1], dtype=torch.int64)
+  assert torch.equal(precision.noise_at(small.int(), seed), precision.noise_at(small, seed))
+  assert precision.layout_dtype((2**16, 2**15)) == torch.int32 and precision.layout_dtype((2**16 + 1, 2**15)) == torch.int64
 
 
 def test_same_key_same_noise_and_different_keys_differ():
@@ -340,6 +344,8 @@ def test_index_layout_gives_every_boxs_global_indices_in_at_most_its_own_dims(sh
     expected = precision._flat_index(box, shape, torch.device('cpu'))
     got = precision.index_from_layout(sizes, torch.tensor(layout))
     assert torch.equal(got.reshape(-1), expected.reshape(-1)), box
+    narrow = precision.index_from_layout(sizes, torch.tensor(layout, dtype=precision.layout_dtype(shape)))
+    assert narrow.dtype == torch.int32 and torch.equal(narrow.reshape(-1).long(), expected.reshape(-1)), box
     assert len(sizes) <= max(len(shape), 1)
   assert len(precision.index_layout(((slice(2, 5), slice(0, 6))), (10, 6))[0]) == 1   # rows: one run
   with pytest.raises(ValueError, match='contiguous'):

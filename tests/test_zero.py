@@ -134,3 +134,32 @@ def test_bucket_size_collectives_cuts_the_buckets_and_changes_no_value():
     assert tiny_calls > one_calls * 5, (zero1, tiny_calls, one_calls)
     for name, value in one.items():
       np.testing.assert_array_equal(tiny[name], value, err_msg=f'{name} zero1={zero1}')
+
+
+def _overlapped_gathers(precision):
+  """Three ZeRO-1 steps with overlap_param_gather on (gathers left in flight into the next step's
+  forward, as train.py runs them) and off: overlap -> (parameters, gathers in flight after each step)."""
+  out = {}
+  for overlap in (True, False):
+    config = parity.parity_config(zero1=True, precision=precision)
+    config.distributed_strategy.overlap_param_gather = overlap
+    mesh = meshes.init(config)
+    params = training.init_params(config, mesh)
+    updater = update.Updater(params, config, mesh)
+    in_flight = []
+    for step in range(3):
+      batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
+      training.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh), defer_param_gather=True)
+      in_flight.append(len(updater.pending))
+    updater.wait_params()
+    out[overlap] = {n: p.detach().float().numpy() for n, p in params.items()}, in_flight
+  return out
+
+
+@pytest.mark.parametrize('precision', ['fp32', 'bf16SR'])
+def test_overlapped_param_gathers_change_no_bit(precision):
+  for got in world.run(_overlapped_gathers, 2, precision):
+    (on, in_flight), (off, none) = got[True], got[False]
+    assert min(in_flight) == len(on) and none == [0, 0, 0], (in_flight, none)   # every gather deferred
+    for name, value in off.items():
+      np.testing.assert_array_equal(on[name], value, err_msg=name)

@@ -69,7 +69,8 @@ class Run:
     step = len(self.times)
     devices.synchronize(self.mesh.device)
     start = time.perf_counter()
-    training.train_step(self.params, self.updater, self.batches[step], self.config, step, self.mesh, self.ops)
+    training.train_step(self.params, self.updater, self.batches[step], self.config, step, self.mesh, self.ops,
+                        defer_param_gather=True)       # as train.py: ZeRO-1's gathers overlap the next forward
     devices.synchronize(self.mesh.device)
     self.times.append(time.perf_counter() - start)
 
