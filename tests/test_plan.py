@@ -83,3 +83,12 @@ def test_cli_prints_the_ranked_layouts():
   out = _plan('--config=configs/llama_tiny.py', '--cluster=h100', '--devices=2', '--top=3')
   assert out.returncode == 0, out.stderr
   assert '| layout | tokens/s | MFU |' in out.stdout and 'dp' in out.stdout
+
+
+def test_plan_cluster_key_is_validated():
+  config = llama_tiny.get_config()
+  config.trainer.plan_cluster = 'h900'
+  assert any(p.startswith("trainer.plan_cluster='h900' is unknown; valid: auto, none, a100, h100")
+             for p in validate.check(config))
+  config.trainer.plan_cluster = 'trn1.32xlarge'
+  assert validate.check(config) == []

@@ -90,3 +90,15 @@ def test_local_entry_round_trips(tmp_path):
   path = clusters.write_local(entry, str(tmp_path / 'local.json'))
   assert clusters.local(path) == entry
   assert clusters.local(str(tmp_path / 'missing.json')) == clusters.LOCAL_DEFAULT
+
+
+def test_the_startup_summary_prints_this_model():
+  import torch  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, summary  # pylint: disable=import-outside-toplevel
+  c = _config(tensor_model_parallel_size=8)
+  c.trainer.plan_cluster = 'h100'
+  mesh = meshes.Mesh(tp=8, device=torch.device('cpu'))
+  assert summary.step_line(c, mesh) == (f'step time (predicted on 8 x h100): {step_time.predict(c, H100, 8).line()} '
+                                        '| python -m tools.plan ranks the other layouts')
+  c.trainer.plan_cluster = 'none'
+  assert 'set trainer.plan_cluster' in summary.step_line(c, mesh)
