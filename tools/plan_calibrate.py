@@ -2,34 +2,49 @@
 entry (parallel/clusters.py reads it from FLATRON_CLUSTER_FILE or ~/.cache/flatron/local_cluster.json:
 outside the repository, as it describes one machine).
 
-A local "device" is one process with one thread (what tools/bench_layouts.py's layouts run).
-Measured: the best 1024^3 matmul per dtype (the peak; matmul_eff is 1 against it), causal
-SDPA forward + backward at a small model's shape (attn_eff = its FLOP/s over the fp32 peak),
-a large elementwise add (memory bandwidth), and gloo between 2 processes: all-reduce,
-all-gather and a send/recv pair at 8 bytes (latency) and 16 MiB (bandwidth), fitted to the
-alpha-beta formulas of parallel/step_time.py. One node: intra = inter.
+A local "device" is one process with one thread (what tools/bench_layouts.py's layouts run),
+measured in 2 such processes at once: a 1024^3 matmul per dtype (the peak; matmul_eff is 1
+against it), causal SDPA forward + backward at a small model's shape (attn_eff = its FLOP/s
+over the fp32 peak) and a large elementwise add (memory bandwidth), each a mean over seconds
+of calls (_mean); then gloo between the 2 processes: all-reduce, all-gather and a send/recv
+pair at 8 bytes (latency) and 16 MiB (bandwidth), medians of 7, fitted to the alpha-beta
+formulas of parallel/step_time.py. One node: intra = inter.
 """
 import dataclasses
 import os
 import socket
+import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from parallel import clusters, device as devices, memory
+from parallel import clusters, memory
 
 
-def _best(fn, repeats=5):
+def _mean(fn, seconds=2.0):
+  """Mean seconds per call of `fn` over at least `seconds` of calls: on a shared machine what a
+  training step of that length sees (a short best-of-N or median swings 2x with the load)."""
   fn()
-  best = float('inf')
+  calls, start = 0, time.perf_counter()
+  while time.perf_counter() - start < seconds:
+    fn()
+    calls += 1
+  return (time.perf_counter() - start) / calls
+
+
+def _median(fn, repeats=7):
+  """Median seconds of `fn` (the collectives: short calls that share the machine's load)."""
+  fn()
+  times = []
   for _ in range(repeats):
     start = time.perf_counter()
     fn()
-    best = min(best, time.perf_counter() - start)
-  return best
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
 
 
 def compute_figures(threads=1) -> dict:
@@ -37,28 +52,35 @@ def compute_figures(threads=1) -> dict:
   before = torch.get_num_threads()
   torch.set_num_threads(threads)
   try:
-    cpu = torch.device('cpu')
-    peak = {'fp32': devices.measured_matmul_flops(cpu, torch.float32),
-            'bf16': devices.measured_matmul_flops(cpu, torch.bfloat16, n=512, repeats=3)}
+    peak = {}
+    for name, dtype in (('fp32', torch.float32), ('bf16', torch.bfloat16)):
+      a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+      peak[name] = 2 * 1024**3 / _mean(lambda: a @ b)     # pylint: disable=cell-var-from-loop
     b, heads, s, d = 2, 8, 256, 32
     q, k, v = (torch.randn(b, heads, s, d, requires_grad=True) for _ in range(3))
 
     def attention():
       F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
     flops = 3 * 2 * b * s * s * heads * d          # forward (causal half of 4 b s^2 a d) + backward 2x
-    attn_eff = flops / _best(attention) / peak['fp32']
+    attn_eff = flops / _mean(attention, 1.0) / peak['fp32']
     x, y = torch.randn(2**24), torch.randn(2**24)
-    mem_bw = 3 * 4 * 2**24 / _best(lambda: torch.add(x, y, out=x))
+    mem_bw = 3 * 4 * 2**24 / _mean(lambda: torch.add(x, y, out=x), 1.0)
     return {'peak': peak, 'attn_eff': attn_eff, 'mem_bw': mem_bw}
   finally:
     torch.set_num_threads(before)
 
 
-def _collectives(rank, port, out):
+def _worker(rank, port, out):
+  """Both processes measure the compute figures at once (the layouts run 2 busy ranks: they
+  share caches, memory bandwidth and the other jobs' cores), then the collectives."""
   os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))
   torch.set_num_threads(1)
+  warnings.simplefilter('ignore', FutureWarning)     # all_gather_into_tensor's rename (torch 2.13)
   dist.init_process_group('gloo', rank=rank, world_size=2)
   try:
+    dist.barrier()
+    compute = compute_figures(1)
+    dist.barrier()
     figures = {}
     for size in (2, 2**22):                       # fp32 elements: 8 bytes, 16 MiB
       t = torch.ones(size)
@@ -72,11 +94,11 @@ def _collectives(rank, port, out):
         else:
           dist.recv(t, peer)
           dist.send(t, peer)
-      figures[size] = {'all_reduce': _best(lambda: dist.all_reduce(t)),
-                       'all_gather': _best(lambda: dist.all_gather_into_tensor(gathered, t)),
-                       'p2p': _best(exchange) / 2}
+      figures[size] = {'all_reduce': _median(lambda: dist.all_reduce(t)),
+                       'all_gather': _median(lambda: dist.all_gather_into_tensor(gathered, t)),
+                       'p2p': _median(exchange) / 2}
     if rank == 0:
-      out.put(figures)
+      out.put((compute, figures))
   finally:
     dist.destroy_process_group()
 
@@ -87,12 +109,13 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def gloo_figures() -> dict:
-  """{size: {op: seconds}} of 2 gloo processes (spawned; killed if still alive after)."""
+def measure() -> tuple:
+  """(compute figures, {size: {op: seconds}}) of 2 gloo processes of 1 thread (spawned; killed
+  if still alive after)."""
   ctx = mp.get_context('spawn')
   out = ctx.Queue()
   port = _free_port()
-  procs = [ctx.Process(target=_collectives, args=(rank, port, out), daemon=True) for rank in range(2)]
+  procs = [ctx.Process(target=_worker, args=(rank, port, out), daemon=True) for rank in range(2)]
   try:
     for p in procs:
       p.start()
@@ -118,19 +141,25 @@ def fit(figures) -> tuple:
   return sorted(bws)[1], lat            # the median of the three operations' bandwidths
 
 
-def main():
-  compute = compute_figures()
-  figures = gloo_figures()
+def calibrated(base=clusters.LOCAL_DEFAULT):
+  """`base` with everything measured now: what --calibrate writes, and what tools/bench_plan.py
+  measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
+  compute, figures = measure()
   bw, lat = fit(figures)
-  available = memory.host_available_bytes() or clusters.LOCAL_DEFAULT.memory_bytes * 2
+  available = memory.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
-      clusters.LOCAL_DEFAULT, peak=compute['peak'], attn_eff=compute['attn_eff'], mem_bw=compute['mem_bw'],
+      base, peak=compute['peak'], attn_eff=compute['attn_eff'], mem_bw=compute['mem_bw'],
       intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
+  return entry, compute, figures
+
+
+def main():
+  entry, compute, figures = calibrated()
   path = clusters.write_local(entry)
   print(f'fp32 matmul {compute["peak"]["fp32"] / 1e9:.1f} GFLOP/s, bf16 {compute["peak"]["bf16"] / 1e9:.1f} GFLOP/s '
         f'(1 thread); SDPA fwd+bwd at {compute["attn_eff"]:.0%} of fp32 peak; memory {compute["mem_bw"] / 1e9:.1f} GB/s')
   for size, ops in figures.items():
     print(f'gloo, 2 processes, {4 * size} bytes: ' + ', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in ops.items()))
-  print(f'alpha-beta fit: {bw / 1e9:.2f} GB/s, {lat * 1e6:.0f} us per step; memory per process '
-        f'{memory.human_bytes(available / 2)}\nwrote {path}')
+  print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; memory per '
+        f'process {memory.human_bytes(entry.memory_bytes)}\nwrote {path}')
