@@ -154,6 +154,10 @@ def calibrated(base=clusters.LOCAL_DEFAULT):
   return entry, compute, figures
 
 
+def define_flags():
+  """No flags of its own: `python -m tools.plan --calibrate` runs main()."""
+
+
 def main():
   entry, compute, figures = calibrated()
   path = clusters.write_local(entry)

@@ -16,6 +16,7 @@ import os
 
 from absl import app
 
+import tools
 from configs import gpt_345m, llama3_70b, llama3_8b, nxd_yaml
 from parallel import clusters, step_time
 
@@ -129,8 +130,12 @@ def table(with_pick=True) -> list:
   return out
 
 
+def define_flags():
+  """No flags: the table is fixed (ROWS)."""
+
+
 def main(argv):
-  del argv
+  tools.no_arguments(argv)
   print('| run | published | predicted | error | MFU | bubble | comm | largest terms (s/step) | planner\'s pick |')
   print('|---|---|---|---|---|---|---|---|---|')
   for row, p, value, pick in table():
@@ -140,4 +145,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  define_flags()
   app.run(main)
