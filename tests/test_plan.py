@@ -1,6 +1,7 @@
 """tools/plan.py: the search keeps only layouts configs/validate.py accepts and the memory
 estimate fits, counts the rest by reason; the published-figure table (tools/plan_published.py)
 is pinned; the command line's errors."""
+import os
 import sys
 
 import pytest
@@ -62,6 +63,17 @@ def test_published_figures_table():
   for row, _, value, _ in rows:
     assert value == pytest.approx(PINNED[row.name], rel=2e-3), row.name
     assert abs(value / row.published - 1) < 0.2, row.name      # the issue's bound, as documented
+
+
+def test_an_nxd_yaml_needs_its_config_json():
+  from configs import nxd_yaml  # pylint: disable=import-outside-toplevel
+  fixtures = os.path.join(procs.ROOT, 'tests', 'fixtures', 'nxd_yaml')
+  config = nxd_yaml.get_config(os.path.join(fixtures, '2.26', 'hf_llama3.1_8B_config.yaml'))
+  with pytest.raises(validate.ConfigError, match='--config.model.model_config=PATH'):
+    plan.resolve(config)
+  config.model.model_config = os.path.join(fixtures, 'llama3_8b_config.json')
+  plan.resolve(config)
+  assert (config.model.num_layers, config.model.num_kv_heads, config.distributed_strategy.tensor_model_parallel_size) == (32, 8, 32)
 
 
 def _plan(*args):

@@ -170,7 +170,11 @@ def world(cluster, nodes, devices) -> int:
 def resolve(config):
   """What a run fills in from the user's files (config.json) before planning."""
   if config.model_source == 'hf':
-    from_files.apply_hf_model_config(config)
+    try:
+      from_files.apply_hf_model_config(config)
+    except validate.ConfigError as e:
+      raise validate.ConfigError(f'{e}; the planner needs the architecture: give the model\'s config.json with '
+                                 '--config.model.model_config=PATH') from None
 
 
 def define_flags():
