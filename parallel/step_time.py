@@ -141,12 +141,12 @@ def pipeline(p, mb, v, fwd, bwd, comm) -> float:
     return mb * (fwd + bwd)
   f = fwd / v
   r = lambda x: float(f'{x / f:.2g}')     # pylint: disable=unnecessary-lambda-assignment
-  short, long = 2 * p, 3 * p
+  short, long = p, 2 * p
   c = round(comm / f, 2)
   if mb <= long:
     return f * _makespan(p, mb, v, r(bwd / v), c)
   # Past the warm-up each more micro batch adds the same steady-state time: extrapolate from
-  # two simulated lengths (exact for these schedules; simulating m = 1024 takes seconds).
+  # two simulated lengths, p and 2p (exact for these schedules; simulating m = 1024 takes seconds).
   a, b = _makespan(p, short, v, r(bwd / v), c), _makespan(p, long, v, r(bwd / v), c)
   return f * (b + (mb - long) * (b - a) / (long - short))
 

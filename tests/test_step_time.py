@@ -30,10 +30,11 @@ def test_links_inside_and_across_nodes():
   assert step_time.link(H100, 16, 2) == (min(H100.intra_bw, 4 * H100.inter_bw) * eff, H100.inter_lat)
 
 
-@pytest.mark.parametrize('p,m,v', [(2, 5, 1), (4, 64, 1), (4, 64, 2), (8, 48, 2)])
+@pytest.mark.parametrize('p,m,v', [(2, 5, 1), (2, 33, 1), (4, 64, 1), (4, 64, 2), (4, 64, 4), (8, 48, 2), (8, 40, 1)])
 def test_pipeline_is_the_simulator(p, m, v):
-  exact = schedule_sim.simulate(p, m, v, 0.5 / v, 1.0 / v, 0.005).makespan
-  assert step_time.pipeline(p, m, v, 0.5, 1.0, 0.005) == pytest.approx(exact, rel=1e-9)
+  for bwd, comm in ((1.0, 0.005), (1.5, 0.05)):     # ratios the cache keeps exactly (2 digits, 0.01)
+    exact = schedule_sim.simulate(p, m, v, 0.5 / v, bwd / v, comm).makespan
+    assert step_time.pipeline(p, m, v, 0.5, bwd, comm) == pytest.approx(exact, rel=1e-9)
   assert step_time.pipeline(1, m, 1, 0.5, 1.0, 0.0) == m * 1.5
 
 

@@ -31,6 +31,7 @@ RECOMPUTE = {'none': (None, ()), 'selective': ('selective', ('attention',)),
 # HOOK(cp, ep): context and expert parallel degrees join the search here (and Layout, apply and
 # step_time.predict's terms) once distributed_strategy has their keys; each is 1 until then.
 EXTRA_AXES = {'cp': (1,), 'ep': (1,)}
+MEMORY = "memory: the estimate exceeds the device's memory"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +104,7 @@ def layouts(config, world_size):
         for zero1 in ((False, True) if dp > 1 else (False,)):
           for sp in ((False, True) if tp > 1 else (False,)):
             for mb in micro:
-              for recompute in RECOMPUTE:
+              for recompute in reversed(RECOMPUTE):      # least memory first (see search)
                 yield Layout(dp, tp, pp, vpp, zero1, sp, mb, recompute)
 
 
@@ -120,6 +121,7 @@ def search(config, cluster, world_size, keep=10) -> Plan:
   counts = (transformer.count_params(work.model), transformer.count_params(work.model, trainable_only=True),
             transformer.flops_per_token(work.model, work.data.seq_length))
   specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
+  too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
   for layout in layouts(config, world_size):
     searched += 1
     if layout.tp > cluster.devices_per_node:    # TP's per-layer collectives over the network: never a win
@@ -130,12 +132,20 @@ def search(config, cluster, world_size, keep=10) -> Plan:
     if problems:
       refused[_reason(problems[0])] += 1
       continue
+    # Memory only grows with the micro batch (in flight: min(pp x mb, batch per replica)) and
+    # as recompute keeps more: a layout above one that did not fit does not fit either.
+    family = (layout.tp, layout.pp, layout.vpp, layout.zero1, layout.sp)
+    more = list(RECOMPUTE).index
+    if any(layout.micro_batch >= mb and more(layout.recompute) <= more(r) for mb, r in too_big.get(family, ())):
+      refused[MEMORY] += 1
+      continue
     if layout.tp not in specs:
       specs[layout.tp] = {n: math.prod(spec.shape) for n, spec in transformer.param_specs(work.model, layout.tp).items()}
     sizes = {n: v // (layout.tp * layout.pp) for n, v in specs[layout.tp].items()}
     need = memory.estimate(work, sizes, layout.dp)['total']
     if need > cluster.memory_bytes:
-      refused['memory: the estimate exceeds the device\'s memory'] += 1
+      refused[MEMORY] += 1
+      too_big.setdefault(family, []).append((layout.micro_batch, layout.recompute))
       continue
     found.append((step_time.predict(work, cluster, world_size, counts=counts), layout, need))
   found.sort(key=lambda item: (item[0].step_s, item[2]))
