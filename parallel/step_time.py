@@ -111,6 +111,7 @@ def _layer_cost(config, cluster, tp):
     comm_b += comm_f
   else:                                          # selective: what the named regions recompute
     bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 if 'mlp' in parts else 0)
+    comm_b += one if 'mlp' in parts else 0       # the MLP's region holds its gather and its reduction
     bwd += (t_ew_attn / 4 if 'norm' in parts else 0) + (t_ew_mlp / 4 if 'activation' in parts else 0)
   return fwd, bwd, comm_f, comm_b
 
