@@ -154,12 +154,14 @@ def pipeline(p, mb, v, fwd, bwd, comm) -> float:
 
 # --- the step -----------------------------------------------------------------------------
 
-def predict(config, cluster, world_size, fsdp=False, counts=None) -> Prediction:
+def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=None):
   """The step of `config`'s layout at `world_size` ranks of `cluster`. `fsdp`: model the data
   parallelism as FSDP / ZeRO-3 (torchtitan's: parameters gathered per layer before forward and
   backward, gradients reduce-scattered, all prefetched behind compute), which flatron lacks:
   for comparing with published FSDP figures only. `counts`: (parameters, trainable, FLOPs per
-  token) of the whole model when the caller has them (the search: counting walks every parameter)."""
+  token) of the whole model when the caller has them (the search: counting walks every parameter).
+  `slower_than`: None instead of a Prediction when the step cannot be shorter than this many
+  seconds even with no bubble (the search's cut: the pipeline simulation is its cost)."""
   d, m, a = config.distributed_strategy, config.model, config.data
   tp, pp, v = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size
   # HOOK(cp, ep): context / expert parallel degrees divide world_size too and add their own
@@ -193,8 +195,6 @@ def predict(config, cluster, world_size, fsdp=False, counts=None) -> Prediction:
     gather = all_gather(per_layer * recipe.compute_dtype.itemsize, dp, dp_bw, dp_lat)
     scatter = reduce_scatter(per_layer * 4, dp, dp_bw, dp_lat)
     fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf)) + max(0.0, gather + scatter - (lb + cb)))
-  makespan = pipeline(pp, micro, v, fwd, bwd, exchange)
-  ideal = micro * (fwd + bwd + (2 * exchange if pp > 1 else 0))
   backend = BACKENDS.get(cluster.device, 'nccl')
   shards = dp if (d.zero1 or fsdp) and dp > 1 else 1
   gather = 0.0
@@ -218,10 +218,15 @@ def predict(config, cluster, world_size, fsdp=False, counts=None) -> Prediction:
   state = 2 * recipe.state_dtype(recipe.param_dtype).itemsize
   per_param = 2 * (recipe.param_dtype.itemsize + master + state) + 2 * recipe.grad_acc_dtype.itemsize
   optimizer = trainable / shards * per_param / cluster.mem_bw
+  rest = fsdp_exposed + exposed + gather + optimizer
+  if slower_than is not None and micro * (fwd + bwd) + rest > slower_than:
+    return None          # slower whatever the bubble (every stage runs all its micro batches)
+  makespan = pipeline(pp, micro, v, fwd, bwd, exchange)
+  ideal = micro * (fwd + bwd + (2 * exchange if pp > 1 else 0))
   terms = {'compute': micro * (fwd + bwd - layers_here * (cf + cb)), 'tp_comm': micro * layers_here * (cf + cb),
            'pp_comm': 2 * micro * exchange if pp > 1 else 0.0, 'bubble': max(0.0, makespan - ideal),
            'fsdp_comm': fsdp_exposed, 'dp_comm': exposed, 'zero1_gather': gather, 'optimizer': optimizer}
-  step = makespan + fsdp_exposed + exposed + gather + optimizer
+  step = makespan + rest
   tokens = a.global_batch_size * a.seq_length / step
   flops = per_token * tokens
   comm = terms['tp_comm'] + terms['pp_comm'] + fsdp_exposed + exposed + gather

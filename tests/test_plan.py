@@ -27,6 +27,9 @@ def test_search_keeps_only_valid_fitting_layouts():
   assert steps == sorted(steps)
   # llama_tiny has 4 layers: pp4 x v2 is refused by the pipeline check, and counted
   assert any('virtual' in reason for reason in result.refused)
+  # the search's cut (no simulation for a layout slower than the keep-th best) changes no pick
+  top = plan.search(config, cluster, 4, keep=3)
+  assert [c.layout for c in top.ranked] == [c.layout for c in result.ranked[:3]] and top.fitting == result.fitting
 
 
 def test_memory_refusals_are_counted():

@@ -117,7 +117,7 @@ def search(config, cluster, world_size, keep=10) -> Plan:
   """Rank every valid layout of `config` on `world_size` devices of `cluster` that fits."""
   work = copy.deepcopy(config)
   work.device = cluster.device
-  refused, found, searched = collections.Counter(), [], 0
+  refused, found, searched, fitting = collections.Counter(), [], 0, 0
   counts = (transformer.count_params(work.model), transformer.count_params(work.model, trainable_only=True),
             transformer.flops_per_token(work.model, work.data.seq_length))
   specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
@@ -147,10 +147,15 @@ def search(config, cluster, world_size, keep=10) -> Plan:
       refused[MEMORY] += 1
       too_big.setdefault(family, []).append((layout.micro_batch, layout.recompute))
       continue
-    found.append((step_time.predict(work, cluster, world_size, counts=counts), layout, need))
-  found.sort(key=lambda item: (item[0].step_s, item[2]))
-  ranked = [Candidate(layout, layout.apply(copy.deepcopy(work)), p, need) for p, layout, need in found[:keep]]
-  return Plan(ranked, refused, searched, len(found))
+    fitting += 1
+    bound = found[keep - 1][0].step_s if len(found) >= keep else None
+    p = step_time.predict(work, cluster, world_size, counts=counts, slower_than=bound)
+    if p is not None:      # None: slower than the keep-th best already found
+      found.append((p, layout, need))
+      found.sort(key=lambda item: (item[0].step_s, item[2]))
+      del found[keep:]
+  ranked = [Candidate(layout, layout.apply(copy.deepcopy(work)), p, need) for p, layout, need in found]
+  return Plan(ranked, refused, searched, fitting)
 
 
 def report(config, cluster, world_size, plan, top=10) -> str:
