@@ -42,6 +42,7 @@ def get_config(arg=None):
   trainer.nonfinite_policy = 'error'       # error | skip: on a NaN/inf loss or grad norm, stop or skip the update
   trainer.max_consecutive_skips = 10       # skip: stop with an error after this many skipped steps in a row
   trainer.memory_check = True              # refuse at start-up when the memory estimate exceeds the rank's memory
+  trainer.plan_cluster = 'auto'            # whose predicted step time the start-up summary prints (parallel/clusters.py: h100, trn1.32xlarge, local...); auto: local on CPU, by GPU name on CUDA, none on XLA; none = off
 
   c.exp_manager = config_dict.ConfigDict()
   exp_manager = c.exp_manager

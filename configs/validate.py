@@ -10,7 +10,7 @@ from config_checks import one_of, positive
 from data import loader
 from model import checks as model_checks, lora, moe, objectives
 from optim import optimizers, schedules
-from parallel import compiled, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
+from parallel import clusters, compiled, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')
@@ -59,6 +59,7 @@ def _check_run(config) -> list:
   for key in ('val_check_interval', 'limit_val_batches', 'num_sanity_val_steps', 'gradient_clip_val'):
     positive(problems, f'trainer.{key}', trainer[key], allow_zero=True)
   one_of(problems, 'trainer.nonfinite_policy', trainer.nonfinite_policy, NONFINITE_POLICIES)
+  one_of(problems, 'trainer.plan_cluster', trainer.plan_cluster, ('auto', 'none', *clusters.names()))
   positive(problems, 'trainer.max_consecutive_skips', trainer.max_consecutive_skips)
   positive(problems, 'trainer.exit_interval', trainer.exit_interval, allow_zero=True)
   return problems

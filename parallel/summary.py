@@ -1,11 +1,14 @@
 """The start-up summary: the layout, parameter counts, FLOPs per token, the batch, the memory
-estimate per rank and bytes per parameter, and what LoRA trains. One text for the training log
-(and, with the planner, for --dry_run).
+estimate per rank and bytes per parameter, the predicted step time (parallel/step_time.py, the
+model tools/plan.py searches with), and what LoRA trains. One text for the training log and
+--dry_run.
 """
+import dataclasses
+
 import torch
 
 from model import lora, transformer
-from parallel import device as devices, memory, mesh as meshes, tensor, training
+from parallel import clusters, device as devices, memory, mesh as meshes, step_time, tensor, training
 
 
 def startup(config, mesh, sizes, est) -> str:
@@ -31,6 +34,7 @@ def startup(config, mesh, sizes, est) -> str:
                                               if v),
       f'memory/rank peak (estimate): {memory.human_bytes(est["total"])} in {est["peak_phase"]} | '
       + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in est['phases'].items()),
+      step_line(config, mesh),
       f'precision {config.precision.type}: {memory.state_bytes_per_param(est, sizes):.1f} bytes/param on this rank '
       '(params + grads + master + optimizer state)',
   ]
@@ -42,6 +46,36 @@ def startup(config, mesh, sizes, est) -> str:
   if mesh.world_size > 1:
     lines += ['layout:'] + ['  ' + line for line in tensor.describe_layout(config, mesh)]
   return '\n'.join(lines)
+
+
+def plan_cluster(config, device):
+  """The cluster trainer.plan_cluster names (auto: `local` on CPU, by GPU name on CUDA, none
+  on XLA, whose chips torch cannot name), or None."""
+  name = config.trainer.get('plan_cluster', 'auto')
+  if name == 'none':
+    return None
+  if name != 'auto':
+    return clusters.get(name)
+  if device.type == 'cpu':     # a local device is one thread's worth (--calibrate): a process has n
+    local, n = clusters.local(), torch.get_num_threads()
+    return dataclasses.replace(local, peak={k: v * n for k, v in local.peak.items()}, mem_bw=local.mem_bw * n)
+  if device.type == 'cuda':
+    gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ''
+    return next((clusters.CLUSTERS[k] for k in ('h100', 'a100') if k.upper() in gpu), None)
+  return None
+
+
+def step_line(config, mesh) -> str:
+  """The predicted step time of this layout (parallel/step_time.py, the planner's model)."""
+  cluster = plan_cluster(config, mesh.device)
+  if cluster is None:
+    return ('step time (predicted): no cluster for this device; set trainer.plan_cluster '
+            f'(one of {", ".join(clusters.names())})')
+  try:
+    p = step_time.predict(config, cluster, mesh.world_size)
+  except NotImplementedError as e:
+    return f'step time (predicted): {e}'
+  return f'step time (predicted on {mesh.world_size} x {cluster.name}): {p.line()} | python -m tools.plan ranks the other layouts'
 
 
 def _lora_line(config, sizes, est, n_total) -> str:

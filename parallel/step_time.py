@@ -1,0 +1,234 @@
+"""Predicted step time of a config's layout on a cluster (parallel/clusters.py): what
+tools/plan.py searches with, and what the start-up summary and --dry_run print.
+
+One optimizer step on one rank of the slowest pipeline stage (the last: it holds the head) is
+
+  pipeline makespan  the schedule simulator (parallel/schedule_sim.py) over per-micro-batch
+                     forward and backward costs, each = GEMMs at matmul_eff of the compute
+                     dtype's peak + attention at attn_eff + elementwise bytes / memory bandwidth
+                     + the TP/SP collectives (blocking: on the critical path), and the p2p
+                     exchange as the simulator's comm cost; the bubble is what it adds
+  + DP reduction     all-reduce of the gradient buckets (or ZeRO-1's collective): behind the
+                     backward of the last micro batch when overlap_grad_reduce (all but the last
+                     bucket), all of it when not, or on XLA (its compiler schedules one graph)
+  + ZeRO-1 gather    the updated parameters' all-gather (or OR all-reduce): never overlapped
+  + optimizer        bytes of parameters, gradients, masters and moments read and written /
+                     memory bandwidth, over the rows this rank owns
+
+Collectives are alpha-beta rings over their group's links: a group of g ranks `stride` apart
+(rank = (dp_rank * pp + pp_rank) * tp + tp_rank) stays in a node when g * stride fits it;
+else its bandwidth is the node's inter-node share per device times the members it has per
+node (they share the crossing), at most the intra-node link. All-reduce 2(g-1)(alpha +
+n/(g B)), all-gather and reduce-scatter (g-1)(alpha + n/(g B)), p2p alpha + n/B.
+Context and expert parallelism (cp, ep) are not modelled: `predict` refuses them (HOOK below).
+"""
+import dataclasses
+import functools
+import math
+
+from model import layers, transformer
+from parallel import grad_buffer, precision, schedule_sim
+
+BACKENDS = {'cpu': 'gloo', 'cuda': 'nccl', 'xla': 'xla'}
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  step_s: float
+  tokens_per_s: float
+  mfu: float
+  bubble: float            # share of the step the pipeline's ranks idle in the bubble
+  comm: float              # share of the step spent in exposed communication
+  terms: dict              # seconds per step per term (see module doc)
+
+  def line(self) -> str:
+    return (f'{self.step_s:.3f} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}, '
+            f'bubble {self.bubble:.1%}, communication {self.comm:.1%}')
+
+
+# --- alpha-beta collectives ---------------------------------------------------------------
+
+def link(cluster, size, stride=1) -> tuple:
+  """(bandwidth bytes/s, latency s) of a ring over `size` ranks `stride` apart."""
+  per_node = cluster.devices_per_node
+  if size * stride <= per_node:
+    return cluster.intra_bw * cluster.link_eff, cluster.intra_lat
+  members = max(1, per_node // stride)          # this group's ranks in one node
+  return min(cluster.intra_bw, cluster.inter_bw * members) * cluster.link_eff, cluster.inter_lat
+
+
+def all_reduce(n, g, bw, lat) -> float:
+  return 0.0 if g == 1 else 2 * (g - 1) * (lat + n / (g * bw))
+
+
+def all_gather(n, g, bw, lat) -> float:
+  """`n` bytes gathered (the output); a reduce-scatter of `n` input bytes costs the same."""
+  return 0.0 if g == 1 else (g - 1) * (lat + n / (g * bw))
+
+
+reduce_scatter = all_gather
+
+
+def p2p(n, bw, lat) -> float:
+  return lat + n / bw
+
+
+# --- per micro batch, per layer -----------------------------------------------------------
+
+def compute_dtype(config) -> str:
+  return 'fp32' if precision.recipe(config.precision).compute_dtype.itemsize == 4 else 'bf16'
+
+
+def _layer_cost(config, cluster, tp):
+  """(forward s, backward s, forward TP comm s, backward TP comm s) of one layer, one micro batch."""
+  m, a, d = config.model, config.data, config.distributed_strategy
+  b, s, h = a.micro_batch_size, a.seq_length, m.hidden_size
+  n, hd = b * s, transformer.head_dim(m)
+  heads, kv, f = m.num_attention_heads, transformer.kv_heads(m), m.ffn_hidden_size
+  gated = m.activation in layers.GATED
+  w = 4 if compute_dtype(config) == 'fp32' else 2
+  peak = cluster.peak[compute_dtype(config)]
+  gemm, attn_rate = peak * cluster.matmul_eff, peak * cluster.attn_eff
+  attn_flops = 2 * b * s * s * heads * hd / tp       # QK^T and PV (2 x 2 b s^2 a d), causal: half
+  attn_lin = 2 * n * (h * (heads + 2 * kv) * hd + heads * hd * h) / tp
+  mlp_lin = 2 * n * (3 if gated else 2) * h * f / tp
+  sp = tp > 1 and d.sequence_parallel
+  local = n // tp if sp else n
+  ew_attn = w * (local * h * (2 + 6) + 2 * n * (heads + kv) * hd / tp) + 8 * local * h   # norm, residual, RoPE
+  ew_mlp = w * (local * h * (2 + 6) + 4 * n * f / tp) + 8 * local * h                    # norm, residual, act x up
+  t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
+  t_ew_attn, t_ew_mlp = ew_attn / cluster.mem_bw, ew_mlp / cluster.mem_bw
+  fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp
+  bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp)
+  granularity = m.activations_checkpoint_granularity
+  parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
+  tp_bw, tp_lat = link(cluster, tp)
+  one = (all_gather(n * h * w, tp, tp_bw, tp_lat) + reduce_scatter(n * h * w, tp, tp_bw, tp_lat) if sp
+         else all_reduce(n * h * w, tp, tp_bw, tp_lat))    # per sublayer: attention, MLP
+  comm_f, comm_b = 2 * one, 2 * one
+  if granularity == 'full':
+    bwd += fwd
+    comm_b += comm_f
+  else:                                          # selective: what the named regions recompute
+    bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 if 'mlp' in parts else 0)
+    comm_b += one if 'mlp' in parts else 0       # the MLP's region holds its gather and its reduction
+    bwd += (t_ew_attn / 4 if 'norm' in parts else 0) + (t_ew_mlp / 4 if 'activation' in parts else 0)
+  return fwd, bwd, comm_f, comm_b
+
+
+def _head_cost(config, cluster, tp):
+  """(forward s, backward s) of the LM head and the loss, one micro batch on the last stage."""
+  m, a = config.model, config.data
+  n, vocab = a.micro_batch_size * a.seq_length, transformer.padded_vocab_size(m, tp) // tp
+  gemm = cluster.peak[compute_dtype(config)] * cluster.matmul_eff
+  flops = 2 * n * m.hidden_size * vocab
+  ew = 4 * n * vocab * 3 / cluster.mem_bw                 # fp32 logits: softmax, its gradient
+  chunk = m.fusions.get('chunked_cross_entropy', 0)
+  return flops / gemm + ew, 2 * flops / gemm + ew + (flops / gemm if chunk else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _makespan(p, mb, v, bwd_ratio, comm_ratio):
+  return schedule_sim.simulate(p, mb, v, 1.0, bwd_ratio, comm_ratio).makespan
+
+
+def pipeline(p, mb, v, fwd, bwd, comm) -> float:
+  """Makespan of `mb` micro batches over p stages (v chunks each) at forward / backward /
+  exchange costs per micro batch and stage: the simulator's, scaled (makespan is linear in
+  the three costs; backward / forward is rounded to 2 digits and exchange / forward to 0.01
+  to share cached runs: the search
+  then simulates a few dozen schedules, not thousands)."""
+  if p == 1:
+    return mb * (fwd + bwd)
+  f = fwd / v
+  r = lambda x: float(f'{x / f:.2g}')     # pylint: disable=unnecessary-lambda-assignment
+  short, long = p, 2 * p
+  c = round(comm / f, 2)
+  if mb <= long:
+    return f * _makespan(p, mb, v, r(bwd / v), c)
+  # Past the warm-up each more micro batch adds the same steady-state time: extrapolate from
+  # two simulated lengths, p and 2p (exact for these schedules; simulating m = 1024 takes seconds).
+  a, b = _makespan(p, short, v, r(bwd / v), c), _makespan(p, long, v, r(bwd / v), c)
+  return f * (b + (mb - long) * (b - a) / (long - short))
+
+
+# --- the step -----------------------------------------------------------------------------
+
+def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=None):
+  """The step of `config`'s layout at `world_size` ranks of `cluster`. `fsdp`: model the data
+  parallelism as FSDP / ZeRO-3 (torchtitan's: parameters gathered per layer before forward and
+  backward, gradients reduce-scattered, all prefetched behind compute), which flatron lacks:
+  for comparing with published FSDP figures only. `counts`: (parameters, trainable, FLOPs per
+  token) of the whole model when the caller has them (the search: counting walks every parameter).
+  `slower_than`: None instead of a Prediction when the step cannot be shorter than this many
+  seconds even with no bubble (the search's cut: the pipeline simulation is its cost)."""
+  d, m, a = config.distributed_strategy, config.model, config.data
+  tp, pp, v = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size
+  # HOOK(cp, ep): context / expert parallel degrees divide world_size too and add their own
+  # collectives (ring attention's KV exchange, the MoE all-to-all); model them here when the
+  # keys exist. Until then a config that sets them is refused rather than mispredicted.
+  for key in ('context_parallel_size', 'expert_model_parallel_size'):
+    if d.get(key, 1) not in (None, 1):
+      raise NotImplementedError(f'distributed_strategy.{key}={d.get(key)}: the step-time model has no '
+                                'term for it yet (parallel/step_time.py, HOOK(cp, ep))')
+  dp = world_size // (tp * pp)
+  recipe = precision.recipe(config.precision)
+  micro = a.global_batch_size // (a.micro_batch_size * dp)
+  layers_here = math.ceil(m.num_layers / pp)
+  lf, lb, cf, cb = _layer_cost(config, cluster, tp)
+  hf, hb = _head_cost(config, cluster, tp)
+  w = 4 if compute_dtype(config) == 'fp32' else 2
+  n = a.micro_batch_size * a.seq_length
+  sp = tp > 1 and d.sequence_parallel
+  pp_bw, pp_lat = link(cluster, pp, tp)
+  exchange = p2p(n * m.hidden_size * w // (tp if sp else 1), pp_bw, pp_lat) if pp > 1 else 0.0
+  fwd = layers_here * (lf + cf) + hf
+  bwd = layers_here * (lb + cb) + hb
+  total, trained, per_token = counts or (transformer.count_params(m), transformer.count_params(m, trainable_only=True),
+                                         transformer.flops_per_token(m, a.seq_length))
+  params_rank, trainable = total / (tp * pp), trained / (tp * pp)
+  dp_bw, dp_lat = link(cluster, dp, tp * pp)
+  grads = trainable * recipe.grad_acc_dtype.itemsize
+  fsdp_exposed = 0.0
+  if fsdp and dp > 1:     # per layer: gather params for forward and backward, reduce-scatter grads
+    per_layer = params_rank / m.num_layers
+    gather = all_gather(per_layer * recipe.compute_dtype.itemsize, dp, dp_bw, dp_lat)
+    scatter = reduce_scatter(per_layer * 4, dp, dp_bw, dp_lat)
+    fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf)) + max(0.0, gather + scatter - (lb + cb)))
+  backend = BACKENDS.get(cluster.device, 'nccl')
+  shards = dp if (d.zero1 or fsdp) and dp > 1 else 1
+  gather = 0.0
+  if fsdp:
+    reduction = 0.0
+  elif d.zero1 and dp > 1:
+    if grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
+      reduction = all_reduce(grads, dp, dp_bw, dp_lat)
+      gather = all_reduce(trainable * recipe.param_dtype.itemsize, dp, dp_bw, dp_lat)
+    else:
+      reduction = reduce_scatter(grads, dp, dp_bw, dp_lat)
+      gather = all_gather(trainable * recipe.param_dtype.itemsize, dp, dp_bw, dp_lat)
+  else:
+    reduction = all_reduce(grads, dp, dp_bw, dp_lat)
+  buckets = max(1, math.ceil(grads / (config.bucket_size_collectives * 2**20)))
+  if d.overlap_grad_reduce and cluster.device != 'xla':
+    exposed = max(reduction / buckets, reduction - bwd * (1 - 1 / buckets))
+  else:
+    exposed = reduction
+  master = 4 if recipe.has_master(recipe.param_dtype) else 0
+  state = 2 * recipe.state_dtype(recipe.param_dtype).itemsize
+  per_param = 2 * (recipe.param_dtype.itemsize + master + state) + 2 * recipe.grad_acc_dtype.itemsize
+  optimizer = trainable / shards * per_param / cluster.mem_bw
+  rest = fsdp_exposed + exposed + gather + optimizer
+  if slower_than is not None and micro * (fwd + bwd) + rest > slower_than:
+    return None          # slower whatever the bubble (every stage runs all its micro batches)
+  makespan = pipeline(pp, micro, v, fwd, bwd, exchange)
+  ideal = micro * (fwd + bwd + (2 * exchange if pp > 1 else 0))
+  terms = {'compute': micro * (fwd + bwd - layers_here * (cf + cb)), 'tp_comm': micro * layers_here * (cf + cb),
+           'pp_comm': 2 * micro * exchange if pp > 1 else 0.0, 'bubble': max(0.0, makespan - ideal),
+           'fsdp_comm': fsdp_exposed, 'dp_comm': exposed, 'zero1_gather': gather, 'optimizer': optimizer}
+  step = makespan + rest
+  tokens = a.global_batch_size * a.seq_length / step
+  flops = per_token * tokens
+  comm = terms['tp_comm'] + terms['pp_comm'] + fsdp_exposed + exposed + gather
+  return Prediction(step, tokens, flops / (world_size * cluster.peak[compute_dtype(config)]),
+                    terms['bubble'] / step, comm / step, terms)

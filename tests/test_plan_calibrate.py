@@ -1,0 +1,25 @@
+"""tools/plan_calibrate.py's alpha-beta fit and tools/bench_plan.py's configs (what is
+predicted is what tools/bench_layouts.py runs). The measurement itself is a benchmark."""
+import pytest
+
+from tools import bench_layouts, bench_plan, plan_calibrate
+
+
+def test_fit_recovers_alpha_and_beta():
+  lat, bw, n = 50e-6, 2e9, 4 * 2**22
+  small = {'all_reduce': 2 * lat, 'all_gather': lat, 'p2p': lat}
+  large = {'all_reduce': 2 * (lat + n / 2 / bw), 'all_gather': lat + n / 2 / bw, 'p2p': lat + n / bw}
+  got_bw, got_lat = plan_calibrate.fit({2: small, 2**22: large})
+  assert got_lat == pytest.approx(lat)
+  assert got_bw == pytest.approx(bw)      # the median of the three operations' (all equal here)
+
+
+@pytest.mark.parametrize('layout', sorted(bench_layouts.LAYOUTS))
+def test_bench_plan_predicts_the_config_bench_layouts_runs(layout):
+  c = bench_plan.layout_config('configs/llama_tiny.py', 'small', layout)
+  d = c.distributed_strategy
+  assert (c.model.num_layers, c.model.hidden_size, c.data.global_batch_size) == (4, 256, 16)
+  assert d.tensor_model_parallel_size == (2 if layout.startswith('tp2') else 1)
+  assert d.pipeline_model_parallel_size == (2 if layout.startswith('pp2') else 1)
+  assert d.zero1 == ('zero1' in layout) and d.sequence_parallel == layout.endswith('_sp')
+  assert d.overlap_grad_reduce == ('no_overlap' not in layout)

@@ -1,0 +1,105 @@
+"""The step-time model's arithmetic: alpha-beta collectives, which links a group uses, the
+pipeline term against the simulator, and how the layout keys move the terms."""
+import dataclasses
+
+import pytest
+
+from configs import llama3_8b, llama_tiny
+from model import transformer
+from parallel import clusters, schedule_sim, step_time
+
+H100 = clusters.CLUSTERS['h100']
+
+
+def test_alpha_beta_rings():
+  n, bw, lat = 8e6, 1e9, 1e-5
+  assert step_time.all_reduce(n, 4, bw, lat) == pytest.approx(2 * 3 * (lat + n / 4 / bw))
+  assert step_time.all_gather(n, 4, bw, lat) == pytest.approx(3 * (lat + n / 4 / bw))
+  assert step_time.reduce_scatter(n, 4, bw, lat) == step_time.all_gather(n, 4, bw, lat)
+  assert step_time.p2p(n, bw, lat) == pytest.approx(lat + n / bw)
+  assert step_time.all_reduce(n, 1, bw, lat) == step_time.all_gather(n, 1, bw, lat) == 0
+
+
+def test_links_inside_and_across_nodes():
+  eff = H100.link_eff
+  assert step_time.link(H100, 8) == (H100.intra_bw * eff, H100.intra_lat)          # tp8 in a node
+  assert step_time.link(H100, 2, 4) == (H100.intra_bw * eff, H100.intra_lat)       # 2 ranks 4 apart
+  # dp over nodes with tp8: one member per node, the node's NIC share per device
+  assert step_time.link(H100, 4, 8) == (H100.inter_bw * eff, H100.inter_lat)
+  # 16 ranks 2 apart: 4 of the group per node share the crossing
+  assert step_time.link(H100, 16, 2) == (min(H100.intra_bw, 4 * H100.inter_bw) * eff, H100.inter_lat)
+
+
+@pytest.mark.parametrize('p,m,v', [(2, 5, 1), (2, 33, 1), (4, 64, 1), (4, 64, 2), (4, 64, 4), (8, 48, 2), (8, 40, 1)])
+def test_pipeline_is_the_simulator(p, m, v):
+  for bwd, comm in ((1.0, 0.005), (1.5, 0.05)):     # ratios the cache keeps exactly (2 digits, 0.01)
+    exact = schedule_sim.simulate(p, m, v, 0.5 / v, bwd / v, comm).makespan
+    assert step_time.pipeline(p, m, v, 0.5, bwd, comm) == pytest.approx(exact, rel=1e-9)
+  assert step_time.pipeline(1, m, 1, 0.5, 1.0, 0.0) == m * 1.5
+
+
+def _config(**strategy):
+  c = llama3_8b.get_config()
+  c.precision.type, c.device = 'mixed_precision', 'cuda'
+  c.data.global_batch_size = 64
+  for k, v in strategy.items():
+    c.distributed_strategy[k] = v
+  return c
+
+
+def test_terms_follow_the_layout():
+  base = step_time.predict(_config(), H100, 8)
+  assert base.terms['tp_comm'] == base.terms['pp_comm'] == base.terms['bubble'] == base.terms['zero1_gather'] == 0
+  assert base.terms['dp_comm'] > 0
+  # half the ranks per replica: each does twice the micro batches
+  assert step_time.predict(_config(), H100, 16).terms['compute'] == pytest.approx(base.terms['compute'] / 2)
+  no_overlap = step_time.predict(_config(overlap_grad_reduce=False), H100, 8)
+  assert no_overlap.terms['dp_comm'] > base.terms['dp_comm']
+  zero1 = step_time.predict(_config(zero1=True), H100, 8)
+  assert zero1.terms['zero1_gather'] > 0 and zero1.terms['optimizer'] == pytest.approx(base.terms['optimizer'] / 8)
+  tp = step_time.predict(_config(tensor_model_parallel_size=4, kv_replicator=1), H100, 8)
+  assert tp.terms['tp_comm'] > 0
+  pp = step_time.predict(_config(pipeline_model_parallel_size=4), H100, 8)
+  assert pp.terms['bubble'] > 0 and pp.terms['pp_comm'] > 0 and 0 < pp.bubble < 1
+
+
+def test_mfu_is_model_flops_over_peak():
+  c = _config()
+  p = step_time.predict(c, H100, 8)
+  per_token = transformer.flops_per_token(c.model, c.data.seq_length)
+  assert p.mfu == pytest.approx(per_token * p.tokens_per_s / (8 * H100.peak['bf16']))
+  assert p.tokens_per_s == pytest.approx(c.data.global_batch_size * c.data.seq_length / p.step_s)
+  assert p.step_s == pytest.approx(sum(p.terms.values()))     # one stage: no bubble, every term adds
+
+
+def test_recompute_costs_compute():
+  c = _config()
+  plain = step_time.predict(c, H100, 8).terms['compute']
+  c.model.activations_checkpoint_granularity = 'full'
+  assert step_time.predict(c, H100, 8).terms['compute'] > plain * 1.25
+
+
+def test_cp_and_ep_are_refused_not_mispredicted():
+  c = llama_tiny.get_config()
+  c.distributed_strategy.context_parallel_size = 2
+  with pytest.raises(NotImplementedError, match='context_parallel_size'):
+    step_time.predict(c, clusters.LOCAL_DEFAULT, 2)
+
+
+def test_local_entry_round_trips(tmp_path):
+  entry = dataclasses.replace(clusters.LOCAL_DEFAULT, peak={'fp32': 1e11, 'bf16': 5e9}, source='measured')
+  path = clusters.write_local(entry, str(tmp_path / 'local.json'))
+  assert clusters.local(path) == entry
+  assert clusters.local(str(tmp_path / 'missing.json')) == clusters.LOCAL_DEFAULT
+
+
+def test_the_startup_summary_prints_this_model():
+  import torch  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, summary  # pylint: disable=import-outside-toplevel
+  c = _config(tensor_model_parallel_size=8)
+  c.trainer.plan_cluster = 'h100'
+  mesh = meshes.Mesh(tp=8, device=torch.device('cpu'))
+  assert summary.step_line(c, mesh) == (f'step time (predicted on 8 x h100): {step_time.predict(c, H100, 8).line()} '
+                                        '| python -m tools.plan ranks the other layouts')
+  c.trainer.plan_cluster = 'none'
+  assert 'set trainer.plan_cluster' in summary.step_line(c, mesh)

@@ -1,0 +1,230 @@
+"""Plan a run before paying for it: every valid layout of a config on a cluster, ranked by the
+predicted tokens/s (parallel/step_time.py), with memory per device (parallel/memory.py), and
+why the rest do not fit (docs/planning.md).
+
+    python -m tools.plan --config=configs/llama3_8b.py --cluster=h100 --nodes=2
+    python -m tools.plan --config=configs/nxd_yaml.py:their.yaml --config.model.model_config=config.json \
+        --cluster=trn1.32xlarge --nodes=32
+    python -m tools.plan --config=configs/llama_tiny.py --cluster=local --devices=2
+    python -m tools.plan --calibrate          # measure this machine: the `local` entry
+
+Searched: dp x tp x pp (dp = devices / (tp pp)), virtual stages, ZeRO-1, sequence parallel,
+micro batch, recompute mode. Each layout is first checked by configs/validate.py (refusals are
+counted by message), then by the memory estimate against the device's memory.
+"""
+import collections
+import copy
+import dataclasses
+import math
+import re
+
+from absl import app, flags
+from ml_collections import config_flags
+
+import tools
+from configs import from_files, validate
+from model import transformer
+from parallel import clusters, memory, step_time
+
+RECOMPUTE = {'none': (None, ()), 'selective': ('selective', ('attention',)),
+             'selective+mlp': ('selective', ('attention', 'mlp')), 'full': ('full', ())}
+# HOOK(cp, ep): context and expert parallel degrees join the search here (and Layout, apply and
+# step_time.predict's terms) once distributed_strategy has their keys; each is 1 until then.
+EXTRA_AXES = {'cp': (1,), 'ep': (1,)}
+MEMORY = "memory: the estimate exceeds the device's memory"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  dp: int
+  tp: int
+  pp: int
+  vpp: int = 1
+  zero1: bool = False
+  sp: bool = False
+  micro_batch: int = 1
+  recompute: str = 'none'
+  cp: int = 1
+  ep: int = 1
+
+  def describe(self) -> str:
+    parts = [f'dp{self.dp}', f'tp{self.tp}' + ('+sp' if self.sp else ''), f'pp{self.pp}' + (f'v{self.vpp}' if self.vpp > 1 else '')]
+    parts += ['zero1'] * self.zero1 + [f'mb{self.micro_batch}', self.recompute]
+    return ' '.join(parts)
+
+  def apply(self, config):
+    """Set this layout's keys in `config` (in place) and return it."""
+    d = config.distributed_strategy
+    d.tensor_model_parallel_size, d.pipeline_model_parallel_size = self.tp, self.pp
+    d.virtual_pipeline_model_parallel_size, d.zero1, d.sequence_parallel = self.vpp, self.zero1, self.sp
+    d.pipeline_cuts = ()
+    kv = transformer.kv_heads(config.model)
+    d.kv_replicator = self.tp // kv if self.tp > kv and self.tp % kv == 0 else 1
+    config.data.micro_batch_size = self.micro_batch
+    granularity, parts = RECOMPUTE[self.recompute]
+    config.model.activations_checkpoint_granularity = granularity
+    if parts:
+      config.model.activations_checkpoint_recompute = parts
+    return config
+
+
+@dataclasses.dataclass
+class Candidate:
+  layout: Layout
+  config: object
+  prediction: step_time.Prediction
+  memory_bytes: float
+
+
+@dataclasses.dataclass
+class Plan:
+  ranked: list               # the `keep` fastest Candidates that fit, fastest first
+  refused: collections.Counter   # reason -> layouts
+  searched: int
+  fitting: int               # layouts that are valid and fit (ranked keeps the best of them)
+
+
+def _divisors(n):
+  return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(config, world_size):
+  """Every layout of `world_size` devices the search tries (validity is checked after)."""
+  m, a = config.model, config.data
+  for tp in _divisors(world_size):
+    if tp > m.num_attention_heads:
+      continue
+    for pp in _divisors(world_size // tp):
+      if pp > m.num_layers:
+        continue
+      dp = world_size // (tp * pp)
+      per_rank = a.global_batch_size // dp if a.global_batch_size % dp == 0 else 0
+      micro = [b for b in (1, 2, 4, 8) if per_rank and per_rank % b == 0] or [1]
+      for vpp in ((1, 2, 4) if pp > 1 else (1,)):
+        for zero1 in ((False, True) if dp > 1 else (False,)):
+          for sp in ((False, True) if tp > 1 else (False,)):
+            for mb in micro:
+              for recompute in reversed(RECOMPUTE):      # least memory first (see search)
+                yield Layout(dp, tp, pp, vpp, zero1, sp, mb, recompute)
+
+
+def _reason(message):
+  """A refusal message with its numbers taken out, so alike refusals count together."""
+  return re.sub(r'\d+(\.\d+)?', 'N', message.split(';')[0])[:140]
+
+
+def search(config, cluster, world_size, keep=10) -> Plan:
+  """Rank every valid layout of `config` on `world_size` devices of `cluster` that fits."""
+  work = copy.deepcopy(config)
+  work.device = cluster.device
+  refused, found, searched, fitting = collections.Counter(), [], 0, 0
+  counts = (transformer.count_params(work.model), transformer.count_params(work.model, trainable_only=True),
+            transformer.flops_per_token(work.model, work.data.seq_length))
+  specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
+  too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
+  for layout in layouts(config, world_size):
+    searched += 1
+    if layout.tp > cluster.devices_per_node:    # TP's per-layer collectives over the network: never a win
+      refused['tp > devices per node: TP stays inside a node'] += 1
+      continue
+    layout.apply(work)
+    problems = validate.check(work, world_size)
+    if problems:
+      refused[_reason(problems[0])] += 1
+      continue
+    # Memory only grows with the micro batch (in flight: min(pp x mb, batch per replica)) and
+    # as recompute keeps more: a layout above one that did not fit does not fit either.
+    family = (layout.tp, layout.pp, layout.vpp, layout.zero1, layout.sp)
+    more = list(RECOMPUTE).index
+    if any(layout.micro_batch >= mb and more(layout.recompute) <= more(r) for mb, r in too_big.get(family, ())):
+      refused[MEMORY] += 1
+      continue
+    if layout.tp not in specs:
+      specs[layout.tp] = {n: math.prod(spec.shape) for n, spec in transformer.param_specs(work.model, layout.tp).items()}
+    sizes = {n: v // (layout.tp * layout.pp) for n, v in specs[layout.tp].items()}
+    need = memory.estimate(work, sizes, layout.dp)['total']
+    if need > cluster.memory_bytes:
+      refused[MEMORY] += 1
+      too_big.setdefault(family, []).append((layout.micro_batch, layout.recompute))
+      continue
+    fitting += 1
+    bound = found[keep - 1][0].step_s if len(found) >= keep else None
+    p = step_time.predict(work, cluster, world_size, counts=counts, slower_than=bound)
+    if p is not None:      # None: slower than the keep-th best already found
+      found.append((p, layout, need))
+      found.sort(key=lambda item: (item[0].step_s, item[2]))
+      del found[keep:]
+  ranked = [Candidate(layout, layout.apply(copy.deepcopy(work)), p, need) for p, layout, need in found]
+  return Plan(ranked, refused, searched, fitting)
+
+
+def report(config, cluster, world_size, plan, top=10) -> str:
+  lines = [f'{config.name} on {world_size} x {cluster.name} ({cluster.source}); '
+           f'{plan.searched} layouts searched, {plan.fitting} valid and fitting',
+           '| layout | tokens/s | MFU | step s | memory/device | bubble | communication |', '|---|---|---|---|---|---|---|']
+  for c in plan.ranked[:top]:
+    p = c.prediction
+    lines.append(f'| {c.layout.describe()} | {p.tokens_per_s:,.0f} | {p.mfu:.1%} | {p.step_s:.3g} | '
+                 f'{memory.human_bytes(c.memory_bytes)} | {p.bubble:.1%} | {p.comm:.1%} |')
+  if not plan.ranked:
+    lines.append('| no layout fits | | | | | | |')
+  lines.append(f'refused ({sum(plan.refused.values())} layouts), by reason:')
+  lines += [f'  {n:6d}  {reason}' for reason, n in plan.refused.most_common()]
+  return '\n'.join(lines)
+
+
+def world(cluster, nodes, devices) -> int:
+  """Devices of the run: --devices, else --nodes x the cluster's devices per node."""
+  if devices:
+    return devices
+  if not nodes or nodes < 1:
+    raise ValueError('give --nodes=N (whole nodes of the cluster) or --devices=N')
+  return nodes * cluster.devices_per_node
+
+
+def resolve(config):
+  """What a run fills in from the user's files (config.json) before planning."""
+  if config.model_source == 'hf':
+    try:
+      from_files.apply_hf_model_config(config)
+    except validate.ConfigError as e:
+      raise validate.ConfigError(f'{e}; the planner needs the architecture: give the model\'s config.json with '
+                                 '--config.model.model_config=PATH') from None
+
+
+def define_flags():
+  config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]) or '
+                                  'configs/nxd_yaml.py:their.yaml; --config.key=value overrides.')
+  flags.DEFINE_string('cluster', 'local', f'Cluster name (of {", ".join(clusters.names())}).')
+  flags.DEFINE_integer('nodes', 0, 'Nodes of the cluster.')
+  flags.DEFINE_integer('devices', 0, 'Devices (ranks) in all, instead of --nodes.')
+  flags.DEFINE_integer('top', 10, 'Layouts to print.')
+  flags.DEFINE_bool('calibrate', False, 'Measure this machine and write the `local` entry, then exit.')
+
+
+def main(argv):
+  tools.no_arguments(argv)
+  FLAGS = flags.FLAGS   # pylint: disable=invalid-name
+  if FLAGS.calibrate:
+    from tools import plan_calibrate   # pylint: disable=import-outside-toplevel
+    plan_calibrate.main()
+    return
+  if FLAGS.config is None:
+    tools.fail('--config is required (a configs/*.py file, or configs/nxd_yaml.py:their.yaml)')
+  try:
+    cluster = clusters.get(FLAGS.cluster)
+    world_size = world(cluster, FLAGS.nodes, FLAGS.devices)
+    config = FLAGS.config
+    resolve(config)
+  except (ValueError, validate.ConfigError) as e:
+    tools.fail(str(e))
+  plan = search(config, cluster, world_size, keep=FLAGS.top)
+  print(report(config, cluster, world_size, plan, FLAGS.top))
+  if not plan.ranked:
+    tools.fail(f'no layout of {world_size} {cluster.name} devices fits {config.name}: use more devices, '
+               'a smaller data.global_batch_size or a smaller model (reasons above)')
+
+
+if __name__ == '__main__':
+  define_flags()
+  app.run(main)
