@@ -47,8 +47,8 @@ def param_boxes(config, mesh, rank):
 def _shard_box(box, local_rows, config, mesh, rank):
   """The optimizer-state box: the parameter box narrowed to this rank's ZeRO rows."""
   mesh_r = _rank_mesh(mesh, rank)
-  parts = mesh.dp if config.distributed_strategy.zero1 and mesh.dp > 1 else 1
-  rows, _ = zero.shard_rows(local_rows, parts, mesh_r.dp_rank if parts > 1 else 0)
+  parts = mesh.dp_cp if config.distributed_strategy.zero1 and mesh.dp_cp > 1 else 1
+  rows, _ = zero.shard_rows(local_rows, parts, mesh_r.dp_cp_rank if parts > 1 else 0)
   start = box[0].start
   return (slice(start + rows.start, start + rows.stop),) + tuple(box[1:])
 
@@ -58,7 +58,7 @@ def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **
   the layout it was saved at, the optimizer's state keys and step)."""
   strategy = config.distributed_strategy
   return {'consumed_samples': consumed_samples, 'config': json.loads(config.to_json_best_effort()),
-          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp,
+          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp, 'cp': mesh.cp,
                      'vp': strategy.virtual_pipeline_model_parallel_size, 'zero1': strategy.zero1},
           'optimizer_state_keys': list(state_keys), 'optimizer_step': optimizer_step, **extra}
 

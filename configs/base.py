@@ -78,6 +78,7 @@ def get_config(arg=None):
   strategy.zero1_collectives = 'auto'         # auto | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather (auto: fastest on the backend)
   strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)
   strategy.kv_replicator = 1                  # copies of each KV head when t > num_kv_heads (t = kv_heads * kv_replicator)
+  strategy.context_parallel_size = 1          # CP degree c: each rank holds 1/c of every sequence (2c chunks, rank i has i and 2c-1-i); needs model.fusions.ring_attention
   strategy.collective_timeout_s = 300         # a collective that waits longer fails, naming rank and op
 
   c.data = config_dict.ConfigDict()
@@ -153,6 +154,7 @@ def get_config(arg=None):
   model.compile = False                    # torch.compile each transformer block (one graph serves every layer; not with TP or XLA)
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
+  model.fusions.ring_attention = False     # attention of context parallelism: K/V blocks around the cp ranks (parallel/ring_attention.py)
   model.fusions.chunked_cross_entropy = 0  # LM head + loss over chunks of this many tokens (model/chunked_ce.py): one
                                            # chunk's logits at a time, not the micro batch's; 0 = off
 

@@ -44,10 +44,12 @@ class Updater:
     `trainable`: names to update (default all), the rest are frozen."""
     self.params, self.mesh, self.config = params, mesh, config
     self.recipe = precision.recipe(config.precision)
-    zero1 = config.distributed_strategy.zero1 and mesh.dp_group is not None
-    self.group = mesh.dp_group if zero1 else None
+    # The cp ranks of a sequence saw parts of the same batch: gradients sum over dp x cp, and
+    # ZeRO-1 shards over it (Megatron's distributed optimizer does the same).
+    zero1 = config.distributed_strategy.zero1 and mesh.dp_cp_group is not None
+    self.group = mesh.dp_cp_group if zero1 else None
     self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
-    self.parts, self.index = (mesh.dp, mesh.dp_rank) if zero1 else (1, 0)
+    self.parts, self.index = (mesh.dp_cp, mesh.dp_cp_rank) if zero1 else (1, 0)
     self.trainable = [n for n in params if trainable is None or n in trainable]
     for name, p in params.items():
       p.requires_grad_(name in self.trainable)
@@ -57,7 +59,7 @@ class Updater:
     self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
     # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward.
     self.grads = grad_buffer.GradBuffer(params, self.trainable, self.recipe.grad_acc_dtype, self.parts,
-                                        self.index, mesh.dp_group, self.bucket_bytes, self.collective,
+                                        self.index, mesh.dp_cp_group, self.bucket_bytes, self.collective,
                                         strategy.overlap_grad_reduce)
     self.rows = {n: owned_rows(params[n].shape[0], self.parts, self.index) for n in self.trainable}
     # Without a master copy the shard is a view of the parameter's rows.

@@ -18,7 +18,7 @@ STEPS = 10
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
-                  family=None):
+                  family=None, cp=1):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -34,6 +34,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size = pp, vp
   d.pipeline_cuts = tuple(cuts)
   d.zero1 = zero1
+  d.context_parallel_size = cp               # context parallelism: the ring over cp ranks
+  c.model.fusions.ring_attention = cp > 1
   c.precision.type = precision
   c.model.qkv_bias = qkv_bias                # Qwen2's biases on q, k, v only
   if rope_llama3:                            # Llama 3.1's RoPE scaling
@@ -100,7 +102,7 @@ def rank_result(config, workdir, params):
   """(losses, grad norms) from rank 0's metrics.jsonl, and this rank's boxes."""
   d = config.distributed_strategy
   mesh = meshes.Mesh(tp=d.tensor_model_parallel_size, pp=d.pipeline_model_parallel_size,
-                     rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator)
+                     cp=d.context_parallel_size, rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator)
   boxes = tensor.boxes(config.model, mesh, list(params))
   losses, norms = None, None
   if mesh.rank == 0:
