@@ -35,7 +35,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   of the model), by component and by phase. Components: params, grads (gradient_bytes),
   master weights and optimizer state (of the trained parameters only: a frozen LoRA base has
   none; ZeRO-1 divides both), activations of the micro batches in flight on stage `pp_rank`
-  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most), logits (logits_bytes: a chunk's with
+  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most; of its s / cp
+  tokens under context parallelism), logits (logits_bytes: a chunk's with
   model.fusions.chunked_cross_entropy), the optimizer's temporaries
   (update_temporaries), the gradient reduction's buffers (reduction_bytes), the checkpoint's
   host copy, the runtime (CPU: RUNTIME_BYTES), and DPO's frozen reference copy (none with
@@ -48,12 +49,13 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   if sizes is None:
     sizes = {n: math.prod(spec.shape) // (tp * pp) for n, spec in transformer.param_specs(m, tp).items()}
   n = param_counts(config, sizes)
-  shards = dp if d.zero1 and dp > 1 else 1
+  group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp
+  shards = group if d.zero1 and group > 1 else 1
   param_bytes = recipe.param_dtype.itemsize
   base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   in_flight = min(pp - pp_rank, microbatches)
-  grads, grad_transient = gradient_bytes(config, sizes, dp)
+  grads, grad_transient = gradient_bytes(config, sizes, group)
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
       'grads': grads,
@@ -64,9 +66,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
                       * activations.activation_bytes_per_layer(config, param_bytes, tp)),
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
       'grad_transient': grad_transient,
-      'reduction': reduction_bytes(config, sizes, dp),
-      'update_temporaries': update_temporaries(config, sizes, dp),
-      'checkpoint_copy': checkpoint_copy_bytes(config, sizes, dp),
+      'reduction': reduction_bytes(config, sizes, group),
+      'update_temporaries': update_temporaries(config, sizes, group),
+      'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
       'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
                   + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) else 0)
                   if devices.kind(config.device) == 'cpu' else 0),
@@ -102,12 +104,12 @@ def _holds_head(config, sizes):
 
 def logits_bytes(config, tp=1) -> int:
   """Bytes of the last stage's logits at the loss (kept apart: a chunked cross-entropy changes
-  only this): with N = b s tokens and V' = padded vocab / t, 8 N V': the fp32 log-probs
+  only this): with N = b s / cp tokens (this rank's slice) and V' = padded vocab / t, 8 N V': the fp32 log-probs
   cross-entropy keeps and, in backward, their fp32 gradient (the logits themselves, and the
   fp32 copy of 16-bit ones, are freed after the forward: nothing saves them). With
   model.fusions.chunked_cross_entropy = c (model/chunked_ce.py), N is one chunk's c tokens."""
   m, a = config.model, config.data
-  tokens = a.micro_batch_size * a.seq_length
+  tokens = a.micro_batch_size * a.seq_length // config.distributed_strategy.get('context_parallel_size', 1)
   chunk = m.fusions.get('chunked_cross_entropy', 0)
   return (min(chunk, tokens) if chunk else tokens) * transformer.padded_vocab_size(m, tp) // tp * 8
 

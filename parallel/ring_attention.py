@@ -154,7 +154,7 @@ def _backward(grad_out, q, k, v, out, lse, ring, index_by_rank, seg_by_rank, win
   dt = torch.promote_types(q.dtype, torch.float32)
   q5 = _grouped(q.to(dt), g)
   do5 = _grouped(grad_out.to(dt), g)
-  delta = (do5 * out).sum(-1).chunk(chunks, 3)          # rowsum(dO * O): the softmax's Jacobian term
+  delta = (do5 * _grouped(out.to(dt), g)).sum(-1).chunk(chunks, 3)   # rowsum(dO * O): the softmax's Jacobian term
   q5, do5, lse = q5.chunk(chunks, 3), do5.chunk(chunks, 3), _finite(lse).chunk(chunks, 3)
   dq = [torch.zeros_like(p) for p in q5]
   kv, arriving = torch.stack([k, v]), None
@@ -186,10 +186,12 @@ class _RingAttention(torch.autograd.Function):
   @staticmethod
   def forward(ctx, q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):  # pylint: disable=arguments-differ
     out, lse = _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks)
+    b, n, s, d = q.shape
+    out = out.reshape(b, n, s, d).to(q.dtype)
+    # the output as returned (in the inputs' dtype, as flash attention keeps it): no fp32 copy
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = ring, index_by_rank, seg_by_rank, window, scale, chunks
-    b, n, s, d = q.shape
-    return out.reshape(b, n, s, d).to(q.dtype)
+    return out
 
   @staticmethod
   def backward(ctx, grad_out):  # pylint: disable=arguments-differ

@@ -8,7 +8,7 @@ import torch
 
 from configs import llama_tiny, validate
 from parallel import context
-from tests import parity
+from tests import parity, world
 
 LAYOUTS = {
     'cp2': (2, {'cp': 2}),
@@ -80,3 +80,39 @@ def test_what_does_not_compose_is_refused_by_name():
   d.context_parallel_size = 1
   c.model.objective = 'next_token'
   assert validate.check(c, 1) == [] and 'does nothing' in validate.warnings(c)[0]
+
+
+def _activation_bytes_at_cp2():
+  from tests import test_remat  # pylint: disable=import-outside-toplevel
+  from parallel import activations, mesh as meshes  # pylint: disable=import-outside-toplevel
+  mesh, out = None, []
+  for shape in ('llama_gqa', 'gpt_b1'):
+    for mode in test_remat.MODES:
+      for flash in (True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+          c = test_remat.config(shape, mode, flash, dropout=0.0)
+          c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+          mesh = mesh or meshes.init(c)
+          measured = activations.measured_bytes_per_layer(c, mesh, dtype)
+          formula = activations.activation_bytes_per_layer(c, 4 if dtype == torch.float32 else 2)
+          out.append((shape, mode, flash, str(dtype), measured, formula))
+  return out
+
+
+def test_activation_bytes_per_rank_at_cp2_equal_the_formula():
+  """What autograd keeps per layer on each cp rank, measured, is the formula with s / cp tokens
+  and the ring's attention terms (tests/test_remat.py pins the cp = 1 formula the same way)."""
+  for rows in world.run(_activation_bytes_at_cp2, 2):
+    assert [r for r in rows if r[-2] != r[-1]] == []
+
+
+def test_the_estimate_divides_activations_and_logits_by_cp():
+  from parallel import memory  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config('test')
+  c.data.seq_length = 64
+  one = memory.estimate(c)
+  c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+  two = memory.estimate(c)
+  assert two['logits'] * 2 == one['logits']
+  assert 0.4 < two['activations'] / one['activations'] < 0.6
+  assert two['params'] == one['params']
