@@ -116,3 +116,17 @@ def test_the_estimate_divides_activations_and_logits_by_cp():
   assert two['logits'] * 2 == one['logits']
   assert 0.4 < two['activations'] / one['activations'] < 0.6
   assert two['params'] == one['params']
+
+
+def test_a_checkpoint_saved_at_cp2_with_zero1_resumes_at_cp1(tmp_path):
+  """Checkpoints stay layout-free: optimizer shards over dp x cp read back whole on one process."""
+  from checkpoint import steps as checkpoint_steps  # pylint: disable=import-outside-toplevel
+  from tests import test_session  # pylint: disable=import-outside-toplevel
+  world.run(test_session._run, 2, str(tmp_path / 'saved'), {'cp': 2, 'zero1': True}, 10)  # pylint: disable=protected-access
+  world.run(test_session._run, 1, str(tmp_path / 'straight'), {})  # pylint: disable=protected-access
+  saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
+  assert checkpoint_steps.read_metadata(saved)['layout']['cp'] == 2
+  (tmp_path / 'run').mkdir()
+  world.run(test_session._resume_from, 1, str(tmp_path / 'run'), {}, saved)  # pylint: disable=protected-access
+  np.testing.assert_allclose(test_session.losses(tmp_path / 'run'), test_session.losses(tmp_path / 'straight')[10:],
+                             rtol=1e-5)
