@@ -17,6 +17,9 @@ from model import layers, lora
 from parallel import ring_attention
 
 ROW_KEYS = ('tokens', 'labels', 'loss_mask', 'position_ids', 'segment_ids')
+# The ring computes blocks of at most this many queries x keys: its transient scores stay
+# O(PIECE^2) per head, not O((s / cp)^2), and finer pieces skip more of a window's masked blocks.
+PIECE = 1024
 
 
 def slice_batch(batch, cp, cp_rank):
@@ -54,7 +57,8 @@ def with_ring(ops, mesh):
       s = q.shape[2]
       index = ring_attention.layout_indices(s * mesh.cp, mesh.cp).to(q.device)
       by_rank = segments.view(segments.shape[0], mesh.cp, s).transpose(0, 1) if segments is not None else None
-      return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale)
+      chunks = 2 * max(1, -(-s // (2 * PIECE)))     # whole pieces of each of the rank's two chunks
+      return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale, chunks)
     return layers.Attend(fn)
 
   return dataclasses.replace(ops, context_attention=attend)

@@ -94,7 +94,8 @@ def check_sizes(strategy) -> list:
 
 def check(strategy, world_size) -> list:
   """Whether `world_size` processes make a dp x pp x cp x tp grid (degrees already checked)."""
-  tp, pp, cp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size, strategy.context_parallel_size
+  tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
+  cp = strategy.context_parallel_size
   if world_size % (tp * pp * cp):
     return [f'world size {world_size} is not divisible by tensor_model_parallel_size x '
             f'pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}; launch a multiple '

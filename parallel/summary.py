@@ -27,7 +27,9 @@ def startup(config, mesh, sizes, est) -> str:
       f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
       f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
-      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
+      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}'
+      + (f' | cp {mesh.cp}: {a.seq_length // mesh.cp:,} tokens of each sequence per rank (activations / {mesh.cp})'
+         if mesh.cp > 1 else ''),
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in memory.components(est).items()
                                               if v),
       f'memory/rank peak (estimate): {memory.human_bytes(est["total"])} in {est["peak_phase"]} | '

@@ -219,7 +219,7 @@ def describe_layout(config, mesh):
     return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
 
   ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
-  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank} | '
+  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank}{f" cp {r.cp_rank}" if r.cp > 1 else ""} tp {r.tp_rank} | '
           f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
           f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}, '
           f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}, '

@@ -130,3 +130,16 @@ def test_a_checkpoint_saved_at_cp2_with_zero1_resumes_at_cp1(tmp_path):
   world.run(test_session._resume_from, 1, str(tmp_path / 'run'), {}, saved)  # pylint: disable=protected-access
   np.testing.assert_allclose(test_session.losses(tmp_path / 'run'), test_session.losses(tmp_path / 'straight')[10:],
                              rtol=1e-5)
+
+
+def test_dry_run_shows_the_cp_layout_and_the_divided_activations():
+  from parallel import summary  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config('test')
+  c.data.seq_length = 64
+  one = summary.dry_run(c, 1, validate.check)
+  c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+  two = summary.dry_run(c, 2, validate.check)
+  assert '2 process(es) on cpu: dp=1 x pp=1 x cp=2 (ring attention) x tp=1' in two
+  assert 'cp 2: 32 tokens of each sequence per rank (activations / 2)' in two
+  activations = lambda text: text.split('activations ')[1].split(' |')[0]
+  assert activations(one) != activations(two)
