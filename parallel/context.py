@@ -19,7 +19,7 @@ from parallel import ring_attention
 ROW_KEYS = ('tokens', 'labels', 'loss_mask', 'position_ids', 'segment_ids')
 # The ring computes blocks of at most this many queries x keys: its transient scores stay
 # O(PIECE^2) per head, not O((s / cp)^2), and finer pieces skip more of a window's masked blocks.
-PIECE = 1024
+PIECE = 512
 
 
 def slice_batch(batch, cp, cp_rank):

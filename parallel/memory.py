@@ -279,13 +279,14 @@ def host_available_bytes():
 
 def fitting_layouts(config, world_size, budget, check) -> list:
   """(description, bytes per rank) of every valid tp x pp (x ZeRO-1) layout of `world_size`
-  processes whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
+  processes (at the configured context_parallel_size) whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
   config's problems (configs/validate.py)."""
-  out = []
-  for tp in (n for n in range(1, world_size + 1) if world_size % n == 0):
-    for pp in (n for n in range(1, world_size // tp + 1) if (world_size // tp) % n == 0):
-      dp = world_size // (tp * pp)
-      for zero1 in ((False, True) if dp > 1 else (False,)):
+  out, cp = [], config.distributed_strategy.get('context_parallel_size', 1)   # kept as configured
+  replicas = world_size // cp if world_size % cp == 0 else 0
+  for tp in (n for n in range(1, replicas + 1) if replicas % n == 0):
+    for pp in (n for n in range(1, replicas // tp + 1) if (replicas // tp) % n == 0):
+      dp = replicas // (tp * pp)
+      for zero1 in ((False, True) if dp * cp > 1 else (False,)):
         c = copy.deepcopy(config)
         d = c.distributed_strategy
         d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.zero1 = tp, pp, zero1
@@ -297,7 +298,7 @@ def fitting_layouts(config, world_size, budget, check) -> list:
           continue
         need = estimate(c, None, dp)['total']
         if need <= budget:
-          out.append((f'tp={tp} pp={pp}' + (' zero1' if zero1 else ''), need))
+          out.append((f'tp={tp} pp={pp}' + (f' cp={cp}' if cp > 1 else '') + (' zero1' if zero1 else ''), need))
   return sorted(out, key=lambda item: item[1])
 
 

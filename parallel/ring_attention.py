@@ -80,8 +80,16 @@ class ThreadRing:
 
     def start(self, x, tag):
       self.ring.boxes[(self.rank + 1) % self.size][tag].put(x.clone())
-      box = self.ring.boxes[self.rank][tag]
-      return type('Pending', (), {'wait': lambda _: box.get(timeout=60)})()
+      return _Mailbox(self.ring.boxes[self.rank][tag])
+
+
+class _Mailbox:
+
+  def __init__(self, box):
+    self.box = box
+
+  def wait(self):
+    return self.box.get(timeout=60)
 
 
 def _mask(q_index, k_index, q_seg, k_seg, window):
@@ -98,8 +106,10 @@ def _mask(q_index, k_index, q_seg, k_seg, window):
 
 
 def _scores(q, k, mask, scale):
-  scores = (q @ k.transpose(-1, -2)) * scale
-  return scores if mask is None else scores.masked_fill(~mask, float('-inf'))
+  # in place: a block's scores are the one temporary of its size (the allocator's churn, and
+  # with it CPU time and peak RSS, follows the count of such temporaries)
+  scores = (q @ k.transpose(-1, -2)).mul_(scale)
+  return scores if mask is None else scores.masked_fill_(~mask, float('-inf'))
 
 
 def _finite(lse):
@@ -137,12 +147,15 @@ def _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):
     pending = ring.start(kv, KV) if step < ring.size - 1 else None
     k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
     for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
-      scores = _scores(q5[a], k5[c], mask, scale)
-      block_lse = torch.logsumexp(scores, -1)
-      block_out = torch.exp(scores - _finite(block_lse)[..., None]) @ v5[c]
+      probs = _scores(q5[a], k5[c], mask, scale)
+      top = probs.amax(-1)                                  # -inf on rows this block hides entirely
+      probs = probs.sub_(_finite(top)[..., None]).exp_()   # unnormalized: exp(s - top)
+      block_lse = _finite(top) + probs.sum(-1).log()
       new = torch.logaddexp(lse[a], block_lse)
+      # out = e^(lse - new) out + e^(block_lse - new) probs v / sum(probs), and the block's
+      # weight is e^(top - new): 0, not nan, where the block hides the row (top = -inf)
       out[a] = torch.exp(lse[a] - _finite(new))[..., None] * out[a] + \
-          torch.exp(block_lse - _finite(new))[..., None] * block_out
+          torch.exp(top - _finite(new))[..., None] * (probs @ v5[c])
       lse[a] = new
     if pending is not None:
       kv = pending.wait()
@@ -165,9 +178,9 @@ def _backward(grad_out, q, k, v, out, lse, ring, index_by_rank, seg_by_rank, win
     dk = [torch.zeros_like(p[:, :, 0]) for p in k5]
     dv = [torch.zeros_like(p[:, :, 0]) for p in v5]
     for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
-      probs = torch.exp(_scores(q5[a], k5[c], mask, scale) - lse[a][..., None])
+      probs = _scores(q5[a], k5[c], mask, scale).sub_(lse[a][..., None]).exp_()
       dv[c] = dv[c] + (probs.transpose(-1, -2) @ do5[a]).sum(2)
-      dscores = probs * (do5[a] @ v5[c].transpose(-1, -2) - delta[a][..., None])
+      dscores = (do5[a] @ v5[c].transpose(-1, -2)).sub_(delta[a][..., None]).mul_(probs)
       dq[a] = dq[a] + (dscores @ k5[c]) * scale
       dk[c] = dk[c] + (dscores.transpose(-1, -2) @ q5[a]).sum(2) * scale
     dkv = torch.stack([torch.cat(dk, 2), torch.cat(dv, 2)])

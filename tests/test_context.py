@@ -16,6 +16,7 @@ LAYOUTS = {
     'cp2_dp2_zero1': (4, {'cp': 2, 'zero1': True}),
     'cp2_pp2': (4, {'cp': 2, 'pp': 2}),
     'cp2_mistral_window': (2, {'cp': 2, 'family': 'mistral'}),   # window 5 of 16: ring steps skipped
+    'cp2_lora': (2, {'cp': 2, 'lora': 4}),                         # adapters' gradients summed over cp too
 }
 
 

@@ -5,6 +5,7 @@
     python -m tools.bench_layouts --layouts=dp2,dp2_no_overlap   # overlap_grad_reduce on / off
     python -m tools.bench_layouts --shape=207m --layouts=dp2,dp2_zero1 --steps=3
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1   # context parallelism
+    python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1 --mmap_threshold=65536
 
 Runs tools/bench.py once in one process with 2 threads, then under torchrun with 2
 processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
@@ -80,6 +81,9 @@ def define_flags():
   flags.DEFINE_integer('steps', 5, 'Timed steps.')
   flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps.')
   flags.DEFINE_integer('timeout', 900, 'Seconds each bench may take before its processes are killed.')
+  flags.DEFINE_integer('mmap_threshold', 0, 'glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every process; 0 = glibc\'s '
+                       'dynamic one, which rises after big frees so that later temporaries stay in the heap: peak '
+                       'RSS then holds fragmentation too, not only live tensors.')
 
 
 def main(argv):
@@ -87,7 +91,10 @@ def main(argv):
   shape, micro = SHAPES[FLAGS.shape]
   bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + shape
   bench = ['-m', 'tools.bench']
-  one, one_rss, one_growth = _run([sys.executable, *bench] + bench_flags, dict(os.environ, OMP_NUM_THREADS='2'),
+  env = dict(os.environ, **({'MALLOC_MMAP_THRESHOLD_': str(FLAGS.mmap_threshold)} if FLAGS.mmap_threshold else {}))
+  if FLAGS.mmap_threshold:
+    print(f'MALLOC_MMAP_THRESHOLD_={FLAGS.mmap_threshold} in every process')
+  one, one_rss, one_growth = _run([sys.executable, *bench] + bench_flags, dict(env, OMP_NUM_THREADS='2'),
                                   FLAGS.timeout)
   print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB (+{one_growth:.0f} MiB over the '
         'process before the run: the run\'s own memory, activations included)')
@@ -96,7 +103,7 @@ def main(argv):
   print('|---|---|---|---|---|---|---|')
   for name in FLAGS.layouts:
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *bench]
-    tok, rss, growth = _run(cmd + bench_flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'),
+    tok, rss, growth = _run(cmd + bench_flags + LAYOUTS[name], dict(env, OMP_NUM_THREADS='1'),
                             FLAGS.timeout)
     bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
     print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | +{growth:.0f} MiB | {bubble} |', flush=True)
