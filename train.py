@@ -94,7 +94,8 @@ def dry_run(config):
   """--dry_run: resolve and validate as a run would, print the config and rank 0's start-up
   summary (at WORLD_SIZE processes, default one data-parallel replica), and exit."""
   d = config.distributed_strategy
-  world_size = int(os.environ.get('WORLD_SIZE', d.tensor_model_parallel_size * d.pipeline_model_parallel_size))
+  world_size = int(os.environ.get('WORLD_SIZE', d.tensor_model_parallel_size * d.pipeline_model_parallel_size
+                                  * d.context_parallel_size))
   for note in from_files.resolve(config, world_size) + config_validation.warnings(config):
     print(note)
   print(summaries.dry_run(config, world_size, config_validation.check))

@@ -48,7 +48,7 @@ def _shard_box(name, box, local_rows, config, mesh, rank):
   """The optimizer-state box: the parameter box narrowed to this rank's ZeRO rows (MoE experts
   under expert parallelism: shards over the DP ranks holding the same experts)."""
   mesh_r = _rank_mesh(mesh, rank)
-  _, parts, index = experts.domain(mesh_r, name, config.distributed_strategy.zero1 and mesh.dp > 1)
+  _, parts, index = experts.domain(mesh_r, name, config.distributed_strategy.zero1 and mesh.dp_cp > 1)
   rows, _ = zero.shard_rows(local_rows, parts, index)
   start = box[0].start
   return (slice(start + rows.start, start + rows.stop),) + tuple(box[1:])
@@ -59,7 +59,8 @@ def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **
   the layout it was saved at, the optimizer's state keys and step)."""
   strategy = config.distributed_strategy
   return {'consumed_samples': consumed_samples, 'config': json.loads(config.to_json_best_effort()),
-          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp, **({'ep': mesh.ep} if mesh.ep > 1 else {}),
+          'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp, 'cp': mesh.cp,
+                     **({'ep': mesh.ep} if mesh.ep > 1 else {}),
                      'vp': strategy.virtual_pipeline_model_parallel_size, 'zero1': strategy.zero1},
           'optimizer_state_keys': list(state_keys), 'optimizer_step': optimizer_step, **extra}
 

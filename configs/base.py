@@ -81,6 +81,7 @@ def get_config(arg=None):
   strategy.overlap_param_gather = True        # ZeRO-1: leave the updated parameters' gathers in flight; the next forward waits for each layer's (bitwise the same results)
   strategy.expert_model_parallel_size = 1    # EP degree e: MoE experts sharded over e ranks carved from data parallel (Megatron)
   strategy.kv_replicator = 1                  # copies of each KV head when t > num_kv_heads (t = kv_heads * kv_replicator)
+  strategy.context_parallel_size = 1          # CP degree c: each rank holds 1/c of every sequence (2c chunks, rank i has i and 2c-1-i); needs model.fusions.ring_attention
   strategy.collective_timeout_s = 300         # a collective that waits longer fails, naming rank and op
 
   c.data = config_dict.ConfigDict()
@@ -173,6 +174,7 @@ def get_config(arg=None):
   moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
+  model.fusions.ring_attention = False     # attention of context parallelism: K/V blocks around the cp ranks (parallel/ring_attention.py)
   model.fusions.chunked_cross_entropy = 0  # LM head + loss over chunks of this many tokens (model/chunked_ce.py): one
                                            # chunk's logits at a time, not the micro batch's; 0 = off
 

@@ -121,11 +121,9 @@ RULES = {
     'exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt': _na(
         'checkpoints always hold the fp32 masters (master.* arrays) beside the bf16 parameters, so a resume is '
         'exact; NxD\'s False re-derives them from the bf16 weights', True, False),
-    'distributed_strategy.context_parallel_size': _na('1 = no context parallelism (not built yet)', 1),
     'model.moe.sinkhorn_tol': Rule('model.moe.sinkhorn_tol', convert=lambda v: None if v in (None, 'None') else float(v)),
     'distributed_strategy.token_shuffle_group_size': _na('1 = no token shuffle: tokens route per sequence, so which '
                                                          'drop is layout-free; shuffling them over DP ranks is not built', 1),
-    'model.fusions.ring_attention': _na('ring attention goes with context parallelism (not built yet)', False),
     'model.optim.capturable': _na('set by the device: capturable on XLA, not elsewhere', True, False),
     'model_alignment_strategy.peft.lora_verbose': _na('the start-up summary always shows the adapters', True, False),
     'model_alignment_strategy.peft.save_lora_config_adapter': _na(
@@ -154,10 +152,7 @@ FP32_GRADS_CC = ('read by no code of NxD Training 2.26 either; data-parallel gra
                  'accumulation dtype (precision.type)')
 # Files that need a feature flatron does not have yet: feature -> (keys that ask for it, the
 # value of each that does not); one line names it, instead of a table of unknown keys.
-MISSING_FEATURES = {
-    'context parallelism (ring attention)': (('distributed_strategy.context_parallel_size', 1),
-                                             ('model.fusions.ring_attention', False)),
-}
+MISSING_FEATURES = {}      # none since MoE / EP and context parallelism were built
 
 
 DOCUMENTED = (  # the keys of NxD Training's "YAML Configuration Settings" page and its example configs
@@ -249,8 +244,6 @@ def describe(key):
   """(flatron key, note) for one NxD key: where it goes, or why it goes nowhere."""
   if key in _TOKENIZER_NOTES:
     return _TOKENIZER_NOTES[key], ''
-  if key in ('distributed_strategy.context_parallel_size', 'model.fusions.ring_attention'):
-    return '—', f'not yet: {RULES[key].allowed[0]} only; {missing_feature(key)} is not built yet'
   if missing_feature(key):
     return '—', f'not yet: {missing_feature(key)} (a file that sets it is refused in one line)'
   if key in ('precision.' + k for k in PRECISION_KEYS):

@@ -10,7 +10,7 @@ from config_checks import one_of, positive
 from data import loader
 from model import checks as model_checks, lora, moe, objectives
 from optim import optimizers, schedules
-from parallel import clusters, compiled, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
+from parallel import clusters, compiled, context, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')
@@ -32,8 +32,9 @@ def check(config, world_size=1) -> list:
     problems += sizes
   else:
     problems += (meshes.check(strategy, world_size) + tensor.check(model, strategy, config.data.seq_length)
-                 + pipeline.check(model.num_layers, strategy) + moe.check_layout(model, strategy, config.device))
-    dp = max(1, world_size // (strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size))
+                 + pipeline.check(model.num_layers, strategy) + moe.check_layout(model, strategy, config.device)
+                 + context.check(config))
+    dp = max(1, world_size // _model_parallel(strategy))
     problems += loader.check(config, dp)
   problems += lora.check(config.model_alignment_strategy.peft) + objectives.check(config)
   return problems + precision.check(config.precision) + checkpoint_steps.check(config)
@@ -79,7 +80,7 @@ def warnings(config) -> list:
   if config.distributed_strategy.sequence_parallel and config.distributed_strategy.tensor_model_parallel_size == 1:
     out.append('distributed_strategy.sequence_parallel=True does nothing at tensor_model_parallel_size=1 (no TP '
                'group to split the sequence over): the run is the same without it, as in Megatron-LM')
-  out += schedules.schedule_warnings(m.optim.sched, config.trainer.max_steps)
+  out += schedules.schedule_warnings(m.optim.sched, config.trainer.max_steps) + context.warnings(config)
   if m.position_embedding_type == 'rope' and a.seq_length > m.max_position_embeddings:
     out.append(f'data.seq_length={a.seq_length} exceeds model.max_position_embeddings='
                f'{m.max_position_embeddings}: RoPE extrapolates beyond the trained length')
@@ -92,5 +93,10 @@ def validate(config, world_size=1):
   if problems:
     raise ConfigError('invalid config ({} problem{}):\n  - {}'.format(
         len(problems), 's' * (len(problems) > 1), '\n  - '.join(problems)))
-  d = config.distributed_strategy
-  return world_size // (d.tensor_model_parallel_size * d.pipeline_model_parallel_size)
+  return world_size // _model_parallel(config.distributed_strategy)
+
+
+def _model_parallel(strategy):
+  """Ranks per data-parallel replica: tp x pp x cp."""
+  return (strategy.tensor_model_parallel_size * strategy.pipeline_model_parallel_size
+          * strategy.context_parallel_size)

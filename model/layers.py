@@ -78,9 +78,19 @@ class Ops:
   expert_ffn: Callable = None          # (x_th, counts per expert, gate_up, down) -> y_th; None = local
   moe: object = None                   # the stage's moe.Collector (set by transformer.stage)
   moe_tally: object = None             # dict: the pass's MoE metric sums (set by the caller)
+  # Context parallelism (parallel/context.py): (batch, window) -> Attend, the attention of a
+  # layer over the sequence whose slice this rank holds; None = attention over what is here.
+  context_attention: Callable = None
 
 
 LOCAL_OPS = Ops()
+
+
+@dataclasses.dataclass(frozen=True)
+class Attend:
+  """Attention done elsewhere, passed where the mask goes: fn(q, k, v, scale) -> out (the
+  ring of context parallelism, which builds its masks block by block)."""
+  fn: Callable
 
 
 # --- norms -------------------------------------------------------------------------
@@ -249,6 +259,8 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
   """softmax(q k^T * scale) v over grouped KV heads, causal (and per-document / windowed if masked)."""
   groups = q_bnsd.shape[1] // k_bnsd.shape[1]
   scale = attention_scale(cfg, q_bnsd.shape[-1])
+  if isinstance(mask_b1ss, Attend):
+    return mask_b1ss.fn(q_bnsd, k_bnsd, v_bnsd, scale)
   use_sdpa = cfg.fusions.flash_attention and (cfg.attention_dropout == 0.0 or drop_key is None)
   if use_sdpa:
     if mask_b1ss is None:

@@ -61,12 +61,16 @@ def _rope_by_type(cfg, position_ids_bs, dtype):
   return {'full_attention': full, 'sliding_attention': local}
 
 
-def _masks_by_type(cfg, batch, s, device):
+def _masks_by_type(cfg, batch, s, device, ops=layers.LOCAL_OPS):
+  """Each layer type's mask; under context parallelism its `layers.Attend` (the ring)."""
   kv = batch.get('kv_cache')
   past = kv[0].length if kv is not None and kv[0] is not None else None
   out = {}
   for kind in set(layer_types(cfg)):
     window = cfg.sliding_window if kind == 'sliding_attention' else 0
+    if ops.context_attention is not None:
+      out[kind] = ops.context_attention(batch, window)
+      continue
     out[kind] = (layers.causal_mask_after(past, s, device, window) if past is not None else
                  layers.attention_mask(batch.get('segment_ids'), s, window, device))
   return out
@@ -266,7 +270,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
     x_bsh = ops.slice_residual(x_bsh)
   rope = _rope_by_type(cfg, position_ids_bs, x_bsh.dtype) if cfg.position_embedding_type == 'rope' else {}
-  masks = _masks_by_type(cfg, batch, s, tokens_bs.device)
+  masks = _masks_by_type(cfg, batch, s, tokens_bs.device, ops)
   kv = batch.get('kv_cache')
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
   lo, hi = layer_range or (0, cfg.num_layers)

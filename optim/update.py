@@ -79,10 +79,12 @@ class Updater:
     `trainable`: names to update (default all), the rest are frozen."""
     self.params, self.mesh, self.config = params, mesh, config
     self.recipe = precision.recipe(config.precision)
-    zero1 = config.distributed_strategy.zero1 and mesh.dp_group is not None
-    self.group = mesh.dp_group if zero1 else None
+    # The cp ranks of a sequence saw parts of the same batch: gradients sum over dp x cp, and
+    # ZeRO-1 shards over it (Megatron's distributed optimizer does the same).
+    zero1 = config.distributed_strategy.zero1 and mesh.dp_cp_group is not None
+    self.group = mesh.dp_cp_group if zero1 else None
     self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
-    self.parts, self.index = (mesh.dp, mesh.dp_rank) if zero1 else (1, 0)
+    self.parts, self.index = (mesh.dp_cp, mesh.dp_cp_rank) if zero1 else (1, 0)
     self.trainable = [n for n in params if trainable is None or n in trainable]
     for name, p in params.items():
       p.requires_grad_(name in self.trainable)

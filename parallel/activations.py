@@ -5,7 +5,7 @@ import copy
 import torch
 
 from model import layers, transformer
-from parallel import mesh as meshes, remat, tensor
+from parallel import context, mesh as meshes, remat, tensor
 
 
 def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
@@ -38,6 +38,11 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   linear copied (5 w Nh instead of 2 w Nh under SP), and own_chunk a view that kept the
   whole dropout mask; both now return their own storage.
 
+  Context parallelism (c = context_parallel_size): s is the rank's slice, s/c, in every term
+  (each rank keeps the activations of its tokens only), and attention is the ring (either
+  attention setting): w N (2 a' + 2 g') d  q, k, v, its output + 4 b a' s  logsumexp (fp32)
+  + w N a' d  o_proj's input; no s^2 term.
+
   Llama (fp32, SDPA, RoPE, no dropout, t = 1): 4 (11 Nh + 4 Nf) + 8 N + 4 b a s bytes,
   less 8 N (a - g) d with GQA; in 16-bit 47.5 sbh + 8 sb + 4 b a s for Llama-2 7B
   (f = 2.6875 h). Korthikanti's GPT block is 34 sbh + 5 a s^2 b; ours with the GPT options
@@ -48,7 +53,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   shard and gather it again in backward.
   """
   m, a = config.model, config.data
-  w, s, b, h = bytes_per_value, a.seq_length, a.micro_batch_size, m.hidden_size
+  cp = config.distributed_strategy.get('context_parallel_size', 1)
+  w, s, b, h = bytes_per_value, a.seq_length // cp, a.micro_batch_size, m.hidden_size   # s: this rank's slice
   n, d = s * b, transformer.head_dim(m)
   heads, kv = m.num_attention_heads // tp, max(transformer.kv_heads(m), tp) // tp   # per rank
   ffn = m.ffn_hidden_size // tp
@@ -74,6 +80,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   dropped = m.attention_dropout > 0
   if 'attention' in parts:
     attention += w * n * (heads + 2 * kv) * d
+  elif cp > 1:                                 # the ring: q, k, v, its output, lse (fp32)
+    attention += w * n * (2 * heads + 2 * kv) * d + 4 * b * heads * s
   elif m.fusions.flash_attention and not dropped:
     copied = m.position_embedding_type == 'rope'
     attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
@@ -110,6 +118,7 @@ def _saved_bytes(config, num_layers, mesh, dtype):
   tokens = torch.randint(0, m.vocab_size, (b, s + 1), generator=torch.Generator().manual_seed(0))
   batch = {'tokens': tokens[:, :-1], 'labels': tokens[:, 1:], 'loss_mask': torch.ones(b, s),
            'sample_ids': torch.arange(b)}
+  batch = context.slice_batch(batch, mesh.cp, mesh.cp_rank)
   dropout_key = (config.seed, 'dropout') if layers.has_dropout(m) else None
   params_at = {p.untyped_storage().data_ptr() for p in params.values()}
   kept = {}  # storage address -> storage: views and re-saves count once; holding the storage

@@ -31,10 +31,11 @@ def ep_box(name, box, spec, mesh):
 
 def domain(mesh, name, zero1):
   """(group that sums the gradient of `name` over data parallel, ZeRO-1 parts, this rank's
-  part): dense parameters over DP, expert tensors over the DP ranks holding the same experts."""
+  part): dense parameters over DP x CP, expert tensors over the DP ranks holding the same
+  experts (expert and context parallelism together are refused: moe.check_layout)."""
   expert = mesh.ep > 1 and moe.is_expert_param(name)
-  group = mesh.expert_dp_group if expert else mesh.dp_group
-  size, index = (mesh.expert_dp, mesh.expert_dp_rank) if expert else (mesh.dp, mesh.dp_rank)
+  group = mesh.expert_dp_group if expert else mesh.dp_cp_group
+  size, index = (mesh.expert_dp, mesh.expert_dp_rank) if expert else (mesh.dp_cp, mesh.dp_cp_rank)
   return (group, size, index) if zero1 and size > 1 else (group, 1, 0)
 
 
@@ -43,7 +44,7 @@ def norm_group(mesh, name, zero1):
   ZeRO-1's DP shards; for experts also the ep group (all of DP under ZeRO-1)."""
   if mesh.ep > 1 and moe.is_expert_param(name):
     return mesh.dp_group if zero1 and mesh.expert_dp > 1 else mesh.ep_group
-  return mesh.dp_group if zero1 else None
+  return mesh.dp_cp_group if zero1 else None
 
 
 def expert_ffn(group, ep):

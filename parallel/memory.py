@@ -35,7 +35,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   of the model), by component and by phase. Components: params, grads (gradient_bytes),
   master weights and optimizer state (of the trained parameters only: a frozen LoRA base has
   none; ZeRO-1 divides both), activations of the micro batches in flight on stage `pp_rank`
-  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most), logits (logits_bytes: a chunk's with
+  (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most; of its s / cp
+  tokens under context parallelism), logits (logits_bytes: a chunk's with
   model.fusions.chunked_cross_entropy), the optimizer's temporaries
   (update_temporaries), the gradient reduction's buffers (reduction_bytes), the checkpoint's
   host copy, the runtime (CPU: RUNTIME_BYTES), and DPO's frozen reference copy (none with
@@ -50,12 +51,13 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
     sizes = {n: math.prod(spec.shape) // ((pp * ep) if moe.is_expert_param(n) else (tp * pp))
              for n, spec in transformer.param_specs(m, tp).items()}
   n = param_counts(config, sizes)
-  shards = dp if d.zero1 and dp > 1 else 1
+  group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp
+  shards = group if d.zero1 and group > 1 else 1
   param_bytes = recipe.param_dtype.itemsize
   base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   in_flight = min(pp - pp_rank, microbatches)
-  grads, grad_transient = gradient_bytes(config, sizes, dp)
+  grads, grad_transient = gradient_bytes(config, sizes, group)
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
       'grads': grads,
@@ -66,9 +68,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
                       * activations.activation_bytes_per_layer(config, param_bytes, tp)),
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
       'grad_transient': grad_transient,
-      'reduction': reduction_bytes(config, sizes, dp),
-      'update_temporaries': update_temporaries(config, sizes, dp),
-      'checkpoint_copy': checkpoint_copy_bytes(config, sizes, dp),
+      'reduction': reduction_bytes(config, sizes, group),
+      'update_temporaries': update_temporaries(config, sizes, group),
+      'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
       'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
                   + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) else 0)
                   if devices.kind(config.device) == 'cpu' else 0),
@@ -104,12 +106,12 @@ def _holds_head(config, sizes):
 
 def logits_bytes(config, tp=1) -> int:
   """Bytes of the last stage's logits at the loss (kept apart: a chunked cross-entropy changes
-  only this): with N = b s tokens and V' = padded vocab / t, 8 N V': the fp32 log-probs
+  only this): with N = b s / cp tokens (this rank's slice) and V' = padded vocab / t, 8 N V': the fp32 log-probs
   cross-entropy keeps and, in backward, their fp32 gradient (the logits themselves, and the
   fp32 copy of 16-bit ones, are freed after the forward: nothing saves them). With
   model.fusions.chunked_cross_entropy = c (model/chunked_ce.py), N is one chunk's c tokens."""
   m, a = config.model, config.data
-  tokens = a.micro_batch_size * a.seq_length
+  tokens = a.micro_batch_size * a.seq_length // config.distributed_strategy.get('context_parallel_size', 1)
   chunk = m.fusions.get('chunked_cross_entropy', 0)
   return (min(chunk, tokens) if chunk else tokens) * transformer.padded_vocab_size(m, tp) // tp * 8
 
@@ -281,13 +283,14 @@ def host_available_bytes():
 
 def fitting_layouts(config, world_size, budget, check) -> list:
   """(description, bytes per rank) of every valid tp x pp (x ZeRO-1) layout of `world_size`
-  processes whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
+  processes (at the configured context_parallel_size) whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
   config's problems (configs/validate.py)."""
-  out = []
-  for tp in (n for n in range(1, world_size + 1) if world_size % n == 0):
-    for pp in (n for n in range(1, world_size // tp + 1) if (world_size // tp) % n == 0):
-      dp = world_size // (tp * pp)
-      for zero1 in ((False, True) if dp > 1 else (False,)):
+  out, cp = [], config.distributed_strategy.get('context_parallel_size', 1)   # kept as configured
+  replicas = world_size // cp if world_size % cp == 0 else 0
+  for tp in (n for n in range(1, replicas + 1) if replicas % n == 0):
+    for pp in (n for n in range(1, replicas // tp + 1) if (replicas // tp) % n == 0):
+      dp = replicas // (tp * pp)
+      for zero1 in ((False, True) if dp * cp > 1 else (False,)):
         c = copy.deepcopy(config)
         d = c.distributed_strategy
         d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.zero1 = tp, pp, zero1
@@ -299,7 +302,7 @@ def fitting_layouts(config, world_size, budget, check) -> list:
           continue
         need = estimate(c, None, dp)['total']
         if need <= budget:
-          out.append((f'tp={tp} pp={pp}' + (' zero1' if zero1 else ''), need))
+          out.append((f'tp={tp} pp={pp}' + (f' cp={cp}' if cp > 1 else '') + (' zero1' if zero1 else ''), need))
   return sorted(out, key=lambda item: item[1])
 
 

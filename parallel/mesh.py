@@ -1,10 +1,13 @@
-"""The process mesh: dp x pp x tp ranks (tp fastest) and their process groups, as a value.
+"""The process mesh: dp x pp x cp x tp ranks (tp fastest) and their process groups, as a value.
 
 Built from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). World
 size 1 needs no process group at all: every collective in parallel/comm.py is then skipped.
 Groups are passed down explicitly; there is no global state beyond torch.distributed's own.
 
-    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+
+cp (context parallelism, parallel/context.py) sits next to tp, so a sequence's ring stays on
+close ranks; cp = 1 gives the dp x pp x tp numbering unchanged.
 
 Expert parallelism (MoE) is carved from data parallel, as Megatron does: ep consecutive DP
 ranks form an `ep` group (each holds 1/ep of the experts, and tokens are exchanged within it);
@@ -24,7 +27,8 @@ from parallel import device as devices, xla
 
 # distributed_strategy's degrees: every other layout check divides by them.
 SIZE_KEYS = ('tensor_model_parallel_size', 'pipeline_model_parallel_size',
-             'virtual_pipeline_model_parallel_size', 'kv_replicator', 'expert_model_parallel_size')
+             'virtual_pipeline_model_parallel_size', 'kv_replicator', 'context_parallel_size',
+             'expert_model_parallel_size')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +47,42 @@ class Mesh:
   host_group: Optional[object] = None    # gloo over all ranks, CPU tensors, main thread only:
                                          # agreements (stop signals, start-up checks)
   timeout_s: float = 300.0
+  cp: int = 1
+  cp_group: Optional[object] = None      # the ranks holding slices of the same sequences (the ring)
+  dp_cp_group: Optional[object] = None   # dp x cp: where weight gradients, loss sums and ZeRO-1
+                                         # shards are reduced (the cp ranks saw parts of one batch)
   ep: int = 1                            # expert parallel degree (divides dp)
   ep_group: Optional[object] = None      # the ep consecutive DP ranks sharing out the experts
   expert_dp_group: Optional[object] = None  # DP ranks holding the same experts
+
+  @property
+  def world_size(self):
+    return self.dp * self.pp * self.cp * self.tp
+
+  @property
+  def tp_rank(self):
+    return self.rank % self.tp
+
+  @property
+  def cp_rank(self):
+    return self.rank // self.tp % self.cp
+
+  @property
+  def pp_rank(self):
+    return self.rank // (self.tp * self.cp) % self.pp
+
+  @property
+  def dp_rank(self):
+    return self.rank // (self.tp * self.cp * self.pp)
+
+  @property
+  def dp_cp(self):
+    return self.dp * self.cp
+
+  @property
+  def dp_cp_rank(self):
+    """This rank's place in dp_cp_group (ranks in increasing order: dp major, cp minor)."""
+    return self.dp_rank * self.cp + self.cp_rank
 
   @property
   def ep_rank(self):
@@ -59,28 +96,14 @@ class Mesh:
   def expert_dp_rank(self):
     return self.dp_rank // self.ep
 
-  @property
-  def world_size(self):
-    return self.dp * self.pp * self.tp
-
-  @property
-  def tp_rank(self):
-    return self.rank % self.tp
-
-  @property
-  def pp_rank(self):
-    return self.rank // self.tp % self.pp
-
-  @property
-  def dp_rank(self):
-    return self.rank // (self.tp * self.pp)
-
-  def rank_of(self, dp_rank=0, pp_rank=0, tp_rank=0):
-    return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+  def rank_of(self, dp_rank=0, pp_rank=0, tp_rank=0, cp_rank=0):
+    return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
   def describe(self):
-    return (f'rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp} '
-            f'tp {self.tp_rank}/{self.tp}' + (f' ep {self.ep_rank}/{self.ep}' if self.ep > 1 else ''))
+    cp = f' cp {self.cp_rank}/{self.cp}' if self.cp > 1 else ''
+    ep = f' ep {self.ep_rank}/{self.ep}' if self.ep > 1 else ''
+    return (f'rank {self.rank}/{self.world_size} = dp {self.dp_rank}/{self.dp} pp {self.pp_rank}/{self.pp}{cp} '
+            f'tp {self.tp_rank}/{self.tp}{ep}')
 
 
 def check_sizes(strategy) -> list:
@@ -92,39 +115,46 @@ def check_sizes(strategy) -> list:
 
 
 def check(strategy, world_size) -> list:
-  """Whether `world_size` processes make a dp x pp x tp grid (degrees already checked)."""
+  """Whether `world_size` processes make a dp x pp x cp x tp grid (degrees already checked)."""
   tp, pp = strategy.tensor_model_parallel_size, strategy.pipeline_model_parallel_size
-  if world_size % (tp * pp):
+  cp = strategy.context_parallel_size
+  if world_size % (tp * pp * cp):
     return [f'world size {world_size} is not divisible by tensor_model_parallel_size x '
-            f'pipeline_model_parallel_size = {tp} x {pp}; launch a multiple of {tp * pp} processes']
-  ep = strategy.get('expert_model_parallel_size', 1)
-  if (world_size // (tp * pp)) % ep:
+            f'pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}; launch a multiple '
+            f'of {tp * pp * cp} processes']
+  ep, dp = strategy.get('expert_model_parallel_size', 1), world_size // (tp * pp * cp)
+  if dp % ep:
     return [f'distributed_strategy.expert_model_parallel_size={ep} must divide the data-parallel degree '
-            f'{world_size // (tp * pp)} (experts are sharded over DP ranks); launch a multiple of {tp * pp * ep}']
+            f'{dp} (experts are sharded over DP ranks); launch a multiple of {tp * pp * cp * ep}']
   return []
 
 
 def _groups(grid, rank, make_group):
   """Every rank creates every group in the same order (torch.distributed requires it)."""
   mine = {}
-  coords = [(d, p, t) for d in range(grid.dp) for p in range(grid.pp) for t in range(grid.tp)]
+  coords = [(d, p, t, c) for d in range(grid.dp) for p in range(grid.pp) for c in range(grid.cp)
+            for t in range(grid.tp)]
   families = {
-      'tp': {(d, p): [grid.rank_of(d, p, t) for t in range(grid.tp)] for d, p, _ in coords},
-      'pp': {(d, t): [grid.rank_of(d, p, t) for p in range(grid.pp)] for d, _, t in coords},
-      'dp': {(p, t): [grid.rank_of(d, p, t) for d in range(grid.dp)] for _, p, t in coords},
+      'tp': {(d, p, c): [grid.rank_of(d, p, t, c) for t in range(grid.tp)] for d, p, _, c in coords},
+      'pp': {(d, t, c): [grid.rank_of(d, p, t, c) for p in range(grid.pp)] for d, _, t, c in coords},
+      'dp': {(p, t, c): [grid.rank_of(d, p, t, c) for d in range(grid.dp)] for _, p, t, c in coords},
       # TP ranks holding copies of one KV head: consecutive runs of kv_replicator TP ranks
-      'kv': {(d, p, t // grid.kv_replicator): [grid.rank_of(d, p, t - t % grid.kv_replicator + k)
-                                               for k in range(grid.kv_replicator)]
-             for d, p, t in coords} if grid.kv_replicator > 1 else {},
+      'kv': {(d, p, t // grid.kv_replicator, c): [grid.rank_of(d, p, t - t % grid.kv_replicator + k, c)
+                                                  for k in range(grid.kv_replicator)]
+             for d, p, t, c in coords} if grid.kv_replicator > 1 else {},
       # first and last PP stage: the copies of a tied embedding
-      'embed': {(d, t): [grid.rank_of(d, 0, t), grid.rank_of(d, grid.pp - 1, t)]
-                for d, _, t in coords} if grid.pp > 1 else {},
+      'embed': {(d, t, c): [grid.rank_of(d, 0, t, c), grid.rank_of(d, grid.pp - 1, t, c)]
+                for d, _, t, c in coords} if grid.pp > 1 else {},
+      'cp': {(d, p, t): [grid.rank_of(d, p, t, c) for c in range(grid.cp)]
+             for d, p, t, _ in coords} if grid.cp > 1 else {},
+      'dp_cp': {(p, t): [grid.rank_of(d, p, t, c) for d in range(grid.dp) for c in range(grid.cp)]
+                for _, p, t, _ in coords} if grid.cp > 1 else {},
       # expert parallelism: ep consecutive DP ranks, and the DP ranks holding the same experts
-      'ep': {(d // grid.ep, p, t): [grid.rank_of(d - d % grid.ep + k, p, t) for k in range(grid.ep)]
-             for d, p, t in coords} if grid.ep > 1 else {},
-      'expert_dp': {(d % grid.ep, p, t): [grid.rank_of(k * grid.ep + d % grid.ep, p, t)
-                                          for k in range(grid.dp // grid.ep)]
-                    for d, p, t in coords} if grid.ep > 1 else {},
+      'ep': {(d // grid.ep, p, t, c): [grid.rank_of(d - d % grid.ep + k, p, t, c) for k in range(grid.ep)]
+             for d, p, t, c in coords} if grid.ep > 1 else {},
+      'expert_dp': {(d % grid.ep, p, t, c): [grid.rank_of(k * grid.ep + d % grid.ep, p, t, c)
+                                             for k in range(grid.dp // grid.ep)]
+                    for d, p, t, c in coords} if grid.ep > 1 else {},
   }
   for name, members_by_key in families.items():
     for members in members_by_key.values():
@@ -140,10 +170,10 @@ def init(config, device_name=None) -> Mesh:
   world = int(os.environ.get('WORLD_SIZE', '1'))
   rank = int(os.environ.get('RANK', '0'))
   device = devices.resolve(device_name or config.device, int(os.environ.get('LOCAL_RANK', '0')))
-  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
-  if world % (tp * pp):
-    raise ValueError(f'world size {world} is not divisible by tp x pp = {tp} x {pp}')
-  dp = world // (tp * pp)
+  tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
+  if world % (tp * pp * cp):
+    raise ValueError(f'world size {world} is not divisible by tp x pp x cp = {tp} x {pp} x {cp}')
+  dp = world // (tp * pp * cp)
   kv_replicator = d.kv_replicator
   ep = d.get('expert_model_parallel_size', 1)
   if dp % ep:
@@ -158,8 +188,9 @@ def init(config, device_name=None) -> Mesh:
       dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
   # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
   make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, kv_replicator=kv_replicator, ep=ep), rank, make_group)
-  return Mesh(dp=dp, pp=pp, tp=tp, rank=rank, device=device, kv_replicator=kv_replicator,
+  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, cp=cp, kv_replicator=kv_replicator, ep=ep), rank, make_group)
+  return Mesh(dp=dp, pp=pp, tp=tp, cp=cp, rank=rank, device=device, kv_replicator=kv_replicator,
+              cp_group=groups.get('cp'), dp_cp_group=groups.get('dp_cp', groups.get('dp')),
               ep=ep, ep_group=groups.get('ep'), expert_dp_group=groups.get('expert_dp'),
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
               kv_group=groups.get('kv'), embed_group=groups.get('embed'), timeout_s=d.collective_timeout_s,

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from model import layers, moe, objectives, transformer
-from parallel import comm, compiled, pipeline, pipeline_schedule, precision, remat
+from parallel import comm, compiled, context, pipeline, pipeline_schedule, precision, remat
 
 
 def to_device(batch, device):
@@ -33,6 +33,11 @@ def _waiting(layer_fn, wait_params, hi):
       wait_params(_not_layer)
     return out
   return run
+
+
+def model_batch(batch, mesh):
+  """A micro batch as this rank's model sees it: on its device, cut to its cp slice."""
+  return context.slice_batch(to_device(batch, mesh.device), mesh.cp, mesh.cp_rank)
 
 
 def _run(params, batches, config, mesh, ops, recipe, objective, on_last, training=False,
@@ -60,7 +65,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
                               layer_fn=run_layer, dropout_key=dropout_key, objective=objective)
     return out if vs != last else on_last(i, out)
 
-  shape = (config.data.micro_batch_size, config.data.seq_length // ops.residual_slices, m.hidden_size)
+  shape = (config.data.micro_batch_size, config.data.seq_length // mesh.cp // ops.residual_slices, m.hidden_size)
   if training:
     schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
     pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype,
@@ -104,7 +109,7 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   sums = {'loss': torch.zeros((), device=mesh.device)}
   tally = {} if moe.enabled(m) else None          # MoE routing metrics, summed over stages by global_loss
   ops = dataclasses.replace(ops, moe_tally=tally)
-  batches = [to_device(mb, mesh.device) for mb in micro_batches]
+  batches = [model_batch(mb, mesh) for mb in micro_batches]
   if extra is not None:
     for batch in batches:
       batch.update(global_count=count, global_extra=extra)
@@ -153,5 +158,6 @@ def global_loss(loss_sum, count, mesh, metric_sums=None):
   names = list(metric_sums or {})
   sums = torch.stack([loss_sum] + [metric_sums[n] for n in names])
   sums = comm.all_reduce_(sums, mesh.pp_group, name='all_reduce(loss over pp)')
-  means = comm.all_reduce_(sums, mesh.dp_group, name='all_reduce(loss over dp)') / count
+  # each cp rank holds its slice's sums; the count was taken over whole rows
+  means = comm.all_reduce_(sums, mesh.dp_cp_group, name='all_reduce(loss over dp x cp)') / count
   return (means[0], dict(zip(names, means[1:]))) if metric_sums is not None else means[0]

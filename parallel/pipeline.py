@@ -86,7 +86,7 @@ def owned_names(model_cfg, mesh, bounds, vp):
 
 
 def _peer(mesh, pp_rank):
-  return mesh.rank_of(mesh.dp_rank, pp_rank, mesh.tp_rank)
+  return mesh.rank_of(mesh.dp_rank, pp_rank, mesh.tp_rank, mesh.cp_rank)
 
 
 class _InFlight:

@@ -21,7 +21,8 @@ def startup(config, mesh, sizes, est) -> str:
   sp = ' +sp' if config.distributed_strategy.sequence_parallel and mesh.tp > 1 else ''
   lines = [
       f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
-      f'dp={mesh.dp} x pp={mesh.pp} x tp={mesh.tp}{sp}',
+      f'dp={mesh.dp} x pp={mesh.pp}' + (f' x cp={mesh.cp} (ring attention)' if mesh.cp > 1 else '')
+      + f' x tp={mesh.tp}{sp}',
       f'model {m.num_layers} layers x hidden {m.hidden_size} | heads {m.num_attention_heads} (kv '
       f'{transformer.kv_heads(m)}) x head_dim {transformer.head_dim(m)} | ffn {m.ffn_hidden_size} | vocab '
       f'{m.vocab_size} (padded {transformer.padded_vocab_size(m, mesh.tp)})'
@@ -29,7 +30,9 @@ def startup(config, mesh, sizes, est) -> str:
       f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
       f'{transformer.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
-      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}',
+      f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}'
+      + (f' | cp {mesh.cp}: {a.seq_length // mesh.cp:,} tokens of each sequence per rank (activations / {mesh.cp})'
+         if mesh.cp > 1 else ''),
       'memory/rank (estimate): ' + ' | '.join(f'{k} {memory.human_bytes(v)}' for k, v in memory.components(est).items()
                                               if v),
       f'memory/rank peak (estimate): {memory.human_bytes(est["total"])} in {est["peak_phase"]} | '
@@ -101,8 +104,8 @@ def dry_run(config, world_size, check) -> str:
   start-up summary at `world_size` processes with the memory estimate and whether it fits
   this machine (`check`: configs.validate.check, for the layouts that would)."""
   d = config.distributed_strategy
-  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
-  mesh = meshes.Mesh(dp=world_size // (tp * pp), pp=pp, tp=tp, kv_replicator=d.kv_replicator,
+  tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
+  mesh = meshes.Mesh(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
                      device=torch.device(devices.kind(config.device)))
   sizes = training.local_sizes(config, mesh)
   est = memory.estimate(config, sizes, mesh.dp)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from model import layers, lora, transformer
-from parallel import comm, experts, precision
+from parallel import comm, context, experts, precision
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 ROW_PARALLEL = ('o_proj', 'down_proj')
@@ -171,7 +171,7 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
   activations' own."""
   group = mesh.tp_group
   if group is None:
-    return layers.LOCAL_OPS
+    return context.with_ring(layers.LOCAL_OPS, mesh)
   sp = sequence_parallel
   leave = _in_dtype((lambda x: comm.reduce_scatter_seq(x, group)) if sp else (lambda x: comm.reduce_from_group(x, group)),
                     reduce_dtype)
@@ -189,7 +189,7 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
       return comm.own_chunk(mask_b_, group, 1) if sp else mask_b_
     return comm.own_chunk(mask_b_, group, -1 if kind == 'ffn' else 1)
 
-  return layers.Ops(
+  return context.with_ring(layers.Ops(
       column_linear=F.linear,
       row_linear=row_linear,
       embed=lambda ids, table: vocab_parallel_embedding(ids, table, group),
@@ -202,7 +202,7 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
       slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
       residual_slices=mesh.tp if sp else 1,
       mask_for_slice=mask_for_slice,
-  )
+  ), mesh)
 
 
 def config_ops(config, mesh):
@@ -232,7 +232,7 @@ def describe_layout(config, mesh):
     return f'experts {rows.start}-{rows.stop - 1}'
 
   ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
-  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank} tp {r.tp_rank} | '
+  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank}{f" cp {r.cp_rank}" if r.cp > 1 else ""} tp {r.tp_rank} | '
           f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
           f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}, '
           f'{ffn(r)}, vocab rows {span("embed_tokens.weight", r.tp_rank)}'

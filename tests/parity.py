@@ -18,7 +18,7 @@ STEPS = 10
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
-                  family=None, moe=0, ep=1, capacity=1.0, aux=True):
+                  family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -34,6 +34,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size = pp, vp
   d.pipeline_cuts = tuple(cuts)
   d.zero1 = zero1
+  d.context_parallel_size = cp               # context parallelism: the ring over cp ranks
+  c.model.fusions.ring_attention = cp > 1
   c.precision.type = precision
   c.model.qkv_bias = qkv_bias                # Qwen2's biases on q, k, v only
   if rope_llama3:                            # Llama 3.1's RoPE scaling
@@ -103,9 +105,9 @@ def train_on_rank(workdir, layout):
 def rank_result(config, workdir, params):
   """(losses, grad norms) from rank 0's metrics.jsonl, and this rank's boxes."""
   d = config.distributed_strategy
-  tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
-  mesh = meshes.Mesh(tp=tp, pp=pp, rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator,
-                     dp=int(os.environ.get('WORLD_SIZE', 1)) // (tp * pp), ep=d.expert_model_parallel_size)
+  tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
+  mesh = meshes.Mesh(tp=tp, pp=pp, cp=cp, rank=int(os.environ.get('RANK', 0)), kv_replicator=d.kv_replicator,
+                     dp=int(os.environ.get('WORLD_SIZE', 1)) // (tp * pp * cp), ep=d.expert_model_parallel_size)
   boxes = tensor.boxes(config.model, mesh, list(params))
   losses, norms = None, None
   if mesh.rank == 0:

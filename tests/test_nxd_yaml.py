@@ -1,6 +1,7 @@
 """configs/nxd_yaml.py: NxD Training YAML -> flatron config, the report of keys not honoured, the
 export back to YAML; the 22 example configs of NxD Training 2.26 load (those needing MoE or
-context parallelism refused in one line), seven train 3 steps with size and data overrides only,
+MoE refused in one line), seven train 3 steps with size and data overrides only, the context-parallel
+one at cp2 on two processes,
 and --dry_run checks a file without touching anything."""
 import json
 import math
@@ -172,7 +173,7 @@ def current(name):
 
 def needs(name):
   """The feature a 2.26 file needs that flatron lacks (its one-line refusal), or None."""
-  return 'context parallelism (ring attention)' if '_CP_' in name else None
+  return None           # MoE / EP and context parallelism are built: no 2.26 file is refused
 
 
 def test_the_fixtures_are_the_22_files_of_the_release():
@@ -296,6 +297,21 @@ def test_the_current_release_files_train_3_steps_with_size_and_data_overrides_on
     assert 'of 32 train pairs precomputed' in out.stderr and 'valid pairs' not in out.stderr
   if name == 'hf_llama3_8B_config.yaml':
     assert 'pretraining train: 16 examples' in out.stderr
+
+
+def test_the_context_parallel_file_trains_3_steps_at_cp2_with_size_and_data_overrides_only(tmp_path):
+  name = 'hf_llama3_70B_CP_config.yaml'
+  c = nxd_yaml.load(current(name)).config
+  assert (c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention) == (2, True)
+  paths = _assets(tmp_path)
+  overrides = [flag.format(**paths) for flag in SIZE + HF + ['--config.data.train_dir={pretok}']]
+  out = procs.run([os.path.join(os.path.dirname(sys.executable), 'torchrun'), '--nproc_per_node=2', '--standalone',
+                   'train.py', f'--config=configs/nxd_yaml.py:{current(name)}', f'--workdir={tmp_path / "run"}',
+                   *overrides], timeout=300, env=dict(os.environ, OMP_NUM_THREADS='1'))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'dp=1 x pp=1 x cp=2 (ring attention) x tp=1' in out.stderr
+  steps = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl') if '"loss"' in line]
+  assert [s['step'] for s in steps][-1] == 3 and all(math.isfinite(s['loss']) for s in steps)
 
 
 def test_dry_run_resolves_validates_and_prints_without_touching_the_workdir(tmp_path):

@@ -83,7 +83,7 @@ def test_resume_at_another_layout_continues_the_run(saved_at_tp2_pp2_dp2, tmp_pa
   # the optimizer moments saved at tp2 x pp2 x dp2 read back whole at any layout
   saved = str(base / 'saved' / 'checkpoints' / 'step_00000010')
   meta = checkpoint_steps.read_metadata(saved)
-  assert meta['layout'] == {'dp': 2, 'pp': 2, 'tp': 2, 'vp': 1, 'zero1': True}
+  assert meta['layout'] == {'dp': 2, 'pp': 2, 'tp': 2, 'cp': 1, 'vp': 1, 'zero1': True}
   world.run(_resume_from, world_size, str(workdir), layout, saved)
   np.testing.assert_allclose(losses(workdir), losses(base / 'straight')[10:], rtol=1e-5)
 

@@ -218,7 +218,8 @@ def main(argv):
   print(f"  step time (median of {FLAGS.steps}) {r['step_time'] * 1e3:.1f} ms | "
         f"{r['tokens_per_sec']:,.0f} tokens/s | {r['flops'] / 1e9:.1f} GFLOP/s achieved")
   print(f"  peak {r['peak'] / 1e9:.1f} GFLOP/s per process ({r['peak_source']}) | "
-        f"MFU {100 * r['mfu']:.1f}% | {r['mesh']} | peak RSS {r['peak_rss'] / 2**20:.0f} MiB")
+        f"MFU {100 * r['mfu']:.1f}% | {r['mesh']} | peak RSS {r['peak_rss'] / 2**20:.0f} MiB "
+        f"(+{(r['peak_rss'] - r['baseline_rss']) / 2**20:.0f} MiB over the process before the run)")
 
 
 if __name__ == '__main__':

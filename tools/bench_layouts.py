@@ -4,6 +4,8 @@
     python -m tools.bench_layouts --layouts=dp2,pp2 --steps=3
     python -m tools.bench_layouts --layouts=dp2,dp2_no_overlap   # overlap_grad_reduce on / off
     python -m tools.bench_layouts --shape=207m --layouts=dp2,dp2_zero1 --steps=3
+    python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1   # context parallelism
+    python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1 --mmap_threshold=65536
 
 Runs tools/bench.py once in one process with 2 threads, then under torchrun with 2
 processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
@@ -35,6 +37,7 @@ LAYOUTS = {
     'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
     'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
     'pp2_dealloc': [STRATEGY + 'pipeline_model_parallel_size=2', STRATEGY + 'deallocate_pipeline_outputs=True'],
+    'cp2': [STRATEGY + 'context_parallel_size=2', '--config.model.fusions.ring_attention=True'],
 }
 # A model big enough that per-step compute dominates process start-up noise, small enough for 2 cores.
 SMALL = ['--config.model.num_layers=4', '--config.model.hidden_size=256', '--config.model.ffn_hidden_size=688',
@@ -46,7 +49,12 @@ SHAPE_207M = ['--config.model.num_layers=12', '--config.model.hidden_size=1024',
               '--config.model.num_attention_heads=16', '--config.model.num_kv_heads=8', '--config.model.vocab_size=32000',
               '--config.model.max_position_embeddings=128', '--config.data.seq_length=128',
               '--config.data.micro_batch_size=1', '--config.data.global_batch_size=4']
-SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4)}     # (flags, the pipeline's m at pp2)
+# Long context on a tiny model (issue 30): one sequence of 16k tokens, where activations dominate.
+LONG_16K = ['--config.model.num_layers=2', '--config.model.hidden_size=128', '--config.model.ffn_hidden_size=344',
+            '--config.model.num_attention_heads=4', '--config.model.num_kv_heads=2', '--config.model.vocab_size=512',
+            '--config.model.max_position_embeddings=16384', '--config.data.seq_length=16384',
+            '--config.data.micro_batch_size=1', '--config.data.global_batch_size=2']
+SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4), 'long16k': (LONG_16K, 2)}   # (flags, the pipeline's m at pp2)
 
 
 def _run(cmd, env, timeout):
@@ -62,16 +70,21 @@ def _run(cmd, env, timeout):
     raise RuntimeError(f'{" ".join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}')
   tok = [float(x.replace(',', '')) for x in re.findall(r'\| ([\d,]+) tokens/s', out)]
   rss = [float(x) for x in re.findall(r'peak RSS (\d+) MiB', out)]
-  return min(tok), max(rss)
+  growth = [float(x) for x in re.findall(r'\(\+(\d+) MiB over the process before the run\)', out)]
+  return min(tok), max(rss), max(growth)
 
 
 def define_flags():
   flags.DEFINE_string('config', 'configs/llama_tiny.py', 'Config file for tools/bench.py (--shape resizes it).')
-  flags.DEFINE_enum('shape', 'small', list(SHAPES), 'small: 4 x 256, seq 256, 16 sequences a step; 207m: 12 x 1024.')
+  flags.DEFINE_enum('shape', 'small', list(SHAPES), 'small: 4 x 256, seq 256, 16 sequences a step; 207m: 12 x 1024; '
+                    'long16k: 2 x 128 at seq 16384, 2 sequences a step.')
   tools.define_list_of('layouts', ['dp2', 'tp2', 'tp2_sp', 'pp2', 'pp2_dealloc'], LAYOUTS, 'Layouts to run')
   flags.DEFINE_integer('steps', 5, 'Timed steps.')
   flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps.')
   flags.DEFINE_integer('timeout', 900, 'Seconds each bench may take before its processes are killed.')
+  flags.DEFINE_integer('mmap_threshold', 0, 'glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every process; 0 = glibc\'s '
+                       'dynamic one, which rises after big frees so that later temporaries stay in the heap: peak '
+                       'RSS then holds fragmentation too, not only live tensors.')
 
 
 def main(argv):
@@ -79,17 +92,22 @@ def main(argv):
   shape, micro = SHAPES[FLAGS.shape]
   bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + shape
   bench = ['-m', 'tools.bench']
-  one, one_rss = _run([sys.executable, *bench] + bench_flags, dict(os.environ, OMP_NUM_THREADS='2'),
-                      FLAGS.timeout)
-  print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB')
-  print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | bubble measured | 1F1B formula |')
-  print('|---|---|---|---|---|---|')
+  env = dict(os.environ, **({'MALLOC_MMAP_THRESHOLD_': str(FLAGS.mmap_threshold)} if FLAGS.mmap_threshold else {}))
+  if FLAGS.mmap_threshold:
+    print(f'MALLOC_MMAP_THRESHOLD_={FLAGS.mmap_threshold} in every process')
+  one, one_rss, one_growth = _run([sys.executable, *bench] + bench_flags, dict(env, OMP_NUM_THREADS='2'),
+                                  FLAGS.timeout)
+  print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB (+{one_growth:.0f} MiB over the '
+        'process before the run: the run\'s own memory, activations included)')
+  print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | its run\'s own | bubble measured '
+        '| 1F1B formula |')
+  print('|---|---|---|---|---|---|---|')
   for name in FLAGS.layouts:
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *bench]
-    tok, rss = _run(cmd + bench_flags + LAYOUTS[name], dict(os.environ, OMP_NUM_THREADS='1'),
-                    FLAGS.timeout)
+    tok, rss, growth = _run(cmd + bench_flags + LAYOUTS[name], dict(env, OMP_NUM_THREADS='1'),
+                            FLAGS.timeout)
     bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
-    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | {bubble} |', flush=True)
+    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | +{growth:.0f} MiB | {bubble} |', flush=True)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,222 @@
+"""Ring attention: causal attention over a sequence held in slices by the `cp` ranks.
+
+Each rank keeps its queries; the key/value blocks travel once around the ring (each rank
+sends the block it holds to the next and receives the previous rank's, the transfer of the
+next block overlapping the compute on the current one). The partial results are merged by
+their log-sum-exp (the online softmax), so the output is exact, not approximated. The
+backward sends the K/V blocks around again, each with the dK/dV accumulated for it so far;
+after a full turn every block's gradient is back with its owner.
+
+Which query may see which key comes from the tokens' global sequence indices (causality, the
+sliding window: HF's i - window < j <= i) and, for packed rows, their document ids. Each
+rank's slice is cut into `chunks` pieces (the load-balanced layout gives a rank two chunks
+of the sequence, `layout_indices`); a (query piece, key piece) pair that the mask excludes
+entirely is skipped, so a window skips the ring steps it excludes, and causal attention
+skips the future chunks.
+
+The communication is a `ring` value (`size`, `rank`, `start(tensor, tag) -> handle` whose
+`wait()` returns the previous rank's tensor): `GroupRing` is point-to-point over a process
+group; tests/test_ring_attention.py runs the same function on threads (`ThreadRing`).
+Everything inside runs in fp32 (fp64 inputs: fp64); outputs and gradients come back in the inputs' dtypes.
+"""
+import queue
+
+import torch
+import torch.distributed as dist
+
+KV, DKV = 0, 1      # message tags: blocks and their gradients travel at the same time
+
+
+def layout_indices(seq_length, cp):
+  """[cp, seq_length / cp]: the global sequence indices of each rank's tokens. The sequence
+  is cut in 2 cp chunks and rank i holds chunks i and 2cp-1-i (Megatron's and torchtitan's
+  load balance: every rank gets an early and a late chunk, so equal causal work)."""
+  chunks = torch.arange(seq_length).view(2 * cp, -1)
+  return torch.stack([torch.cat([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
+
+
+class GroupRing:
+  """Point-to-point sends to the next rank of a process group, receives from the previous."""
+
+  def __init__(self, group):
+    self.group = group
+    self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+    self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+    self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+  def start(self, x, tag):
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    works = [dist.isend(x, self.next, group=self.group, tag=tag), dist.irecv(out, self.prev, group=self.group, tag=tag)]
+    return _Pending(works, out, x)
+
+
+class _Pending:
+
+  def __init__(self, works, out, sent):
+    self.works, self.out, self.sent = works, out, sent   # `sent` stays alive until the send is done
+
+  def wait(self):
+    for work in self.works:
+      work.wait()
+    return self.out
+
+
+class ThreadRing:
+  """The ring of `size` ranks emulated by threads of one process (tests): one mailbox per
+  rank and tag, each rank's view a `ThreadRing.Member`."""
+
+  def __init__(self, size):
+    self.size = size
+    self.boxes = [[queue.Queue() for _ in (KV, DKV)] for _ in range(size)]
+
+  def member(self, rank):
+    return ThreadRing.Member(self, rank)
+
+  class Member:
+
+    def __init__(self, ring, rank):
+      self.ring, self.size, self.rank = ring, ring.size, rank
+
+    def start(self, x, tag):
+      self.ring.boxes[(self.rank + 1) % self.size][tag].put(x.clone())
+      return _Mailbox(self.ring.boxes[self.rank][tag])
+
+
+class _Mailbox:
+
+  def __init__(self, box):
+    self.box = box
+
+  def wait(self):
+    return self.box.get(timeout=60)
+
+
+def _mask(q_index, k_index, q_seg, k_seg, window):
+  """[b or 1, 1, 1, sq, sk] (True = attend), None when every pair attends, False when none does."""
+  mask = k_index[None, :] <= q_index[:, None]
+  if window:
+    mask = mask & (k_index[None, :] > q_index[:, None] - window)
+  mask = mask[None, None, None]
+  if q_seg is not None:
+    mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+  if not bool(mask.any()):
+    return False
+  return None if bool(mask.all()) else mask
+
+
+def _scores(q, k, mask, scale):
+  # in place: a block's scores are the one temporary of its size (the allocator's churn, and
+  # with it CPU time and peak RSS, follows the count of such temporaries)
+  scores = (q @ k.transpose(-1, -2)).mul_(scale)
+  return scores if mask is None else scores.masked_fill_(~mask, float('-inf'))
+
+
+def _finite(lse):
+  """lse with -inf (a row that saw no key yet) as 0, so exp(s - lse) is 0 there, not nan."""
+  return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
+  """(query piece, key piece, mask) for the block of rank `src`, without the excluded pairs."""
+  qi, ki = index_by_rank[ring.rank].chunk(chunks), index_by_rank[src].chunk(chunks)
+  qs = seg_by_rank[ring.rank].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
+  ks = seg_by_rank[src].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
+  for a in range(chunks):
+    for c in range(chunks):
+      mask = _mask(qi[a], ki[c], qs[a], ks[c], window)
+      if mask is not False:
+        yield a, c, mask
+
+
+def _grouped(q, g):
+  """[b, n, s, d] -> [b, g, n/g, s, d]: query head h reads KV head h // (n/g), as HF's repeat."""
+  b, n, s, d = q.shape
+  return q.view(b, g, n // g, s, d)
+
+
+def _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):
+  g = k.shape[1]
+  dt = torch.promote_types(q.dtype, torch.float32)
+  q5 = _grouped(q.to(dt), g).chunk(chunks, 3)
+  out = [torch.zeros_like(p) for p in q5]
+  lse = [torch.full(p.shape[:-1], float('-inf'), dtype=dt, device=q.device) for p in q5]
+  kv = torch.stack([k, v])
+  for step in range(ring.size):
+    src = (ring.rank - step) % ring.size
+    pending = ring.start(kv, KV) if step < ring.size - 1 else None
+    k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
+    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
+      probs = _scores(q5[a], k5[c], mask, scale)
+      top = probs.amax(-1)                                  # -inf on rows this block hides entirely
+      probs = probs.sub_(_finite(top)[..., None]).exp_()   # unnormalized: exp(s - top)
+      block_lse = _finite(top) + probs.sum(-1).log()
+      new = torch.logaddexp(lse[a], block_lse)
+      # out = e^(lse - new) out + e^(block_lse - new) probs v / sum(probs), and the block's
+      # weight is e^(top - new): 0, not nan, where the block hides the row (top = -inf)
+      out[a] = torch.exp(lse[a] - _finite(new))[..., None] * out[a] + \
+          torch.exp(top - _finite(new))[..., None] * (probs @ v5[c])
+      lse[a] = new
+    if pending is not None:
+      kv = pending.wait()
+  return torch.cat(out, 3), torch.cat(lse, 3)
+
+
+def _backward(grad_out, q, k, v, out, lse, ring, index_by_rank, seg_by_rank, window, scale, chunks):
+  g = k.shape[1]
+  dt = torch.promote_types(q.dtype, torch.float32)
+  q5 = _grouped(q.to(dt), g)
+  do5 = _grouped(grad_out.to(dt), g)
+  delta = (do5 * _grouped(out.to(dt), g)).sum(-1).chunk(chunks, 3)   # rowsum(dO * O): the softmax's Jacobian term
+  q5, do5, lse = q5.chunk(chunks, 3), do5.chunk(chunks, 3), _finite(lse).chunk(chunks, 3)
+  dq = [torch.zeros_like(p) for p in q5]
+  kv, arriving = torch.stack([k, v]), None
+  for step in range(ring.size):
+    src = (ring.rank - step) % ring.size
+    pending = ring.start(kv, KV) if step < ring.size - 1 else None
+    k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
+    dk = [torch.zeros_like(p[:, :, 0]) for p in k5]
+    dv = [torch.zeros_like(p[:, :, 0]) for p in v5]
+    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
+      probs = _scores(q5[a], k5[c], mask, scale).sub_(lse[a][..., None]).exp_()
+      dv[c] = dv[c] + (probs.transpose(-1, -2) @ do5[a]).sum(2)
+      dscores = (do5[a] @ v5[c].transpose(-1, -2)).sub_(delta[a][..., None]).mul_(probs)
+      dq[a] = dq[a] + (dscores @ k5[c]) * scale
+      dk[c] = dk[c] + (dscores.transpose(-1, -2) @ q5[a]).sum(2) * scale
+    dkv = torch.stack([torch.cat(dk, 2), torch.cat(dv, 2)])
+    if arriving is not None:                  # what the ranks before added for this block
+      dkv = arriving.wait() + dkv
+    arriving = ring.start(dkv, DKV)           # the last send hands each block's total to its owner
+    if pending is not None:
+      kv = pending.wait()
+  dkv = arriving.wait()
+  b, n, s, d = q.shape
+  return torch.cat(dq, 3).reshape(b, n, s, d), dkv[0], dkv[1]
+
+
+class _RingAttention(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):  # pylint: disable=arguments-differ
+    out, lse = _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks)
+    b, n, s, d = q.shape
+    out = out.reshape(b, n, s, d).to(q.dtype)
+    # the output as returned (in the inputs' dtype, as flash attention keeps it): no fp32 copy
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = ring, index_by_rank, seg_by_rank, window, scale, chunks
+    return out
+
+  @staticmethod
+  def backward(ctx, grad_out):  # pylint: disable=arguments-differ
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _backward(grad_out, q, k, v, out, lse, *ctx.args)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(q_bnsd, k_bgsd, v_bgsd, ring, index_by_rank, seg_by_rank=None, window=0, scale=None, chunks=2):
+  """softmax(q k^T scale) v for this rank's queries against every rank's keys (GQA: g KV heads
+  for n query heads). `index_by_rank` [cp, s]: each rank's global sequence indices;
+  `seg_by_rank` [cp, b, s]: their document ids (packed rows) or None; `window`: HF's sliding
+  window (0 = none); `chunks`: pieces of a slice that are skipped separately when masked out."""
+  scale = q_bnsd.shape[-1] ** -0.5 if scale is None else scale
+  return _RingAttention.apply(q_bnsd, k_bgsd, v_bgsd, ring, index_by_rank, seg_by_rank, window, scale, chunks)

@@ -1,0 +1,146 @@
+"""Context parallelism: the batch slices, the config checks, and every cp layout trains like
+one device (gloo, fp32, >= 10 steps, the layout-parity bounds of tests/parity.py)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from configs import llama_tiny, validate
+from parallel import context
+from tests import parity, world
+
+LAYOUTS = {
+    'cp2': (2, {'cp': 2}),
+    'cp2_tp2_sp': (4, {'cp': 2, 'tp': 2, 'sp': True}),
+    'cp2_dp2_zero1': (4, {'cp': 2, 'zero1': True}),
+    'cp2_pp2': (4, {'cp': 2, 'pp': 2}),
+    'cp2_mistral_window': (2, {'cp': 2, 'family': 'mistral'}),   # window 5 of 16: ring steps skipped
+    'cp2_lora': (2, {'cp': 2, 'lora': 4}),                         # adapters' gradients summed over cp too
+}
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
+  world_size, kwargs = LAYOUTS[layout]
+  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def packed_records(tmp_path_factory):
+  """Pre-tokenized records of 3-24 tokens (seq_length 16): packed several to a row, so
+  documents start and end inside the cp chunks; prompts masked."""
+  generator = np.random.default_rng(11)
+  rows = []
+  for _ in range(48):
+    n = int(generator.integers(3, 25))
+    prompt = int(generator.integers(1, n))
+    rows.append({'input_ids': generator.integers(0, 32, n).tolist(), 'loss_mask': [0] * prompt + [1] * (n - prompt)})
+  path = tmp_path_factory.mktemp('sft') / 'records.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+  return str(path)
+
+
+@pytest.mark.parametrize('family', [None, 'mistral'])
+def test_packed_sft_rows_train_like_one_device(family, packed_records, tmp_path, tmp_path_factory):
+  name = 'cp2_sft' + (f'_{family}' if family else '')
+  parity.check_layout(name, 2, {'cp': 2, 'sft': packed_records, 'family': family}, tmp_path, tmp_path_factory)
+
+
+def test_slices_follow_the_load_balanced_layout():
+  b, s = 2, 8
+  batch = {'tokens': torch.arange(b * s).view(b, s), 'labels': torch.arange(b * s).view(b, s) + 1,
+           'loss_mask': torch.ones(b, s), 'segment_ids': torch.tensor([[0] * 3 + [1] * 5] * b),
+           'sample_ids': torch.tensor([4, 5])}
+  first, second = (context.slice_batch(batch, 2, r) for r in range(2))
+  assert first['tokens'][0].tolist() == [0, 1, 6, 7] and second['tokens'][0].tolist() == [2, 3, 4, 5]
+  assert first['position_ids'][0].tolist() == [0, 1, 6, 7]          # RoPE positions of the chunks
+  assert first['labels'][1].tolist() == [9, 10, 15, 16]
+  assert first['segment_ids'][0].tolist() == [0, 0, 1, 1]
+  assert first['ring_segment_ids'][0].tolist() == [0, 0, 1, 1, 0, 1, 1, 1]   # rank 0's, then rank 1's
+  assert torch.equal(first['sample_ids'], batch['sample_ids'])
+  assert context.slice_batch(batch, 1, 0) is batch
+
+
+def test_what_does_not_compose_is_refused_by_name():
+  c = llama_tiny.get_config('test')
+  d = c.distributed_strategy
+  d.context_parallel_size = 2
+  c.data.seq_length = 18
+  c.model.hidden_dropout = 0.1
+  c.model.compile = True
+  problems = '\n'.join(validate.check(c, 2))
+  for needed in ('model.fusions.ring_attention=True', 'divisible by 2 x context_parallel_size = 4',
+                 'model.hidden_dropout=0.1', 'model.compile=True'):
+    assert needed in problems, needed
+  c.model.fusions.ring_attention, c.data.seq_length, c.model.hidden_dropout, c.model.compile = True, 16, 0.0, False
+  assert validate.check(c, 2) == []
+  assert 'launch a multiple of 2' in '\n'.join(validate.check(c, 3))
+  c.model.objective = 'dpo'
+  assert "model.objective='dpo'" in '\n'.join(validate.check(c, 2))
+  d.context_parallel_size = 1
+  c.model.objective = 'next_token'
+  assert validate.check(c, 1) == [] and 'does nothing' in validate.warnings(c)[0]
+
+
+def _activation_bytes_at_cp2():
+  from tests import test_remat  # pylint: disable=import-outside-toplevel
+  from parallel import activations, mesh as meshes  # pylint: disable=import-outside-toplevel
+  mesh, out = None, []
+  for shape in ('llama_gqa', 'gpt_b1'):
+    for mode in test_remat.MODES:
+      for flash in (True, False):
+        for dtype in (torch.float32, torch.bfloat16):
+          c = test_remat.config(shape, mode, flash, dropout=0.0)
+          c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+          mesh = mesh or meshes.init(c)
+          measured = activations.measured_bytes_per_layer(c, mesh, dtype)
+          formula = activations.activation_bytes_per_layer(c, 4 if dtype == torch.float32 else 2)
+          out.append((shape, mode, flash, str(dtype), measured, formula))
+  return out
+
+
+def test_activation_bytes_per_rank_at_cp2_equal_the_formula():
+  """What autograd keeps per layer on each cp rank, measured, is the formula with s / cp tokens
+  and the ring's attention terms (tests/test_remat.py pins the cp = 1 formula the same way)."""
+  for rows in world.run(_activation_bytes_at_cp2, 2):
+    assert [r for r in rows if r[-2] != r[-1]] == []
+
+
+def test_the_estimate_divides_activations_and_logits_by_cp():
+  from parallel import memory  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config('test')
+  c.data.seq_length = 64
+  one = memory.estimate(c)
+  c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+  two = memory.estimate(c)
+  assert two['logits'] * 2 == one['logits']
+  assert 0.4 < two['activations'] / one['activations'] < 0.6
+  assert two['params'] == one['params']
+
+
+def test_a_checkpoint_saved_at_cp2_with_zero1_resumes_at_cp1(tmp_path):
+  """Checkpoints stay layout-free: optimizer shards over dp x cp read back whole on one process."""
+  from checkpoint import steps as checkpoint_steps  # pylint: disable=import-outside-toplevel
+  from tests import test_session  # pylint: disable=import-outside-toplevel
+  world.run(test_session._run, 2, str(tmp_path / 'saved'), {'cp': 2, 'zero1': True}, 10)  # pylint: disable=protected-access
+  world.run(test_session._run, 1, str(tmp_path / 'straight'), {})  # pylint: disable=protected-access
+  saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
+  assert checkpoint_steps.read_metadata(saved)['layout']['cp'] == 2
+  (tmp_path / 'run').mkdir()
+  world.run(test_session._resume_from, 1, str(tmp_path / 'run'), {}, saved)  # pylint: disable=protected-access
+  np.testing.assert_allclose(test_session.losses(tmp_path / 'run'), test_session.losses(tmp_path / 'straight')[10:],
+                             rtol=1e-5)
+
+
+def test_dry_run_shows_the_cp_layout_and_the_divided_activations():
+  from parallel import summary  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config('test')
+  c.data.seq_length = 64
+  one = summary.dry_run(c, 1, validate.check)
+  c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+  two = summary.dry_run(c, 2, validate.check)
+  assert '2 process(es) on cpu: dp=1 x pp=1 x cp=2 (ring attention) x tp=1' in two
+  assert 'cp 2: 32 tokens of each sequence per rank (activations / 2)' in two
+  activations = lambda text: text.split('activations ')[1].split(' |')[0]
+  assert activations(one) != activations(two)

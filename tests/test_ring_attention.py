@@ -1,0 +1,147 @@
+"""Ring attention on one process (the ring emulated by threads) against SDPA over the whole
+sequence: outputs and gradients of q, k, v in fp32, to 1e-6 of SDPA in fp64."""
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import layers
+from parallel import ring_attention as ra
+
+
+def _on_ring(cp, fn):
+  """fn(rank, ring member) on `cp` threads; their results in rank order."""
+  ring, results, errors = ra.ThreadRing(cp), [None] * cp, []
+
+  def run(r):
+    try:
+      results[r] = fn(r, ring.member(r))
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=run, args=(r,)) for r in range(cp)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  if errors:
+    raise errors[0]
+  return results
+
+
+def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, scale=None, dtype=torch.float32):
+  g = torch.Generator().manual_seed(cp * 100 + window)
+  q = torch.randn(b, heads, s, d, generator=g, dtype=dtype, requires_grad=True)
+  k = torch.randn(b, kv_heads, s, d, generator=g, dtype=dtype, requires_grad=True)
+  v = torch.randn(b, kv_heads, s, d, generator=g, dtype=dtype, requires_grad=True)
+  dout = torch.randn(b, heads, s, d, generator=g, dtype=dtype)
+  mask = layers.attention_mask(segments, s, window)
+  if mask is None:
+    mask = layers.causal_mask_after(0, s)
+  # the reference in fp64: fp32 SDPA's own rounding is of the order of the tolerance
+  wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+  ref = F.scaled_dot_product_attention(*wide, attn_mask=mask, scale=scale, enable_gqa=True)
+  ref_grads = [x.to(dtype) for x in torch.autograd.grad(ref, wide, dout.double())]
+  ref = ref.to(dtype)
+  index = ra.layout_indices(s, cp)
+  seg_by_rank = segments[:, index].transpose(0, 1) if segments is not None else None
+
+  def rank(r, ring):
+    local = [t.detach()[:, :, index[r]].clone().requires_grad_() for t in (q, k, v)]
+    out = ra.ring_attention(*local, ring, index, seg_by_rank, window, scale)
+    return out.detach(), torch.autograd.grad(out, local, dout[:, :, index[r]])
+
+  results = _on_ring(cp, rank)
+  out = torch.empty_like(ref)
+  grads = [torch.empty_like(t) for t in (q, k, v)]
+  for r, (o, gs) in enumerate(results):
+    out[:, :, index[r]] = o
+    for whole, part in zip(grads, gs):
+      whole[:, :, index[r]] = part
+  torch.testing.assert_close(out, ref.detach(), atol=1e-6, rtol=1e-6)
+  for name, got, want in zip('qkv', grads, ref_grads):
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f'd{n}: {m}')
+
+
+def test_layout_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
+  assert ra.layout_indices(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+  assert sorted(ra.layout_indices(24, 3).flatten().tolist()) == list(range(24))
+
+
+@pytest.mark.parametrize('cp', [1, 2, 4])
+def test_causal_gqa_matches_sdpa(cp):
+  _compare(cp)
+
+
+def test_multi_query_and_scale():
+  _compare(2, heads=4, kv_heads=1, scale=0.3)
+
+
+@pytest.mark.parametrize('cp', [2, 4])
+def test_packed_documents_across_chunk_boundaries(cp):
+  # documents of 5, 11, 1, 9, 6 tokens in one row and 16, 16 in the other: boundaries fall
+  # inside chunks and across ranks
+  lengths = [[5, 11, 1, 9, 6], [16, 16]]
+  segments = torch.stack([torch.repeat_interleave(torch.arange(len(l)), torch.tensor(l)) for l in lengths])
+  _compare(cp, segments=segments)
+
+
+@pytest.mark.parametrize('window', [3, 5, 12])
+def test_sliding_window(window):
+  _compare(4, window=window)
+
+
+def test_window_with_documents():
+  segments = torch.repeat_interleave(torch.arange(3), torch.tensor([7, 13, 12]))[None].expand(2, -1)
+  _compare(2, segments=segments, window=6)
+
+
+def test_window_skips_the_blocks_it_excludes():
+  index = ra.layout_indices(32, 4)   # chunks of 4 tokens
+  ring = ra.ThreadRing(4).member(3)  # chunks 3 and 4
+  pairs = lambda w: [(src, a, c) for src in range(4)
+                     for a, c, _ in ra._pairs(ring, src, index, None, w, 2)]  # pylint: disable=protected-access
+  assert len(pairs(0)) == 3 + 2 + 2 + 2   # causal: 3 of the own 4 pairs, the earlier chunk of each other block
+  assert sorted(pairs(3)) == [(2, 0, 0), (3, 0, 0), (3, 1, 0), (3, 1, 1)]   # only neighbouring chunks
+
+
+def test_bf16_inputs_come_back_in_bf16():
+  index = ra.layout_indices(8, 1)
+  q, k, v = (torch.randn(1, 2, 8, 4).bfloat16().requires_grad_() for _ in range(3))
+  out = ra.ring_attention(q, k, v, ra.ThreadRing(1).member(0), index)
+  out.sum().backward()
+  assert out.dtype == q.grad.dtype == k.grad.dtype == torch.bfloat16
+  ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+  torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def _group_ring_rank(s, window):
+  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  dist.init_process_group('gloo')
+  cp, rank = dist.get_world_size(), dist.get_rank()
+  g = torch.Generator().manual_seed(7)
+  q, k, v = (torch.randn(1, 2, s, 4, generator=g) for _ in range(3))
+  index = ra.layout_indices(s, cp)
+  local = [t[:, :, index[rank]].clone().requires_grad_() for t in (q, k, v)]
+  out = ra.ring_attention(*local, ra.GroupRing(dist.group.WORLD), index, None, window)
+  return out.detach(), torch.autograd.grad(out.sum(), local)
+
+
+def test_group_ring_over_processes_matches_threads():
+  from tests import world  # pylint: disable=import-outside-toplevel
+  s, window = 16, 6
+  got = world.run(_group_ring_rank, 2, s, window)
+  index = ra.layout_indices(s, 2)
+  g = torch.Generator().manual_seed(7)
+  q, k, v = (torch.randn(1, 2, s, 4, generator=g) for _ in range(3))
+
+  def rank(r, ring):
+    local = [t[:, :, index[r]].clone().requires_grad_() for t in (q, k, v)]
+    out = ra.ring_attention(*local, ring, index, None, window)
+    return out.detach(), torch.autograd.grad(out.sum(), local)
+
+  for (out, grads), (want, want_grads) in zip(got, _on_ring(2, rank)):
+    assert torch.equal(out, want)
+    for a, b in zip(grads, want_grads):
+      assert torch.equal(a, b)
