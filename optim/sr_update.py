@@ -5,8 +5,8 @@ an update widens rows and moments to fp32 copies, runs torch's AdamW over them (
 and rounds all three back (several more passes each, plus a hash of every element's index):
 about as long as forward and backward together. `adamw_step` does it per tensor in one fused
 loop -- read bf16 row, gradient (bf16, scaled by the clip coefficient in the loop) and bf16
-moments, write the three rounded -- compiled by
-torch.compile (inductor: C++ on CPU) and 6x cheaper than the eager pipeline on the 32M bench.
+moments, write the three rounded -- compiled by torch.compile (inductor: C++ on CPU) and 6x
+cheaper than the eager pipeline on the 32M bench.
 
 The math is torch.optim.AdamW's (Adam's) single-tensor step, op for op in fp32, and the
 rounding is parallel/precision.py's: each output element i gets stochastic_round with
