@@ -210,6 +210,19 @@ class Collector:
       total = total + moe.router_aux_loss_coef * aux
     return (total * self.w).sum()
 
+  def finish(self, tally, adds_to_loss):
+    """After the stage's layers: the metric sums added into `tally` (a dict, or None), and the
+    auxiliary losses' share of the loss sum when `adds_to_loss` (None when nothing adds)."""
+    all_layers = all(i in self.layers for i in moe_layers(self.cfg))
+    if tally is not None:
+      for name, value in self.metric_sums(all_layers).items():
+        tally[name] = tally.get(name, 0) + value
+    if not (adds_to_loss and adds_loss(self.cfg)):
+      return None
+    if not all_layers:
+      raise ValueError('model.moe auxiliary losses need every MoE layer on the last stage (pp=1)')
+    return self.loss_sum()
+
   def metric_sums(self, all_layers) -> dict:
     """Weighted per-row sums of METRICS; load and dropped are means over all MoE layers (this
     stage's share), the losses only where `all_layers` were recorded here (else 0)."""

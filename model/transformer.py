@@ -284,16 +284,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
     x_bsh = layer_fn(block, params, i, x_bsh, rope.get(kinds[i]), masks[kinds[i]], cfg, ops, key, sample_ids_b, kv)
-  aux_sum = None
-  if collector is not None:
-    all_layers = all(i in collector.layers for i in moe.moe_layers(cfg))
-    if ops.moe_tally is not None:
-      for name, value in collector.metric_sums(all_layers).items():
-        ops.moe_tally[name] = ops.moe_tally.get(name, 0) + value
-    if last and objective is not None and objective.adds_aux and moe.adds_loss(cfg):
-      if not all_layers:
-        raise ValueError('model.moe auxiliary losses need every MoE layer on the last stage (pp=1)')
-      aux_sum = collector.loss_sum()
+  aux_sum = collector and collector.finish(ops.moe_tally, last and objective is not None and objective.adds_aux)
   if not last:
     return x_bsh
   x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))

@@ -1,4 +1,6 @@
 """The start-up memory estimate."""
+import math
+
 import pytest
 
 from configs import base, llama7b, llama_tiny
@@ -137,3 +139,22 @@ def test_memory_estimate_counts_one_chunk_of_logits():
   assert off - on == 2 * 4 * (2 * 64 - 16) * transformer.padded_vocab_size(c.model, 1)
   c.model.fusions.chunked_cross_entropy = 4096          # longer than the micro batch: no change
   assert memory.estimate(c)['logits'] == off
+
+
+def test_moe_estimate_counts_every_expert_and_a_share_of_them_under_expert_parallelism():
+  """All E experts per rank at ep1; 1/ep of them at ep (the routers and the rest whole), as
+  training.local_sizes holds them."""
+  from configs import mixtral_tiny  # pylint: disable=import-outside-toplevel
+  from model import moe  # pylint: disable=import-outside-toplevel
+  c = mixtral_tiny.get_config()
+  specs = transformer.param_specs(c.model)
+  experts = sum(math.prod(s.shape) for n, s in specs.items() if moe.is_expert_param(n))
+  one = memory.estimate(c)
+  c.distributed_strategy.expert_model_parallel_size = 2
+  two = memory.estimate(c)
+  assert one['params'] == 4 * transformer.count_params(c.model) + 4 * (transformer.padded_vocab_size(c.model)
+                                                                     - c.model.vocab_size) * 2 * c.model.hidden_size
+  assert one['params'] - two['params'] == 4 * experts // 2
+  mesh = meshes.Mesh(dp=2, ep=2, rank=1)
+  sizes = training.local_sizes(c, mesh)
+  assert sum(v for n, v in sizes.items() if moe.is_expert_param(n)) == experts // 2
