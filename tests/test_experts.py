@@ -17,6 +17,7 @@ LAYOUTS = {                        # name: (world size, parity_config kwargs)
     'ep2_tp2': (4, dict(moe=4, ep=2, tp=2)),
     'ep2_tp2_sp': (4, dict(moe=4, ep=2, tp=2, sp=True)),
     'ep2_pp2': (4, dict(moe=4, ep=2, pp=2, aux=False)),
+    'ep2_pp2_vp2': (4, dict(moe=4, ep=2, pp=2, vp=2, layers=4, aux=False)),     # interleaved 1F1B
 }
 
 
