@@ -74,10 +74,7 @@ def step_line(config, mesh) -> str:
   if cluster is None:
     return ('step time (predicted): no cluster for this device; set trainer.plan_cluster '
             f'(one of {", ".join(clusters.names())})')
-  try:
-    p = step_time.predict(config, cluster, mesh.world_size)
-  except NotImplementedError as e:
-    return f'step time (predicted): {e}'
+  p = step_time.predict(config, cluster, mesh.world_size)
   return f'step time (predicted on {mesh.world_size} x {cluster.name}): {p.line()} | python -m tools.plan ranks the other layouts'
 
 

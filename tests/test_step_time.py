@@ -79,11 +79,56 @@ def test_recompute_costs_compute():
   assert step_time.predict(c, H100, 8).terms['compute'] > plain * 1.25
 
 
-def test_cp_and_ep_are_refused_not_mispredicted():
-  c = llama_tiny.get_config()
-  c.distributed_strategy.context_parallel_size = 2
-  with pytest.raises(NotImplementedError, match='context_parallel_size'):
-    step_time.predict(c, clusters.LOCAL_DEFAULT, 2)
+SLOW = dataclasses.replace(H100, intra_bw=2e9)     # a link slow enough that the ring's sends show
+
+
+def test_cp_divides_per_token_work_and_adds_the_ring():
+  base = step_time.predict(_config(), SLOW, 8)
+  c = _config(context_parallel_size=2)
+  cp2 = step_time.predict(c, SLOW, 16)                # the same dp 8, each sequence over 2 ranks
+  assert cp2.terms['compute'] == pytest.approx(base.terms['compute'] / 2)
+  assert base.terms['cp_comm'] == 0 < cp2.terms['cp_comm']
+  # the ring by hand: 2 steps per layer; the one forward send and the backward's K/V + dK/dV
+  # send exceed their step's compute by what is exposed, and the last dK/dV hop is all exposed
+  m, a = c.model, c.data
+  n, kv = a.micro_batch_size * a.seq_length // 2, 2 * transformer.kv_heads(m) * transformer.head_dim(m)
+  bw, lat = SLOW.intra_bw * SLOW.link_eff, SLOW.intra_lat
+  step = 2 * a.micro_batch_size * a.seq_length ** 2 * m.num_attention_heads * transformer.head_dim(m) / 2 / 2 / (
+      SLOW.peak['bf16'] * SLOW.attn_eff)
+  ring = (max(0, step_time.p2p(n * kv * 2, bw, lat) - step) + max(0, step_time.p2p(n * kv * 6, bw, lat) - 2 * step)
+          + step_time.p2p(n * kv * 4, bw, lat))
+  micro = a.global_batch_size // 8
+  assert cp2.terms['cp_comm'] == pytest.approx(micro * m.num_layers * ring)
+  # weight gradients reduce over dp x cp = 16 ranks: the all-reduce's ring is longer
+  assert cp2.terms['dp_comm'] > base.terms['dp_comm']
+
+
+def _moe(ep=1, **strategy):
+  c = _config(expert_model_parallel_size=ep, **strategy)
+  c.model.moe.update(num_experts=8, top_k=2, ffn_hidden_size=c.model.ffn_hidden_size // 2)
+  return c
+
+
+def test_moe_runs_the_active_experts_and_ep_adds_all_to_alls():
+  c, dense = _moe(), step_time.predict(_config(), H100, 8)
+  one = step_time.predict(c, H100, 8)
+  m, a = c.model, c.data
+  n, micro = a.micro_batch_size * a.seq_length, a.global_batch_size // 8
+  # top-2 of experts half the MLP's width: the dense MLP's FLOPs, plus the router's (3 passes)
+  router = 3 * 2 * n * m.moe.num_experts * m.hidden_size / (H100.peak['bf16'] * H100.matmul_eff)
+  assert one.terms['compute'] == pytest.approx(dense.terms['compute'] + micro * m.num_layers * router)
+  ep2 = step_time.predict(_moe(2), H100, 8)
+  assert one.terms['ep_comm'] == 0 and ep2.terms['compute'] == pytest.approx(one.terms['compute'])
+  bw, lat = step_time.link(H100, 2)
+  a2a = step_time.all_to_all(n * m.moe.top_k * m.hidden_size * 2, 2, bw, lat)
+  assert ep2.terms['ep_comm'] == pytest.approx(micro * m.num_layers * 4 * a2a)
+  # half the experts per rank: less optimizer work, and their gradients reduce over 4 ranks, not 8
+  assert ep2.terms['optimizer'] < one.terms['optimizer']
+  assert step_time.predict(_moe(8), H100, 8).terms['optimizer'] < ep2.terms['optimizer']
+  # under full recompute the backward runs the forward's two all-to-alls again
+  c = _moe(2)
+  c.model.activations_checkpoint_granularity = 'full'
+  assert step_time.predict(c, H100, 8).terms['ep_comm'] == pytest.approx(ep2.terms['ep_comm'] * 1.5)
 
 
 def test_local_entry_round_trips(tmp_path):
@@ -103,3 +148,16 @@ def test_the_startup_summary_prints_this_model():
                                         '| python -m tools.plan ranks the other layouts')
   c.trainer.plan_cluster = 'none'
   assert 'set trainer.plan_cluster' in summary.step_line(c, mesh)
+
+
+@pytest.mark.parametrize('axis', ['cp', 'ep'])
+def test_the_startup_summary_predicts_cp_and_ep(axis):
+  import torch  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, summary  # pylint: disable=import-outside-toplevel
+  c = _config(context_parallel_size=2) if axis == 'cp' else _moe(2)
+  c.trainer.plan_cluster = 'h100'
+  mesh = meshes.Mesh(dp=8 if axis == 'cp' else 16, cp=2 if axis == 'cp' else 1, device=torch.device('cpu'))
+  p = step_time.predict(c, H100, 16)
+  assert p.terms[f'{axis}_comm'] > 0
+  assert summary.step_line(c, mesh) == (f'step time (predicted on 16 x h100): {p.line()} '
+                                        '| python -m tools.plan ranks the other layouts')
