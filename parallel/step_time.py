@@ -136,7 +136,10 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   tp_bw, tp_lat = link(cluster, tp)
   one = (all_gather(n * h * w, tp, tp_bw, tp_lat) + reduce_scatter(n * h * w, tp, tp_bw, tp_lat) if sp
          else all_reduce(n * h * w, tp, tp_bw, tp_lat))    # per sublayer: attention, MLP
-  comm_f, comm_b = 2 * one, 2 * one
+  # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
+  # slice) and no reduction (model/transformer.py)
+  mlp_comm = (all_gather(n * h * w, tp, tp_bw, tp_lat) if sp else 0.0) if is_moe else one
+  comm_f, comm_b = one + mlp_comm, one + mlp_comm
   kv_elems = 2 * n * kv * hd / tp                          # this rank's K and V block
   ring_f, ring_b = _ring(cluster, cp, tp, t_core, kv_elems * w, kv_elems * 4)   # dK/dV travel in fp32
   a2a = 0.0
@@ -151,7 +154,7 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
     a2a_b += a2a
   else:                                          # selective: what the named regions recompute
     bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 if 'mlp' in parts else 0)
-    comm_b += one if 'mlp' in parts else 0       # the MLP's region holds its gather and its reduction
+    comm_b += mlp_comm if 'mlp' in parts else 0  # the MLP's region holds its gather and its reduction
     ring_b += ring_f if 'attention' in parts else 0
     a2a_b += a2a if 'mlp' in parts else 0
     bwd += (t_ew_attn / 4 if 'norm' in parts else 0) + (t_ew_mlp / 4 if 'activation' in parts else 0)

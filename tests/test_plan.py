@@ -41,12 +41,49 @@ def test_memory_refusals_are_counted():
 
 
 def test_layout_apply_sets_the_keys():
-  c = plan.Layout(dp=2, tp=2, pp=2, vpp=2, zero1=True, sp=True, micro_batch=4, recompute='full').apply(
+  c = plan.Layout(dp=2, tp=2, pp=2, vpp=2, zero1=True, sp=True, micro_batch=4, recompute='full', cp=2, ep=2).apply(
       llama_tiny.get_config())
   d = c.distributed_strategy
   assert (d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size,
           d.zero1, d.sequence_parallel, c.data.micro_batch_size) == (2, 2, 2, True, True, 4)
+  assert (d.context_parallel_size, d.expert_model_parallel_size, c.model.fusions.ring_attention) == (2, 2, True)
   assert c.model.activations_checkpoint_granularity == 'full'
+
+
+def test_long_sequences_search_context_parallelism():
+  config = llama_tiny.get_config()
+  config.data.seq_length, config.data.global_batch_size = 8192, 8
+  result = plan.search(config, clusters.CLUSTERS['h100'], 4, keep=1000)
+  cps = {c.layout.cp for c in result.ranked}
+  assert cps == {1, 2, 4}                       # 8: a slice of 1,024 tokens is the floor, and 8 > 4 devices
+  for c in result.ranked:
+    d = c.config.distributed_strategy
+    assert d.context_parallel_size == c.layout.cp and c.layout.dp * c.layout.cp * c.layout.tp * c.layout.pp == 4
+    assert validate.check(c.config, 4) == [] and (c.layout.cp == 1 or c.config.model.fusions.ring_attention)
+    assert (c.prediction.terms['cp_comm'] > 0) == (c.layout.cp > 1)
+  assert 'cp2' in next(c for c in result.ranked if c.layout.cp == 2).layout.describe()
+  # short sequences: cp is not searched
+  assert plan.context_degrees(llama_tiny.get_config(), 4) == [1]
+
+
+def test_moe_configs_search_expert_parallelism():
+  from configs import mixtral_tiny  # pylint: disable=import-outside-toplevel
+  config = mixtral_tiny.get_config()
+  result = plan.search(config, clusters.CLUSTERS['h100'], 4, keep=1000)
+  eps = {c.layout.ep for c in result.ranked}
+  assert eps == {1, 2, 4}
+  for c in result.ranked:
+    assert c.config.distributed_strategy.expert_model_parallel_size == c.layout.ep and c.layout.dp % c.layout.ep == 0
+    assert (c.prediction.terms['ep_comm'] > 0) == (c.layout.ep > 1)
+    # the experts' share of the memory estimate: 1/ep of them per rank
+    assert memory.estimate(c.config, None, c.layout.dp)['total'] == c.memory_bytes
+  assert plan.expert_degrees(llama_tiny.get_config(), 4) == [1]
+  # MoE with context parallelism is refused by the checks, and counted
+  config.data.seq_length = 4096
+  config.data.global_batch_size = 4
+  result = plan.search(config, clusters.CLUSTERS['h100'], 4, keep=1000)
+  assert all(c.layout.cp == 1 for c in result.ranked)
+  assert any('context_parallel_size' in reason and 'moe' in reason for reason in result.refused)
 
 
 # The documented table (docs/planning.md): the model's arithmetic, pinned. A change to the

@@ -125,6 +125,10 @@ def test_moe_runs_the_active_experts_and_ep_adds_all_to_alls():
   # half the experts per rank: less optimizer work, and their gradients reduce over 4 ranks, not 8
   assert ep2.terms['optimizer'] < one.terms['optimizer']
   assert step_time.predict(_moe(8), H100, 8).terms['optimizer'] < ep2.terms['optimizer']
+  # TP replicates the experts on the whole sequence: no reduction after the MoE sublayer
+  moe_tp = step_time.predict(_moe(tensor_model_parallel_size=2, kv_replicator=1), H100, 8)
+  dense_tp = step_time.predict(_config(tensor_model_parallel_size=2, kv_replicator=1), H100, 8)
+  assert moe_tp.terms['tp_comm'] == pytest.approx(dense_tp.terms['tp_comm'] / 2)
   # under full recompute the backward runs the forward's two all-to-alls again
   c = _moe(2)
   c.model.activations_checkpoint_granularity = 'full'
