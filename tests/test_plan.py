@@ -116,6 +116,26 @@ def test_an_nxd_yaml_needs_its_config_json():
   assert (config.model.num_layers, config.model.num_kv_heads, config.distributed_strategy.tensor_model_parallel_size) == (32, 8, 32)
 
 
+@pytest.mark.parametrize('recipe,model,axis', [('hf_mixtral_8x7b_config.yaml', 'mixtral_8x7b_config.json', 'ep'),
+                                                ('hf_llama3_70B_CP_config.yaml', 'llama3_70b_config.json', 'cp')])
+def test_the_documented_cp_and_ep_examples_resolve_and_predict(recipe, model, axis):
+  from configs import nxd_yaml  # pylint: disable=import-outside-toplevel
+  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  fixtures = os.path.join(procs.ROOT, 'tests', 'fixtures', 'nxd_yaml')
+  config = nxd_yaml.get_config(os.path.join(fixtures, '2.26', recipe))
+  config.model.model_config = os.path.join(fixtures, model)
+  plan.resolve(config)
+  d = config.distributed_strategy
+  if axis == 'ep':       # NxD's recipe runs ep 1: the planner's example layout, dp64 ep8 on 64 H100
+    assert (config.model.moe.num_experts, config.model.moe.top_k) == (8, 2)
+    plan.Layout(dp=64, tp=1, pp=1, zero1=True, recompute='selective', ep=8).apply(config)
+  else:                  # NxD's own layout: tp32 x cp2 x pp8 on 16 trn1 nodes (512 ranks)
+    assert (d.context_parallel_size, d.tensor_model_parallel_size, d.pipeline_model_parallel_size) == (2, 32, 8)
+  world = 64 if axis == 'ep' else 512
+  p = step_time.predict(config, clusters.CLUSTERS['h100' if axis == 'ep' else 'trn1.32xlarge'], world)
+  assert p.terms[f'{axis}_comm'] > 0 and p.tokens_per_s > 0
+
+
 def _plan(*args):
   return procs.run([sys.executable, '-m', 'tools.plan', *args], timeout=300)
 
