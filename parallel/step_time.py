@@ -16,9 +16,9 @@ One optimizer step on one rank of the slowest pipeline stage (the last: it holds
                      memory bandwidth, over the rows this rank owns
 
 Collectives are alpha-beta rings over their group's links: a group of g ranks `stride` apart
-(rank = (dp_rank * pp + pp_rank) * tp + tp_rank) stays in a node when g * stride fits it;
-else its bandwidth is the node's inter-node share per device times the members it has per
-node (they share the crossing), at most the intra-node link. All-reduce 2(g-1)(alpha +
+(rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank) stays in a node when
+g * stride fits it; else its bandwidth is the node's inter-node share per device times the
+members it has per node (they share the crossing), at most the intra-node link. All-reduce 2(g-1)(alpha +
 n/(g B)), all-gather, reduce-scatter and all-to-all (g-1)(alpha + n/(g B)), p2p alpha + n/B.
 
 Context parallelism (cp) divides every per-token cost by cp (a rank holds s / cp tokens of each
@@ -244,7 +244,8 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
                                          transformer.flops_per_token(m, a.seq_length))
   # experts: replicated over TP, 1/ep of them per rank, gradients summed over the dp / ep ranks
   # holding the same ones (parallel/experts.py); a LoRA run freezes them
-  experts = len(moe.moe_layers(m)) * m.moe.num_experts * 3 * moe.expert_ffn_size(m) * m.hidden_size if moe.enabled(m) else 0
+  experts = (len(moe.moe_layers(m)) * m.moe.num_experts * 3 * moe.expert_ffn_size(m) * m.hidden_size
+             if moe.enabled(m) else 0)
   experts_trained = experts if trained == total else 0
   params_rank = (total - experts) / (tp * pp) + experts / (pp * ep)
   dense_trained, expert_trained = (trained - experts_trained) / (tp * pp), experts_trained / (pp * ep)
