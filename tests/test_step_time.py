@@ -165,3 +165,20 @@ def test_the_startup_summary_predicts_cp_and_ep(axis):
   assert p.terms[f'{axis}_comm'] > 0
   assert summary.step_line(c, mesh) == (f'step time (predicted on 16 x h100): {p.line()} '
                                         '| python -m tools.plan ranks the other layouts')
+
+
+def test_dry_run_of_an_ep_run_splits_the_experts_and_predicts():
+  from configs import mixtral_tiny, validate  # pylint: disable=import-outside-toplevel
+  from parallel import summary  # pylint: disable=import-outside-toplevel
+  c = mixtral_tiny.get_config()
+  c.trainer.plan_cluster = 'h100'
+  text = {}
+  for ep in (1, 2):
+    c.distributed_strategy.expert_model_parallel_size = ep
+    text[ep] = summary.dry_run(c, 2, validate.check)
+  on_rank = {ep: int(t.split(' on this rank')[0].rsplit(', ', 1)[-1].replace(',', '')) for ep, t in text.items()}
+  experts = 4 * 8 * 3 * 176 * 128        # llama_tiny's 4 layers x 8 experts x 3 h f: half of them move off the rank
+  assert on_rank[1] - on_rank[2] == experts // 2
+  assert 'ep=2 (experts over dp)' in text[2] and 'ep=' not in text[1].split('\n')[0]
+  c.distributed_strategy.expert_model_parallel_size = 2
+  assert f'step time (predicted on 2 x h100): {step_time.predict(c, H100, 2).line()}' in text[2]
