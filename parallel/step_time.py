@@ -22,10 +22,12 @@ members it has per node (they share the crossing), at most the intra-node link. 
 n/(g B)), all-gather, reduce-scatter and all-to-all (g-1)(alpha + n/(g B)), p2p alpha + n/B.
 
 Context parallelism (cp) divides every per-token cost by cp (a rank holds s / cp tokens of each
-sequence; its causal attention share is 1/cp of the whole with the load-balanced chunks) and
-adds ring attention's exchange: cp steps per layer, each step's K/V send overlapped with the
-current block's compute (max of the two), backward the K/V and the fp32 dK/dV again; weight
-gradients reduce over dp x cp. Expert parallelism (ep) runs each MoE layer's top_k experts per
+sequence; its causal attention share is 1/cp of the whole with the load-balanced chunks), runs
+that attention as the ring does (fp32 matmuls at the fp32 peak plus its score blocks' bytes at
+the memory bandwidth, where cp = 1 has a fused kernel at attn_eff), and adds the ring's
+exchange: cp steps per layer, each step's K/V send overlapped with the current block's compute
+(max of the two), backward the K/V and the fp32 dK/dV again; weight gradients reduce over
+dp x cp. Expert parallelism (ep) runs each MoE layer's top_k experts per
 token (plus the router) on the whole sequence (experts are replicated over TP), with 4
 all-to-alls of the routed tokens per layer (dispatch and combine, forward and backward), not
 overlapped; expert gradients reduce over the dp / ep ranks holding the same experts, dense
@@ -104,6 +106,14 @@ def _ring(cluster, cp, tp, core, kv_bytes, grad_bytes):
   return fwd, bwd
 
 
+def _ring_score_bytes(b, s, heads, tp, cp):
+  """Bytes ring attention's forward moves through its fp32 score blocks per rank and layer: the
+  causal half of (s / cp) x s scores per head, about 6 elementwise passes (mask, max, subtract,
+  exp, sum, rescale) each reading and writing 4 bytes (a count of parallel/ring_attention.py's
+  ops, not a measurement)."""
+  return b * heads / tp * s * s / (2 * cp) * 6 * 8
+
+
 def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   """(forward s, backward s, {kind: (forward comm s, backward comm s)}) of one layer, one micro
   batch on one rank: kinds tp (TP/SP collectives), cp (ring exchange), ep (all-to-all)."""
@@ -128,6 +138,9 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   ew_attn = w * (local * h * (2 + 6) + 2 * n * (heads + kv) * hd / tp) + 8 * local * h   # norm, residual, RoPE
   ew_mlp = w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h                   # norm, residual, act x up
   t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
+  if cp > 1:       # the ring: fp32 matmuls on materialized score blocks, not a fused kernel
+    t_core = (attn_flops / (cluster.peak['fp32'] * cluster.matmul_eff)
+              + _ring_score_bytes(b, s, heads, tp, cp) / cluster.mem_bw)
   t_ew_attn, t_ew_mlp = ew_attn / cluster.mem_bw, ew_mlp / cluster.mem_bw
   fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp)

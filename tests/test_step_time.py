@@ -86,18 +86,23 @@ def test_cp_divides_per_token_work_and_adds_the_ring():
   base = step_time.predict(_config(), SLOW, 8)
   c = _config(context_parallel_size=2)
   cp2 = step_time.predict(c, SLOW, 16)                # the same dp 8, each sequence over 2 ranks
-  assert cp2.terms['compute'] == pytest.approx(base.terms['compute'] / 2)
+  m, a = c.model, c.data
+  b, s, heads, hd, layers = a.micro_batch_size, a.seq_length, m.num_attention_heads, transformer.head_dim(m), m.num_layers
+  micro = a.global_batch_size // 8
+  # everything per token halves; attention moves from the fused kernel (bf16, attn_eff) to the
+  # ring's fp32 matmuls plus its score blocks' bytes, on half the causal work
+  flops = 2 * b * s * s * heads * hd
+  fused = flops / (SLOW.peak['bf16'] * SLOW.attn_eff)
+  core = flops / 2 / (SLOW.peak['fp32'] * SLOW.matmul_eff) + b * heads * s * s / 4 * 48 / SLOW.mem_bw
+  assert cp2.terms['compute'] == pytest.approx(base.terms['compute'] / 2 + micro * layers * 3 * (core - fused / 2))
   assert base.terms['cp_comm'] == 0 < cp2.terms['cp_comm']
   # the ring by hand: 2 steps per layer; the one forward send and the backward's K/V + dK/dV
   # send exceed their step's compute by what is exposed, and the last dK/dV hop is all exposed
-  m, a = c.model, c.data
-  n, kv = a.micro_batch_size * a.seq_length // 2, 2 * transformer.kv_heads(m) * transformer.head_dim(m)
+  n, kv = b * s // 2, 2 * transformer.kv_heads(m) * hd
   bw, lat = SLOW.intra_bw * SLOW.link_eff, SLOW.intra_lat
-  step = 2 * a.micro_batch_size * a.seq_length ** 2 * m.num_attention_heads * transformer.head_dim(m) / 2 / 2 / (
-      SLOW.peak['bf16'] * SLOW.attn_eff)
+  step = core / 2
   ring = (max(0, step_time.p2p(n * kv * 2, bw, lat) - step) + max(0, step_time.p2p(n * kv * 6, bw, lat) - 2 * step)
           + step_time.p2p(n * kv * 4, bw, lat))
-  micro = a.global_batch_size // 8
   assert cp2.terms['cp_comm'] == pytest.approx(micro * m.num_layers * ring)
   # weight gradients reduce over dp x cp = 16 ranks: the all-reduce's ring is longer
   assert cp2.terms['dp_comm'] > base.terms['dp_comm']
