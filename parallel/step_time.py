@@ -16,17 +16,28 @@ One optimizer step on one rank of the slowest pipeline stage (the last: it holds
                      memory bandwidth, over the rows this rank owns
 
 Collectives are alpha-beta rings over their group's links: a group of g ranks `stride` apart
-(rank = (dp_rank * pp + pp_rank) * tp + tp_rank) stays in a node when g * stride fits it;
-else its bandwidth is the node's inter-node share per device times the members it has per
-node (they share the crossing), at most the intra-node link. All-reduce 2(g-1)(alpha +
-n/(g B)), all-gather and reduce-scatter (g-1)(alpha + n/(g B)), p2p alpha + n/B.
-Context and expert parallelism (cp, ep) are not modelled: `predict` refuses them (HOOK below).
+(rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank) stays in a node when
+g * stride fits it; else its bandwidth is the node's inter-node share per device times the
+members it has per node (they share the crossing), at most the intra-node link. All-reduce 2(g-1)(alpha +
+n/(g B)), all-gather, reduce-scatter and all-to-all (g-1)(alpha + n/(g B)), p2p alpha + n/B.
+
+Context parallelism (cp) divides every per-token cost by cp (a rank holds s / cp tokens of each
+sequence; its causal attention share is 1/cp of the whole with the load-balanced chunks), runs
+that attention as the ring does (fp32 matmuls at the fp32 peak plus its score blocks' bytes at
+the memory bandwidth, where cp = 1 has a fused kernel at attn_eff), and adds the ring's
+exchange: cp steps per layer, each step's K/V send overlapped with the current block's compute
+(max of the two), backward the K/V and the fp32 dK/dV again; weight gradients reduce over
+dp x cp. Expert parallelism (ep) runs each MoE layer's top_k experts per
+token (plus the router) on the whole sequence (experts are replicated over TP), with 4
+all-to-alls of the routed tokens per layer (dispatch and combine, forward and backward), not
+overlapped; expert gradients reduce over the dp / ep ranks holding the same experts, dense
+ones over dp x cp.
 """
 import dataclasses
 import functools
 import math
 
-from model import layers, transformer
+from model import layers, moe, transformer
 from parallel import grad_buffer, precision, schedule_sim
 
 BACKENDS = {'cpu': 'gloo', 'cuda': 'nccl', 'xla': 'xla'}
@@ -66,7 +77,7 @@ def all_gather(n, g, bw, lat) -> float:
   return 0.0 if g == 1 else (g - 1) * (lat + n / (g * bw))
 
 
-reduce_scatter = all_gather
+reduce_scatter = all_to_all = all_gather    # all-to-all: `n` bytes held, (g-1)/g of them sent
 
 
 def p2p(n, bw, lat) -> float:
@@ -79,24 +90,57 @@ def compute_dtype(config) -> str:
   return 'fp32' if precision.recipe(config.precision).compute_dtype.itemsize == 4 else 'bf16'
 
 
-def _layer_cost(config, cluster, tp):
-  """(forward s, backward s, forward TP comm s, backward TP comm s) of one layer, one micro batch."""
+def _ring(cluster, cp, tp, core, kv_bytes, grad_bytes):
+  """(forward s, backward s) of ring attention's exposed exchange, one layer, one micro batch:
+  cp steps of core / cp compute each, the next block's send started before the current
+  block's compute (parallel/ring_attention.py), so each of the cp - 1 transfers costs what it
+  exceeds its step's compute by. `core`: this rank's forward attention compute."""
+  if cp == 1:
+    return 0.0, 0.0
+  bw, lat = link(cluster, cp, tp)
+  step = core / cp
+  fwd = (cp - 1) * max(0.0, p2p(kv_bytes, bw, lat) - step)
+  # backward: each step's dK/dV leaves after its compute and is awaited a step later; the last
+  # one (every block's total back to its owner) has nothing left to hide behind
+  bwd = (cp - 1) * max(0.0, p2p(kv_bytes + grad_bytes, bw, lat) - 2 * step) + p2p(grad_bytes, bw, lat)
+  return fwd, bwd
+
+
+def _ring_score_bytes(b, s, heads, tp, cp):
+  """Bytes ring attention's forward moves through its fp32 score blocks per rank and layer: the
+  causal half of (s / cp) x s scores per head, about 6 elementwise passes (mask, max, subtract,
+  exp, sum, rescale) each reading and writing 4 bytes (a count of parallel/ring_attention.py's
+  ops, not a measurement)."""
+  return b * heads / tp * s * s / (2 * cp) * 6 * 8
+
+
+def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
+  """(forward s, backward s, {kind: (forward comm s, backward comm s)}) of one layer, one micro
+  batch on one rank: kinds tp (TP/SP collectives), cp (ring exchange), ep (all-to-all)."""
   m, a, d = config.model, config.data, config.distributed_strategy
   b, s, h = a.micro_batch_size, a.seq_length, m.hidden_size
-  n, hd = b * s, transformer.head_dim(m)
+  n, hd = b * s // cp, transformer.head_dim(m)
   heads, kv, f = m.num_attention_heads, transformer.kv_heads(m), m.ffn_hidden_size
   gated = m.activation in layers.GATED
   w = 4 if compute_dtype(config) == 'fp32' else 2
   peak = cluster.peak[compute_dtype(config)]
   gemm, attn_rate = peak * cluster.matmul_eff, peak * cluster.attn_eff
-  attn_flops = 2 * b * s * s * heads * hd / tp       # QK^T and PV (2 x 2 b s^2 a d), causal: half
+  attn_flops = 2 * b * s * s * heads * hd / tp / cp   # QK^T and PV (2 x 2 b s^2 a d), causal: half; cp: a share
   attn_lin = 2 * n * (h * (heads + 2 * kv) * hd + heads * hd * h) / tp
   mlp_lin = 2 * n * (3 if gated else 2) * h * f / tp
+  ffn_act = f / tp
+  if is_moe:       # experts replicated over TP: the whole sequence's routed tokens on each TP rank
+    e, k, fe, shared = m.moe.num_experts, m.moe.top_k, moe.expert_ffn_size(m), m.moe.shared_expert_intermediate_size
+    mlp_lin = 2 * n * (e * h + k * 3 * h * fe + (3 * h * shared + h if shared else 0))
+    ffn_act = k * fe + shared
   sp = tp > 1 and d.sequence_parallel
   local = n // tp if sp else n
   ew_attn = w * (local * h * (2 + 6) + 2 * n * (heads + kv) * hd / tp) + 8 * local * h   # norm, residual, RoPE
-  ew_mlp = w * (local * h * (2 + 6) + 4 * n * f / tp) + 8 * local * h                    # norm, residual, act x up
+  ew_mlp = w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h                   # norm, residual, act x up
   t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
+  if cp > 1:       # the ring: fp32 matmuls on materialized score blocks, not a fused kernel
+    t_core = (attn_flops / (cluster.peak['fp32'] * cluster.matmul_eff)
+              + _ring_score_bytes(b, s, heads, tp, cp) / cluster.mem_bw)
   t_ew_attn, t_ew_mlp = ew_attn / cluster.mem_bw, ew_mlp / cluster.mem_bw
   fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp)
@@ -105,21 +149,35 @@ def _layer_cost(config, cluster, tp):
   tp_bw, tp_lat = link(cluster, tp)
   one = (all_gather(n * h * w, tp, tp_bw, tp_lat) + reduce_scatter(n * h * w, tp, tp_bw, tp_lat) if sp
          else all_reduce(n * h * w, tp, tp_bw, tp_lat))    # per sublayer: attention, MLP
-  comm_f, comm_b = 2 * one, 2 * one
+  # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
+  # slice) and no reduction (model/transformer.py)
+  mlp_comm = (all_gather(n * h * w, tp, tp_bw, tp_lat) if sp else 0.0) if is_moe else one
+  comm_f, comm_b = one + mlp_comm, one + mlp_comm
+  kv_elems = 2 * n * kv * hd / tp                          # this rank's K and V block
+  ring_f, ring_b = _ring(cluster, cp, tp, t_core, kv_elems * w, kv_elems * 4)   # dK/dV travel in fp32
+  a2a = 0.0
+  if is_moe and ep > 1:
+    ep_bw, ep_lat = link(cluster, ep, tp * cp * config.distributed_strategy.pipeline_model_parallel_size)
+    a2a = 2 * all_to_all(n * m.moe.top_k * h * w, ep, ep_bw, ep_lat)   # dispatch + combine
+  a2a_b = a2a
   if granularity == 'full':
     bwd += fwd
     comm_b += comm_f
+    ring_b += ring_f
+    a2a_b += a2a
   else:                                          # selective: what the named regions recompute
     bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 if 'mlp' in parts else 0)
-    comm_b += one if 'mlp' in parts else 0       # the MLP's region holds its gather and its reduction
+    comm_b += mlp_comm if 'mlp' in parts else 0  # the MLP's region holds its gather and its reduction
+    ring_b += ring_f if 'attention' in parts else 0
+    a2a_b += a2a if 'mlp' in parts else 0
     bwd += (t_ew_attn / 4 if 'norm' in parts else 0) + (t_ew_mlp / 4 if 'activation' in parts else 0)
-  return fwd, bwd, comm_f, comm_b
+  return fwd, bwd, {'tp': (comm_f, comm_b), 'cp': (ring_f, ring_b), 'ep': (a2a, a2a_b)}
 
 
-def _head_cost(config, cluster, tp):
+def _head_cost(config, cluster, tp, cp=1):
   """(forward s, backward s) of the LM head and the loss, one micro batch on the last stage."""
   m, a = config.model, config.data
-  n, vocab = a.micro_batch_size * a.seq_length, transformer.padded_vocab_size(m, tp) // tp
+  n, vocab = a.micro_batch_size * a.seq_length // cp, transformer.padded_vocab_size(m, tp) // tp
   gemm = cluster.peak[compute_dtype(config)] * cluster.matmul_eff
   flops = 2 * n * m.hidden_size * vocab
   ew = 4 * n * vocab * 3 / cluster.mem_bw                 # fp32 logits: softmax, its gradient
@@ -152,6 +210,15 @@ def pipeline(p, mb, v, fwd, bwd, comm) -> float:
   return f * (b + (mb - long) * (b - a) / (long - short))
 
 
+def _reduce(zero1, d, backend, params, gsize, pbytes, g, bw, lat):
+  """(gradient reduction s, ZeRO-1 parameter gather s) of `params` trained parameters over g ranks."""
+  if not zero1 or g == 1:
+    return all_reduce(params * gsize, g, bw, lat), 0.0
+  if grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
+    return all_reduce(params * gsize, g, bw, lat), all_reduce(params * pbytes, g, bw, lat)
+  return reduce_scatter(params * gsize, g, bw, lat), all_gather(params * pbytes, g, bw, lat)
+
+
 # --- the step -----------------------------------------------------------------------------
 
 def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=None):
@@ -164,51 +231,61 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   seconds even with no bubble (the search's cut: the pipeline simulation is its cost)."""
   d, m, a = config.distributed_strategy, config.model, config.data
   tp, pp, v = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size
-  # HOOK(cp, ep): context / expert parallel degrees divide world_size too and add their own
-  # collectives (ring attention's KV exchange, the MoE all-to-all); model them here when the
-  # keys exist. Until then a config that sets them is refused rather than mispredicted.
-  for key in ('context_parallel_size', 'expert_model_parallel_size'):
-    if d.get(key, 1) not in (None, 1):
-      raise NotImplementedError(f'distributed_strategy.{key}={d.get(key)}: the step-time model has no '
-                                'term for it yet (parallel/step_time.py, HOOK(cp, ep))')
-  dp = world_size // (tp * pp)
+  cp, ep = d.get('context_parallel_size', 1), d.get('expert_model_parallel_size', 1)
+  dp = world_size // (tp * pp * cp)
   recipe = precision.recipe(config.precision)
   micro = a.global_batch_size // (a.micro_batch_size * dp)
   layers_here = math.ceil(m.num_layers / pp)
-  lf, lb, cf, cb = _layer_cost(config, cluster, tp)
-  hf, hb = _head_cost(config, cluster, tp)
+  # the last stage's layers: how many of them are MoE (every moe.frequency-th)
+  moe_here = sum(moe.is_moe_layer(m, i) for i in range(m.num_layers - layers_here, m.num_layers))
+  dense = _layer_cost(config, cluster, tp, cp)
+  sparse = _layer_cost(config, cluster, tp, cp, ep, is_moe=True) if moe_here else dense
+  per_layer = [(layers_here - moe_here, dense), (moe_here, sparse)]
+  lf = sum(k * c[0] for k, c in per_layer)                      # the stage's layers, all kinds
+  lb = sum(k * c[1] for k, c in per_layer)
+  layer_comm = {kind: tuple(sum(k * c[2][kind][i] for k, c in per_layer) for i in (0, 1)) for kind in dense[2]}
+  cf, cb = (sum(f for f, _ in layer_comm.values()), sum(b for _, b in layer_comm.values()))
+  hf, hb = _head_cost(config, cluster, tp, cp)
   w = 4 if compute_dtype(config) == 'fp32' else 2
-  n = a.micro_batch_size * a.seq_length
+  n = a.micro_batch_size * a.seq_length // cp
   sp = tp > 1 and d.sequence_parallel
-  pp_bw, pp_lat = link(cluster, pp, tp)
+  pp_bw, pp_lat = link(cluster, pp, tp * cp)
   exchange = p2p(n * m.hidden_size * w // (tp if sp else 1), pp_bw, pp_lat) if pp > 1 else 0.0
-  fwd = layers_here * (lf + cf) + hf
-  bwd = layers_here * (lb + cb) + hb
+  fwd = lf + cf + hf
+  bwd = lb + cb + hb
   total, trained, per_token = counts or (transformer.count_params(m), transformer.count_params(m, trainable_only=True),
                                          transformer.flops_per_token(m, a.seq_length))
-  params_rank, trainable = total / (tp * pp), trained / (tp * pp)
-  dp_bw, dp_lat = link(cluster, dp, tp * pp)
-  grads = trainable * recipe.grad_acc_dtype.itemsize
+  # experts: replicated over TP, 1/ep of them per rank, gradients summed over the dp / ep ranks
+  # holding the same ones (parallel/experts.py); a LoRA run freezes them
+  experts = (len(moe.moe_layers(m)) * m.moe.num_experts * 3 * moe.expert_ffn_size(m) * m.hidden_size
+             if moe.enabled(m) else 0)
+  experts_trained = experts if trained == total else 0
+  params_rank = (total - experts) / (tp * pp) + experts / (pp * ep)
+  dense_trained, expert_trained = (trained - experts_trained) / (tp * pp), experts_trained / (pp * ep)
+  trainable = dense_trained + expert_trained
+  group, expert_group = dp * cp, dp // ep        # dense gradients reduce over dp x cp, experts' over expert-DP
+  dp_bw, dp_lat = link(cluster, group, tp * pp)  # (cp sits inside dp: the group's ranks average tp x pp apart)
+  ex_bw, ex_lat = link(cluster, expert_group, ep * tp * pp * cp)
+  gsize = recipe.grad_acc_dtype.itemsize
+  grads = trainable * gsize
   fsdp_exposed = 0.0
   if fsdp and dp > 1:     # per layer: gather params for forward and backward, reduce-scatter grads
-    per_layer = params_rank / m.num_layers
-    gather = all_gather(per_layer * recipe.compute_dtype.itemsize, dp, dp_bw, dp_lat)
-    scatter = reduce_scatter(per_layer * 4, dp, dp_bw, dp_lat)
-    fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf)) + max(0.0, gather + scatter - (lb + cb)))
+    per_layer_params = params_rank / m.num_layers
+    gather = all_gather(per_layer_params * recipe.compute_dtype.itemsize, dp, dp_bw, dp_lat)
+    scatter = reduce_scatter(per_layer_params * 4, dp, dp_bw, dp_lat)
+    fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf) / layers_here)
+                                          + max(0.0, gather + scatter - (lb + cb) / layers_here))
   backend = BACKENDS.get(cluster.device, 'nccl')
-  shards = dp if (d.zero1 or fsdp) and dp > 1 else 1
+  zero1 = d.zero1 and not fsdp
   gather = 0.0
   if fsdp:
     reduction = 0.0
-  elif d.zero1 and dp > 1:
-    if grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
-      reduction = all_reduce(grads, dp, dp_bw, dp_lat)
-      gather = all_reduce(trainable * recipe.param_dtype.itemsize, dp, dp_bw, dp_lat)
-    else:
-      reduction = reduce_scatter(grads, dp, dp_bw, dp_lat)
-      gather = all_gather(trainable * recipe.param_dtype.itemsize, dp, dp_bw, dp_lat)
   else:
-    reduction = all_reduce(grads, dp, dp_bw, dp_lat)
+    pbytes = recipe.param_dtype.itemsize
+    reduction, gather = _reduce(zero1, d, backend, dense_trained, gsize, pbytes, group, dp_bw, dp_lat)
+    if expert_trained:
+      r, g = _reduce(zero1, d, backend, expert_trained, gsize, pbytes, expert_group, ex_bw, ex_lat)
+      reduction, gather = reduction + r, gather + g
   buckets = max(1, math.ceil(grads / (config.bucket_size_collectives * 2**20)))
   if d.overlap_grad_reduce and cluster.device != 'xla':
     exposed = max(reduction / buckets, reduction - bwd * (1 - 1 / buckets))
@@ -217,18 +294,25 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   master = 4 if recipe.has_master(recipe.param_dtype) else 0
   state = 2 * recipe.state_dtype(recipe.param_dtype).itemsize
   per_param = 2 * (recipe.param_dtype.itemsize + master + state) + 2 * recipe.grad_acc_dtype.itemsize
-  optimizer = trainable / shards * per_param / cluster.mem_bw
+  if fsdp:
+    owned = trainable / dp if dp > 1 else trainable
+  elif zero1:
+    owned = dense_trained / group + expert_trained / max(1, expert_group)
+  else:
+    owned = trainable
+  optimizer = owned * per_param / cluster.mem_bw
   rest = fsdp_exposed + exposed + gather + optimizer
   if slower_than is not None and micro * (fwd + bwd) + rest > slower_than:
     return None          # slower whatever the bubble (every stage runs all its micro batches)
   makespan = pipeline(pp, micro, v, fwd, bwd, exchange)
   ideal = micro * (fwd + bwd + (2 * exchange if pp > 1 else 0))
-  terms = {'compute': micro * (fwd + bwd - layers_here * (cf + cb)), 'tp_comm': micro * layers_here * (cf + cb),
+  terms = {'compute': micro * (fwd + bwd - cf - cb), 'tp_comm': micro * sum(layer_comm['tp']),
+           'cp_comm': micro * sum(layer_comm['cp']), 'ep_comm': micro * sum(layer_comm['ep']),
            'pp_comm': 2 * micro * exchange if pp > 1 else 0.0, 'bubble': max(0.0, makespan - ideal),
            'fsdp_comm': fsdp_exposed, 'dp_comm': exposed, 'zero1_gather': gather, 'optimizer': optimizer}
   step = makespan + rest
   tokens = a.global_batch_size * a.seq_length / step
   flops = per_token * tokens
-  comm = terms['tp_comm'] + terms['pp_comm'] + fsdp_exposed + exposed + gather
+  comm = terms['tp_comm'] + terms['cp_comm'] + terms['ep_comm'] + terms['pp_comm'] + fsdp_exposed + exposed + gather
   return Prediction(step, tokens, flops / (world_size * cluster.peak[compute_dtype(config)]),
                     terms['bubble'] / step, comm / step, terms)

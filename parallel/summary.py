@@ -22,7 +22,7 @@ def startup(config, mesh, sizes, est) -> str:
   lines = [
       f'flatron | {config.name} | {mesh.world_size} process(es) on {mesh.device.type}: '
       f'dp={mesh.dp} x pp={mesh.pp}' + (f' x cp={mesh.cp} (ring attention)' if mesh.cp > 1 else '')
-      + f' x tp={mesh.tp}{sp}',
+      + f' x tp={mesh.tp}{sp}' + (f' | ep={mesh.ep} (experts over dp)' if mesh.ep > 1 else ''),
       f'model {m.num_layers} layers x hidden {m.hidden_size} | heads {m.num_attention_heads} (kv '
       f'{transformer.kv_heads(m)}) x head_dim {transformer.head_dim(m)} | ffn {m.ffn_hidden_size} | vocab '
       f'{m.vocab_size} (padded {transformer.padded_vocab_size(m, mesh.tp)})'
@@ -74,10 +74,7 @@ def step_line(config, mesh) -> str:
   if cluster is None:
     return ('step time (predicted): no cluster for this device; set trainer.plan_cluster '
             f'(one of {", ".join(clusters.names())})')
-  try:
-    p = step_time.predict(config, cluster, mesh.world_size)
-  except NotImplementedError as e:
-    return f'step time (predicted): {e}'
+  p = step_time.predict(config, cluster, mesh.world_size)
   return f'step time (predicted on {mesh.world_size} x {cluster.name}): {p.line()} | python -m tools.plan ranks the other layouts'
 
 
@@ -106,7 +103,7 @@ def dry_run(config, world_size, check) -> str:
   d = config.distributed_strategy
   tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
   mesh = meshes.Mesh(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
-                     device=torch.device(devices.kind(config.device)))
+                     ep=d.get('expert_model_parallel_size', 1), device=torch.device(devices.kind(config.device)))
   sizes = training.local_sizes(config, mesh)
   est = memory.estimate(config, sizes, mesh.dp)
   try:

@@ -41,12 +41,49 @@ def test_memory_refusals_are_counted():
 
 
 def test_layout_apply_sets_the_keys():
-  c = plan.Layout(dp=2, tp=2, pp=2, vpp=2, zero1=True, sp=True, micro_batch=4, recompute='full').apply(
+  c = plan.Layout(dp=2, tp=2, pp=2, vpp=2, zero1=True, sp=True, micro_batch=4, recompute='full', cp=2, ep=2).apply(
       llama_tiny.get_config())
   d = c.distributed_strategy
   assert (d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size,
           d.zero1, d.sequence_parallel, c.data.micro_batch_size) == (2, 2, 2, True, True, 4)
+  assert (d.context_parallel_size, d.expert_model_parallel_size, c.model.fusions.ring_attention) == (2, 2, True)
   assert c.model.activations_checkpoint_granularity == 'full'
+
+
+def test_long_sequences_search_context_parallelism():
+  config = llama_tiny.get_config()
+  config.data.seq_length, config.data.global_batch_size = 8192, 8
+  result = plan.search(config, clusters.CLUSTERS['h100'], 4, keep=1000)
+  cps = {c.layout.cp for c in result.ranked}
+  assert cps == {1, 2, 4}                       # 8: a slice of 1,024 tokens is the floor, and 8 > 4 devices
+  for c in result.ranked:
+    d = c.config.distributed_strategy
+    assert d.context_parallel_size == c.layout.cp and c.layout.dp * c.layout.cp * c.layout.tp * c.layout.pp == 4
+    assert validate.check(c.config, 4) == [] and (c.layout.cp == 1 or c.config.model.fusions.ring_attention)
+    assert (c.prediction.terms['cp_comm'] > 0) == (c.layout.cp > 1)
+  assert 'cp2' in next(c for c in result.ranked if c.layout.cp == 2).layout.describe()
+  # short sequences: cp is not searched
+  assert plan.context_degrees(llama_tiny.get_config(), 4) == [1]
+
+
+def test_moe_configs_search_expert_parallelism():
+  from configs import mixtral_tiny  # pylint: disable=import-outside-toplevel
+  config = mixtral_tiny.get_config()
+  result = plan.search(config, clusters.CLUSTERS['h100'], 4, keep=1000)
+  eps = {c.layout.ep for c in result.ranked}
+  assert eps == {1, 2, 4}
+  for c in result.ranked:
+    assert c.config.distributed_strategy.expert_model_parallel_size == c.layout.ep and c.layout.dp % c.layout.ep == 0
+    assert (c.prediction.terms['ep_comm'] > 0) == (c.layout.ep > 1)
+    # the experts' share of the memory estimate: 1/ep of them per rank
+    assert memory.estimate(c.config, None, c.layout.dp)['total'] == c.memory_bytes
+  assert plan.expert_degrees(llama_tiny.get_config(), 4) == [1]
+  # MoE with context parallelism is refused by the checks, and counted
+  config.data.seq_length = 4096
+  config.data.global_batch_size = 4
+  result = plan.search(config, clusters.CLUSTERS['h100'], 4, keep=1000)
+  assert all(c.layout.cp == 1 for c in result.ranked)
+  assert any('context_parallel_size' in reason and 'moe' in reason for reason in result.refused)
 
 
 # The documented table (docs/planning.md): the model's arithmetic, pinned. A change to the
@@ -77,6 +114,26 @@ def test_an_nxd_yaml_needs_its_config_json():
   config.model.model_config = os.path.join(fixtures, 'llama3_8b_config.json')
   plan.resolve(config)
   assert (config.model.num_layers, config.model.num_kv_heads, config.distributed_strategy.tensor_model_parallel_size) == (32, 8, 32)
+
+
+@pytest.mark.parametrize('recipe,model,axis', [('hf_mixtral_8x7b_config.yaml', 'mixtral_8x7b_config.json', 'ep'),
+                                                ('hf_llama3_70B_CP_config.yaml', 'llama3_70b_config.json', 'cp')])
+def test_the_documented_cp_and_ep_examples_resolve_and_predict(recipe, model, axis):
+  from configs import nxd_yaml  # pylint: disable=import-outside-toplevel
+  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  fixtures = os.path.join(procs.ROOT, 'tests', 'fixtures', 'nxd_yaml')
+  config = nxd_yaml.get_config(os.path.join(fixtures, '2.26', recipe))
+  config.model.model_config = os.path.join(fixtures, model)
+  plan.resolve(config)
+  d = config.distributed_strategy
+  if axis == 'ep':       # NxD's recipe runs ep 1: the planner's example layout, dp64 ep8 on 64 H100
+    assert (config.model.moe.num_experts, config.model.moe.top_k) == (8, 2)
+    plan.Layout(dp=64, tp=1, pp=1, zero1=True, recompute='selective', ep=8).apply(config)
+  else:                  # NxD's own layout: tp32 x cp2 x pp8 on 16 trn1 nodes (512 ranks)
+    assert (d.context_parallel_size, d.tensor_model_parallel_size, d.pipeline_model_parallel_size) == (2, 32, 8)
+  world = 64 if axis == 'ep' else 512
+  p = step_time.predict(config, clusters.CLUSTERS['h100' if axis == 'ep' else 'trn1.32xlarge'], world)
+  assert p.terms[f'{axis}_comm'] > 0 and p.tokens_per_s > 0
 
 
 def _plan(*args):

@@ -79,11 +79,65 @@ def test_recompute_costs_compute():
   assert step_time.predict(c, H100, 8).terms['compute'] > plain * 1.25
 
 
-def test_cp_and_ep_are_refused_not_mispredicted():
-  c = llama_tiny.get_config()
-  c.distributed_strategy.context_parallel_size = 2
-  with pytest.raises(NotImplementedError, match='context_parallel_size'):
-    step_time.predict(c, clusters.LOCAL_DEFAULT, 2)
+SLOW = dataclasses.replace(H100, intra_bw=2e9)     # a link slow enough that the ring's sends show
+
+
+def test_cp_divides_per_token_work_and_adds_the_ring():
+  base = step_time.predict(_config(), SLOW, 8)
+  c = _config(context_parallel_size=2)
+  cp2 = step_time.predict(c, SLOW, 16)                # the same dp 8, each sequence over 2 ranks
+  m, a = c.model, c.data
+  b, s, heads, hd, layers = a.micro_batch_size, a.seq_length, m.num_attention_heads, transformer.head_dim(m), m.num_layers
+  micro = a.global_batch_size // 8
+  # everything per token halves; attention moves from the fused kernel (bf16, attn_eff) to the
+  # ring's fp32 matmuls plus its score blocks' bytes, on half the causal work
+  flops = 2 * b * s * s * heads * hd
+  fused = flops / (SLOW.peak['bf16'] * SLOW.attn_eff)
+  core = flops / 2 / (SLOW.peak['fp32'] * SLOW.matmul_eff) + b * heads * s * s / 4 * 48 / SLOW.mem_bw
+  assert cp2.terms['compute'] == pytest.approx(base.terms['compute'] / 2 + micro * layers * 3 * (core - fused / 2))
+  assert base.terms['cp_comm'] == 0 < cp2.terms['cp_comm']
+  # the ring by hand: 2 steps per layer; the one forward send and the backward's K/V + dK/dV
+  # send exceed their step's compute by what is exposed, and the last dK/dV hop is all exposed
+  n, kv = b * s // 2, 2 * transformer.kv_heads(m) * hd
+  bw, lat = SLOW.intra_bw * SLOW.link_eff, SLOW.intra_lat
+  step = core / 2
+  ring = (max(0, step_time.p2p(n * kv * 2, bw, lat) - step) + max(0, step_time.p2p(n * kv * 6, bw, lat) - 2 * step)
+          + step_time.p2p(n * kv * 4, bw, lat))
+  assert cp2.terms['cp_comm'] == pytest.approx(micro * m.num_layers * ring)
+  # weight gradients reduce over dp x cp = 16 ranks: the all-reduce's ring is longer
+  assert cp2.terms['dp_comm'] > base.terms['dp_comm']
+
+
+def _moe(ep=1, **strategy):
+  c = _config(expert_model_parallel_size=ep, **strategy)
+  c.model.moe.update(num_experts=8, top_k=2, ffn_hidden_size=c.model.ffn_hidden_size // 2)
+  return c
+
+
+def test_moe_runs_the_active_experts_and_ep_adds_all_to_alls():
+  c, dense = _moe(), step_time.predict(_config(), H100, 8)
+  one = step_time.predict(c, H100, 8)
+  m, a = c.model, c.data
+  n, micro = a.micro_batch_size * a.seq_length, a.global_batch_size // 8
+  # top-2 of experts half the MLP's width: the dense MLP's FLOPs, plus the router's (3 passes)
+  router = 3 * 2 * n * m.moe.num_experts * m.hidden_size / (H100.peak['bf16'] * H100.matmul_eff)
+  assert one.terms['compute'] == pytest.approx(dense.terms['compute'] + micro * m.num_layers * router)
+  ep2 = step_time.predict(_moe(2), H100, 8)
+  assert one.terms['ep_comm'] == 0 and ep2.terms['compute'] == pytest.approx(one.terms['compute'])
+  bw, lat = step_time.link(H100, 2)
+  a2a = step_time.all_to_all(n * m.moe.top_k * m.hidden_size * 2, 2, bw, lat)
+  assert ep2.terms['ep_comm'] == pytest.approx(micro * m.num_layers * 4 * a2a)
+  # half the experts per rank: less optimizer work, and their gradients reduce over 4 ranks, not 8
+  assert ep2.terms['optimizer'] < one.terms['optimizer']
+  assert step_time.predict(_moe(8), H100, 8).terms['optimizer'] < ep2.terms['optimizer']
+  # TP replicates the experts on the whole sequence: no reduction after the MoE sublayer
+  moe_tp = step_time.predict(_moe(tensor_model_parallel_size=2, kv_replicator=1), H100, 8)
+  dense_tp = step_time.predict(_config(tensor_model_parallel_size=2, kv_replicator=1), H100, 8)
+  assert moe_tp.terms['tp_comm'] == pytest.approx(dense_tp.terms['tp_comm'] / 2)
+  # under full recompute the backward runs the forward's two all-to-alls again
+  c = _moe(2)
+  c.model.activations_checkpoint_granularity = 'full'
+  assert step_time.predict(c, H100, 8).terms['ep_comm'] == pytest.approx(ep2.terms['ep_comm'] * 1.5)
 
 
 def test_local_entry_round_trips(tmp_path):
@@ -103,3 +157,33 @@ def test_the_startup_summary_prints_this_model():
                                         '| python -m tools.plan ranks the other layouts')
   c.trainer.plan_cluster = 'none'
   assert 'set trainer.plan_cluster' in summary.step_line(c, mesh)
+
+
+@pytest.mark.parametrize('axis', ['cp', 'ep'])
+def test_the_startup_summary_predicts_cp_and_ep(axis):
+  import torch  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, summary  # pylint: disable=import-outside-toplevel
+  c = _config(context_parallel_size=2) if axis == 'cp' else _moe(2)
+  c.trainer.plan_cluster = 'h100'
+  mesh = meshes.Mesh(dp=8 if axis == 'cp' else 16, cp=2 if axis == 'cp' else 1, device=torch.device('cpu'))
+  p = step_time.predict(c, H100, 16)
+  assert p.terms[f'{axis}_comm'] > 0
+  assert summary.step_line(c, mesh) == (f'step time (predicted on 16 x h100): {p.line()} '
+                                        '| python -m tools.plan ranks the other layouts')
+
+
+def test_dry_run_of_an_ep_run_splits_the_experts_and_predicts():
+  from configs import mixtral_tiny, validate  # pylint: disable=import-outside-toplevel
+  from parallel import summary  # pylint: disable=import-outside-toplevel
+  c = mixtral_tiny.get_config()
+  c.trainer.plan_cluster = 'h100'
+  text = {}
+  for ep in (1, 2):
+    c.distributed_strategy.expert_model_parallel_size = ep
+    text[ep] = summary.dry_run(c, 2, validate.check)
+  on_rank = {ep: int(t.split(' on this rank')[0].rsplit(', ', 1)[-1].replace(',', '')) for ep, t in text.items()}
+  experts = 4 * 8 * 3 * 176 * 128        # llama_tiny's 4 layers x 8 experts x 3 h f: half of them move off the rank
+  assert on_rank[1] - on_rank[2] == experts // 2
+  assert 'ep=2 (experts over dp)' in text[2] and 'ep=' not in text[1].split('\n')[0]
+  c.distributed_strategy.expert_model_parallel_size = 2
+  assert f'step time (predicted on 2 x h100): {step_time.predict(c, H100, 2).line()}' in text[2]

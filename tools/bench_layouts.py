@@ -38,6 +38,7 @@ LAYOUTS = {
     'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
     'pp2_dealloc': [STRATEGY + 'pipeline_model_parallel_size=2', STRATEGY + 'deallocate_pipeline_outputs=True'],
     'cp2': [STRATEGY + 'context_parallel_size=2', '--config.model.fusions.ring_attention=True'],
+    'ep2': [STRATEGY + 'expert_model_parallel_size=2'],      # a MoE config (configs/mixtral_tiny.py)
 }
 # A model big enough that per-step compute dominates process start-up noise, small enough for 2 cores.
 SMALL = ['--config.model.num_layers=4', '--config.model.hidden_size=256', '--config.model.ffn_hidden_size=688',

@@ -83,7 +83,7 @@ def main(argv):
       before = plan_calibrate.calibrated()[0] if FLAGS.recalibrate else cluster
       cmd = [bench_layouts.sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
              '-m', 'tools.bench'] + bench_flags + bench_layouts.LAYOUTS[name]
-      measured, _ = bench_layouts._run(cmd, dict(os.environ, OMP_NUM_THREADS='1'), FLAGS.timeout)  # pylint: disable=protected-access
+      measured = bench_layouts._run(cmd, dict(os.environ, OMP_NUM_THREADS='1'), FLAGS.timeout)[0]  # pylint: disable=protected-access
       if FLAGS.recalibrate:    # the machine before and after the layout ran: their mean, and how far apart
         pair = [step_time.predict(config, c, 2) for c in (before, plan_calibrate.calibrated()[0])]
         p = min(pair, key=lambda q: q.step_s)

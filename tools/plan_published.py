@@ -139,7 +139,7 @@ def main(argv):
   print('| run | published | predicted | error | MFU | bubble | comm | largest terms (s/step) | planner\'s pick |')
   print('|---|---|---|---|---|---|---|---|---|')
   for row, p, value, pick in table():
-    big = sorted(p.terms.items(), key=lambda kv: -kv[1])[:3]
+    big = sorted(((k, v) for k, v in p.terms.items() if v), key=lambda kv: -kv[1])[:3]
     print(f'| {row.name} | {row.published:,} {row.unit} | {value:,.4g} | {value / row.published - 1:+.1%} | {p.mfu:.1%} | '
           f'{p.bubble:.1%} | {p.comm:.1%} | {", ".join(f"{k} {v:.3g}" for k, v in big)} | {pick} |')
 
