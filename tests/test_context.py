@@ -20,6 +20,8 @@ LAYOUTS = {
     # hidden and ffn dropout: each rank applies its positions of the whole row's keyed mask
     'cp2_dropout': (2, {'cp': 2, 'dropout': 0.1, 'attention_dropout': 0.0}),
     'cp2_lora_dropout': (2, {'cp': 2, 'lora': 4, 'lora_dropout': 0.1}),
+    # cut to cp's positions first, then SP's slice of them
+    'cp2_tp2_sp_dropout': (4, {'cp': 2, 'tp': 2, 'sp': True, 'dropout': 0.1, 'attention_dropout': 0.0}),
 }
 # Preference pairs: every cp rank holds a slice of each row; the per-row log-prob sums are
 # all-reduced over cp before the sigmoid (the reference's too, precomputed or not).
@@ -27,6 +29,8 @@ PAIR_LAYOUTS = {
     'cp2_dpo': (2, {'cp': 2, 'objective': 'dpo'}),
     'cp2_dpo_precomputed': (2, {'cp': 2, 'objective': 'dpo', 'precompute': True}),
     'cp2_orpo': (2, {'cp': 2, 'objective': 'orpo'}),
+    'cp2_orpo_token_nll': (2, {'cp': 2, 'objective': 'orpo', 'nll_reduction': 'token'}),
+    'cp2_dpo_tp2_sp': (4, {'cp': 2, 'tp': 2, 'sp': True, 'objective': 'dpo'}),    # row sums beside TP's vocab sums
 }
 
 
