@@ -7,7 +7,9 @@ positions and document ids, in the load-balanced layout (parallel/ring_attention
 and runs unchanged on the slice; attention is the ring (`with_ring` puts it in the Ops).
 The loss stays normalized by the global batch's token count (counted on the whole rows
 before slicing); the loss sums and the weights' gradients are summed over dp x cp
-(mesh.dp_cp_group): parallel/passes.py and optim/update.py.
+(mesh.dp_cp_group): parallel/passes.py and optim/update.py. Preference objectives' per-row
+sums are added over cp (`Ops.row_sum`) before their nonlinear loss; dropout masks are drawn for
+whole rows and cut to this rank's positions (`Ops.context_slice`).
 """
 import dataclasses
 
