@@ -81,6 +81,14 @@ class Ops:
   # Context parallelism (parallel/context.py): (batch, window) -> Attend, the attention of a
   # layer over the sequence whose slice this rank holds; None = attention over what is here.
   context_attention: Callable = None
+  # Dropout at cp > 1: masks are drawn for the whole sequence (context_size times this rank's
+  # length) and `context_slice(mask [b, S, ...])` keeps this rank's positions, so every rank
+  # applies the one-device mask's entries for its tokens.
+  context_size: int = 1
+  context_slice: Callable = None
+  # Sums over a row's positions held by other cp ranks (preference objectives' per-row
+  # log-prob sums): a differentiable all-reduce whose backward is the identity.
+  row_sum: Callable = _identity
 
 
 LOCAL_OPS = Ops()
@@ -127,18 +135,23 @@ def head_dim(cfg) -> int:
   return cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
 
 
-def dropout(x_b_, p, key, sample_ids_b, full_shape=None, mask_for_slice=None):
+def dropout(x_b_, p, key, sample_ids_b, full_shape=None, mask_for_slice=None, ops=None):
   """Dropout whose mask for sample i is a pure function of (key, global sample index i).
 
   Keying by sample index (not by rank or micro batch) makes every DP degree, micro
   batch size and recompute pass draw the same mask as one device. Where the activations
   are a slice of the whole, the whole mask is drawn (`full_shape` per sample) and
-  `mask_for_slice` picks the part that applies.
+  `mask_for_slice` picks the part that applies. With `ops` at cp > 1 the first dim of the
+  shape is this rank's share of the sequence: the whole sequence's mask is drawn and cut first.
   """
   if p == 0.0 or key is None:
     return x_b_
   draw = untraced_keep_mask if torch.compiler.is_compiling() and untraced_keep_mask else _keep_mask
-  keep = draw(tuple(full_shape or x_b_.shape[1:]), p, key, sample_ids_b)
+  shape = tuple(full_shape or x_b_.shape[1:])
+  cp = ops.context_size if ops is not None else 1
+  keep = draw((shape[0] * cp,) + shape[1:], p, key, sample_ids_b)
+  if cp > 1:
+    keep = ops.context_slice(keep)
   if mask_for_slice is not None:
     keep = mask_for_slice(keep)
   return x_b_ * keep.to(x_b_.device) / (1.0 - p)
@@ -169,10 +182,10 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
       return x
     key = drop_key + ('lora', name.rsplit('.', 1)[-1])
     if parallel == 'column':                 # the input is whole on every rank
-      return dropout(x, p, key, sample_ids_b)
+      return dropout(x, p, key, sample_ids_b, ops=ops)
     # A row-parallel input is this rank's share of the features: draw the whole mask, apply its part.
     width = cfg.ffn_hidden_size if name.endswith('down_proj') else cfg.num_attention_heads * head_dim(cfg)
-    return dropout(x, p, key, sample_ids_b, x.shape[1:-1] + (width,), lambda m: ops.mask_for_slice(m, 'ffn'))
+    return dropout(x, p, key, sample_ids_b, x.shape[1:-1] + (width,), lambda m: ops.mask_for_slice(m, 'ffn'), ops)
 
   extra = lora.delta(params, name, x_bs_, cfg, adapter_dropout)
   if parallel == 'column':
@@ -331,5 +344,5 @@ def _mlp(params, prefix, x_bsh, cfg, ops, drop_key, sample_ids_b):
   else:
     inner_bsf = F.gelu(up_bsf)
   inner_bsf = dropout(inner_bsf, cfg.ffn_dropout, drop_key and drop_key + ('ffn',), sample_ids_b,
-                      (x_bsh.shape[1], cfg.ffn_hidden_size), lambda m: ops.mask_for_slice(m, 'ffn'))
+                      (x_bsh.shape[1], cfg.ffn_hidden_size), lambda m: ops.mask_for_slice(m, 'ffn'), ops)
   return linear(params, prefix + '.down_proj', inner_bsf, cfg, ops, 'row', drop_key, sample_ids_b)

@@ -46,6 +46,9 @@ class Objective(typing.NamedTuple):
   extra_count: typing.Callable = None
   row_count: typing.Callable = None  # [b]: each row's share of `count` (None: 1 a row); weights MoE's per-row aux losses
   adds_aux: bool = True              # MoE auxiliary losses join loss() (not for a reference's log-probs)
+  # loss() sums whole rows (ops.row_sum over the cp group): every cp rank returns the same
+  # loss and metrics, which the pass then counts on one of them only
+  whole_rows: bool = False
 
 
 def _loss_mask_count(batch):
@@ -69,16 +72,17 @@ def _next_token_loss(logits_bsv, batch, cfg, ops):
 def pair_logps(logits_bsv, batch, cfg, ops, mean=False):
   """[b, 2]: log p(chosen response), log p(rejected response) of each row's pair (sums over
   their tokens, or means with `mean`)."""
-  return _pair_sums(-chunked_ce.token_losses(logits_bsv, batch['labels'], cfg, ops), batch, mean)
+  totals, counts = _pair_sums(-chunked_ce.token_losses(logits_bsv, batch['labels'], cfg, ops), batch, ops)
+  return totals / counts.clamp(min=1) if mean else totals
 
 
-def _pair_sums(token_logp, batch, mean):
-  out = []
-  for key in ('chosen_mask', 'rejected_mask'):
-    mask = batch[key].to(token_logp.dtype)
-    total = (token_logp * mask).sum(-1)
-    out.append(total / mask.sum(-1).clamp(min=1) if mean else total)
-  return torch.stack(out, dim=-1)
+def _pair_sums(token_logp, batch, ops):
+  """([b, 2] sums of the chosen and rejected tokens' log-probs, [b, 2] their token counts),
+  over whole rows: at cp > 1 each rank holds a slice of every row, so one all-reduce over cp
+  (ops.row_sum) adds the slices' sums before anything nonlinear reads them."""
+  masks = [batch[key].to(token_logp.dtype) for key in ('chosen_mask', 'rejected_mask')]
+  sums = ops.row_sum(torch.stack([(token_logp * m).sum(-1) for m in masks] + [m.sum(-1) for m in masks], dim=-1))
+  return sums[:, :2], sums[:, 2:]
 
 
 def _metrics(rewards, logps):
@@ -109,13 +113,13 @@ def log1mexp(x):
 
 def _orpo_loss(logits_bsv, batch, cfg, ops, *, settings):
   token_logp = -chunked_ce.token_losses(logits_bsv, batch['labels'], cfg, ops)   # once: the head may be chunked
-  logps = _pair_sums(token_logp, batch, mean=True)
+  totals, counts = _pair_sums(token_logp, batch, ops)
+  logps = totals / counts.clamp(min=1)
   chosen, rejected = logps.unbind(-1)
   log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
   ratio = F.logsigmoid(log_odds)
   if settings.nll_reduction == 'token':   # trl: over the global batch's chosen tokens, not per pair
-    chosen_sum = _pair_sums(token_logp, batch, mean=False)[:, 0]
-    nll = -chosen_sum * (batch['global_count'] / batch['global_extra'].clamp(min=1))
+    nll = -totals[:, 0] * (batch['global_count'] / batch['global_extra'].clamp(min=1))
   else:                                   # NxD Training and the paper: each pair's mean, averaged
     nll = -chosen
   losses = nll - settings.beta * ratio
@@ -144,12 +148,13 @@ def for_config(config) -> Objective:
     mean = settings.loss_type == 'ipo'
     reference = Objective(_pair_count, lambda logits, batch, cfg, ops: (pair_logps(logits, batch, cfg, ops, mean), {}),
                           adds_aux=False)
-    return Objective(_pair_count, functools.partial(_dpo_loss, settings=settings), PREFERENCE_METRICS, reference)
+    return Objective(_pair_count, functools.partial(_dpo_loss, settings=settings), PREFERENCE_METRICS, reference,
+                     whole_rows=True)
   if name == 'orpo':
     settings = config.model_alignment_strategy.orpo
     return Objective(_pair_count, functools.partial(_orpo_loss, settings=settings),
                      PREFERENCE_METRICS + ('nll_loss', 'log_odds_ratio', 'log_odds_chosen'),
-                     extra_count=_chosen_token_count if settings.nll_reduction == 'token' else None)
+                     extra_count=_chosen_token_count if settings.nll_reduction == 'token' else None, whole_rows=True)
   raise ValueError(f'model.objective={name!r} is unknown; valid: {", ".join(NAMES)}')
 
 

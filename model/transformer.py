@@ -267,7 +267,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
       x_bsh = x_bsh * torch.tensor(cfg.hidden_size ** 0.5, dtype=table.dtype)
     if cfg.position_embedding_type == 'learned_absolute':
       x_bsh = x_bsh + params['embed_positions.weight'][position_ids_bs]
-    x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b)
+    x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b, ops=ops)
     x_bsh = ops.slice_residual(x_bsh)
   rope = _rope_by_type(cfg, position_ids_bs, x_bsh.dtype) if cfg.position_embedding_type == 'rope' else {}
   masks = _masks_by_type(cfg, batch, s, tokens_bs.device, ops)
@@ -318,7 +318,7 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
       return h
     full = (h.shape[1] * ops.residual_slices, h.shape[2])
     return layers.dropout(h, cfg.hidden_dropout, drop_key + (site,), sample_ids_b, full,
-                          lambda m: ops.mask_for_slice(m, 'seq'))
+                          lambda m: ops.mask_for_slice(m, 'seq'), ops)
 
   h = ops.recompute_norm(layers.norm, params, p + '.input_layernorm', x_bsh, cfg)
   h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)

@@ -7,16 +7,18 @@ positions and document ids, in the load-balanced layout (parallel/ring_attention
 and runs unchanged on the slice; attention is the ring (`with_ring` puts it in the Ops).
 The loss stays normalized by the global batch's token count (counted on the whole rows
 before slicing); the loss sums and the weights' gradients are summed over dp x cp
-(mesh.dp_cp_group): parallel/passes.py and optim/update.py.
+(mesh.dp_cp_group): parallel/passes.py and optim/update.py. Preference objectives' per-row
+sums are added over cp (`Ops.row_sum`) before their nonlinear loss; dropout masks are drawn for
+whole rows and cut to this rank's positions (`Ops.context_slice`).
 """
 import dataclasses
 
 import torch
 
-from model import layers, lora
-from parallel import ring_attention
+from model import layers
+from parallel import comm, ring_attention
 
-ROW_KEYS = ('tokens', 'labels', 'loss_mask', 'position_ids', 'segment_ids')
+ROW_KEYS = ('tokens', 'labels', 'loss_mask', 'position_ids', 'segment_ids', 'chosen_mask', 'rejected_mask')
 # The ring computes blocks of at most this many queries x keys: its transient scores stay
 # O(PIECE^2) per head, not O((s / cp)^2), and finer pieces skip more of a window's masked blocks.
 PIECE = 512
@@ -61,7 +63,12 @@ def with_ring(ops, mesh):
       return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale, chunks)
     return layers.Attend(fn)
 
-  return dataclasses.replace(ops, context_attention=attend)
+  def own_positions(mask_bs_):
+    index = ring_attention.layout_indices(mask_bs_.shape[1], mesh.cp)[mesh.cp_rank].to(mask_bs_.device)
+    return mask_bs_[:, index]
+
+  return dataclasses.replace(ops, context_attention=attend, context_size=mesh.cp, context_slice=own_positions,
+                             row_sum=lambda x: comm.reduce_from_group(x, mesh.cp_group))
 
 
 def check(config) -> list:
@@ -83,16 +90,11 @@ def check(config) -> list:
   elif d.sequence_parallel and tp > 1 and (seq // cp) % tp:
     problems.append(f'data.seq_length / context_parallel_size = {seq // cp} is not divisible by '
                     f'tensor_model_parallel_size={tp} (needed by sequence_parallel)')
-  drops = [(f'model.{k}', m[k]) for k in ('hidden_dropout', 'attention_dropout', 'ffn_dropout') if m[k] > 0]
-  peft = lora.settings(m)
-  if peft and lora.option(peft, 'lora_dropout'):
-    drops.append(('model_alignment_strategy.peft.lora_dropout', lora.option(peft, 'lora_dropout')))
-  for key, value in drops:
-    problems.append(f'{key}={value} with {why}: dropout masks are drawn for whole rows and are not cut for '
-                    f'context parallelism yet; set {key}=0 or context_parallel_size=1')
-  if m.objective != 'next_token':
-    problems.append(f'model.objective={m.objective!r} with {why}: preference objectives sum log-probs over whole '
-                    'rows, which the cp slices do not reduce yet; use context_parallel_size=1')
+  if m.attention_dropout > 0:
+    problems.append(f'model.attention_dropout={m.attention_dropout} with {why}: the ring never forms the '
+                    'attention probabilities (it merges blocks by their log-sum-exp), so there is no '
+                    'whole-row probability to drop; set model.attention_dropout=0 or context_parallel_size=1 '
+                    '(hidden, ffn and LoRA dropout are exact under cp)')
   if m.get('rope_scaling') is not None and m.rope_scaling.type == 'dynamic':
     problems.append(f"model.rope_scaling.type='dynamic' with {why}: its base depends on the longest position, "
                     "which a slice does not see; use 'linear' or 'llama3', or context_parallel_size=1")

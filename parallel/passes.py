@@ -119,10 +119,15 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
     for batch, ref in zip(batches, refs):
       batch['ref_logps'] = ref
 
+  # whole-row objectives return the same loss on every cp rank: count it on one, or the
+  # dp x cp sum of global_loss would count it cp times (the gradient needs every rank's backward)
+  tallied = not (objective.whole_rows and mesh.cp_rank > 0)
+
   def accumulate(i, out):
     loss, metrics = out
     for name, value in [('loss', loss)] + list(metrics.items()):
-      sums[name] = sums.get(name, 0) + value.detach()
+      if tallied:
+        sums[name] = sums.get(name, 0) + value.detach()
     return loss / count
 
   _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, layer_fn, dropout_key,

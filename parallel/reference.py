@@ -54,11 +54,12 @@ def precompute(loader, ref_params, config, mesh, ops):
   table = torch.zeros(rows, 2, dtype=torch.float32, device=mesh.device)
   gbs, mbs = config.data.global_batch_size, config.data.micro_batch_size
   per_rank = gbs // mesh.dp
+  rows_of = lambda r: {k: torch.from_numpy(v) for k, v in source.rows.batch(np.minimum(r, rows - 1)).items()}
   for start in range(0, rows, gbs):
     mine = np.arange(start + mesh.dp_rank * per_rank, start + (mesh.dp_rank + 1) * per_rank)
     ids = [mine[i:i + mbs] for i in range(0, per_rank, mbs)]
-    batches = [{k: torch.from_numpy(v).to(mesh.device) for k, v in source.rows.batch(np.minimum(r, rows - 1)).items()}
-               for r in ids]
+    # each cp rank's slice of the rows (the log-probs come back summed over cp: ops.row_sum)
+    batches = [passes.model_batch(rows_of(r), mesh) for r in ids]
     for r, ref in zip(ids, passes.forward_outputs(ref_params, batches, config, mesh, ops, objective.reference, recipe)):
       if ref is not None and (r < rows).any():
         table[r[r < rows]] = ref[torch.from_numpy(r < rows).to(ref.device)].float()

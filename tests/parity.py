@@ -18,7 +18,8 @@ STEPS = 10
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
-                  family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1):
+                  family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
+                  nll_reduction='pair'):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -28,7 +29,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   c.data.global_batch_size, c.data.micro_batch_size = 8, micro  # accumulation at every DP degree
   c.model.num_layers = layers
   c.model.share_embeddings_and_output_weights = tied
-  c.model.hidden_dropout = c.model.attention_dropout = c.model.ffn_dropout = dropout
+  c.model.hidden_dropout = c.model.ffn_dropout = dropout
+  c.model.attention_dropout = dropout if attention_dropout is None else attention_dropout   # (cp refuses it)
   d = c.distributed_strategy
   d.tensor_model_parallel_size, d.sequence_parallel, d.kv_replicator = tp, sp, kv_replicator
   d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size = pp, vp
@@ -54,6 +56,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   if objective != 'next_token':              # preference pairs in `sft` (data/preference.py)
     c.model.objective = objective
     c.model_alignment_strategy.dpo.precompute_ref_log_probs = precompute
+    c.model_alignment_strategy.orpo.nll_reduction = nll_reduction   # token: over the global batch's chosen tokens
     c.trainer.gradient_clip_val = 0.02 if lora else 0.1   # DPO's first grad norms: ~0.3, ~0.04 with LoRA
   return c
 
@@ -151,7 +154,7 @@ def reference(tmp_path_factory, **model_layout):
 
 
 # what the reference run depends on
-MODEL_KEYS = ('dropout', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
+MODEL_KEYS = ('dropout', 'attention_dropout', 'nll_reduction', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
               'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux')
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from configs import llama_tiny, validate
-from parallel import context
+from parallel import context, ring_attention
 from tests import parity, world
 
 LAYOUTS = {
@@ -17,6 +17,20 @@ LAYOUTS = {
     'cp2_pp2': (4, {'cp': 2, 'pp': 2}),
     'cp2_mistral_window': (2, {'cp': 2, 'family': 'mistral'}),   # window 5 of 16: ring steps skipped
     'cp2_lora': (2, {'cp': 2, 'lora': 4}),                         # adapters' gradients summed over cp too
+    # hidden and ffn dropout: each rank applies its positions of the whole row's keyed mask
+    'cp2_dropout': (2, {'cp': 2, 'dropout': 0.1, 'attention_dropout': 0.0}),
+    'cp2_lora_dropout': (2, {'cp': 2, 'lora': 4, 'lora_dropout': 0.1}),
+    # cut to cp's positions first, then SP's slice of them
+    'cp2_tp2_sp_dropout': (4, {'cp': 2, 'tp': 2, 'sp': True, 'dropout': 0.1, 'attention_dropout': 0.0}),
+}
+# Preference pairs: every cp rank holds a slice of each row; the per-row log-prob sums are
+# all-reduced over cp before the sigmoid (the reference's too, precomputed or not).
+PAIR_LAYOUTS = {
+    'cp2_dpo': (2, {'cp': 2, 'objective': 'dpo'}),
+    'cp2_dpo_precomputed': (2, {'cp': 2, 'objective': 'dpo', 'precompute': True}),
+    'cp2_orpo': (2, {'cp': 2, 'objective': 'orpo'}),
+    'cp2_orpo_token_nll': (2, {'cp': 2, 'objective': 'orpo', 'nll_reduction': 'token'}),
+    'cp2_dpo_tp2_sp': (4, {'cp': 2, 'tp': 2, 'sp': True, 'objective': 'dpo'}),    # row sums beside TP's vocab sums
 }
 
 
@@ -24,6 +38,21 @@ LAYOUTS = {
 def test_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
   world_size, kwargs = LAYOUTS[layout]
   parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def pairs_path(tmp_path_factory):
+  """Pre-tokenized pairs (rows of 16 tokens: prompt, chosen and rejected responses cross the
+  cp chunks' boundaries)."""
+  path = tmp_path_factory.mktemp('pairs') / 'pairs.jsonl'
+  parity.write_pairs(path, 40, seed=0)
+  return str(path)
+
+
+@pytest.mark.parametrize('layout', sorted(PAIR_LAYOUTS))
+def test_preference_pairs_train_like_one_device(layout, pairs_path, tmp_path, tmp_path_factory):
+  world_size, kwargs = PAIR_LAYOUTS[layout]
+  parity.check_layout(layout, world_size, dict(kwargs, sft=pairs_path), tmp_path, tmp_path_factory)
 
 
 @pytest.fixture(scope='module')
@@ -67,20 +96,40 @@ def test_what_does_not_compose_is_refused_by_name():
   d = c.distributed_strategy
   d.context_parallel_size = 2
   c.data.seq_length = 18
-  c.model.hidden_dropout = 0.1
+  c.model.attention_dropout = 0.1
   c.model.compile = True
   problems = '\n'.join(validate.check(c, 2))
   for needed in ('model.fusions.ring_attention=True', 'divisible by 2 x context_parallel_size = 4',
-                 'model.hidden_dropout=0.1', 'model.compile=True'):
+                 'model.attention_dropout=0.1', 'model.compile=True'):
     assert needed in problems, needed
-  c.model.fusions.ring_attention, c.data.seq_length, c.model.hidden_dropout, c.model.compile = True, 16, 0.0, False
+  c.model.fusions.ring_attention, c.data.seq_length, c.model.attention_dropout, c.model.compile = True, 16, 0.0, False
   assert validate.check(c, 2) == []
   assert 'launch a multiple of 2' in '\n'.join(validate.check(c, 3))
-  c.model.objective = 'dpo'
-  assert "model.objective='dpo'" in '\n'.join(validate.check(c, 2))
+  c.model.hidden_dropout = c.model.ffn_dropout = 0.1          # exact under cp: accepted
+  c.model_alignment_strategy.peft.lora_rank, c.model_alignment_strategy.peft.lora_dropout = 4, 0.1
+  c.model.objective, c.data.train_dir = 'dpo', 'pairs'
+  assert validate.check(c, 2) == []
   d.context_parallel_size = 1
   c.model.objective = 'next_token'
   assert validate.check(c, 1) == [] and 'does nothing' in validate.warnings(c)[0]
+
+
+def _dropout_masks_at_cp2():
+  from model import layers  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, tensor  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config('test')
+  c.distributed_strategy.context_parallel_size, c.model.fusions.ring_attention = 2, True
+  ops = tensor.make_ops(meshes.init(c))
+  x = torch.ones(2, 8, 3)
+  return layers.dropout(x, 0.5, (0, 'dropout', 'site'), torch.tensor([3, 7]), ops=ops)
+
+
+def test_a_cp_rank_applies_its_positions_of_the_whole_rows_dropout_mask():
+  from model import layers  # pylint: disable=import-outside-toplevel
+  whole = layers.dropout(torch.ones(2, 16, 3), 0.5, (0, 'dropout', 'site'), torch.tensor([3, 7]))
+  ranks = world.run(_dropout_masks_at_cp2, 2)
+  for r, part in enumerate(ranks):
+    assert torch.equal(part, whole[:, ring_attention.layout_indices(16, 2)[r]])
 
 
 def _activation_bytes_at_cp2():
