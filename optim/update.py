@@ -36,41 +36,6 @@ def owned_rows(num_rows, parts, index) -> Rows:
   return Rows(*zero.shard_rows(num_rows, parts, index))
 
 
-class _Buffers:
-  """The gradient buckets of each reduction domain (parallel/experts.py: dense parameters over
-  DP; MoE experts under expert parallelism over the DP ranks holding the same experts)."""
-
-  def __init__(self, buffers):
-    self.buffers = buffers
-    self.of = {n: b for b in buffers for n in b.layout}
-
-  def accumulate(self, name, grad):
-    self.of[name].accumulate(name, grad)
-
-  def start(self, backwards):
-    for b in self.buffers:
-      b.start(backwards)
-
-  def reduced(self):
-    out = {}
-    for b in self.buffers:
-      out.update(b.reduced())
-    return out
-
-  def bytes(self):
-    return sum(b.bytes() for b in self.buffers)
-
-  @property
-  def buckets(self):
-    return [bucket for b in self.buffers for bucket in b.buckets]
-
-  def __getattr__(self, name):        # one domain (no expert parallelism): the GradBuffer's own
-    buffers = self.__dict__.get('buffers', ())
-    if len(buffers) == 1:
-      return getattr(buffers[0], name)
-    raise AttributeError(name)
-
-
 class Updater:
 
   def __init__(self, params, config, mesh, placement=None, trainable=None):
@@ -84,14 +49,12 @@ class Updater:
     zero1 = config.distributed_strategy.zero1 and mesh.dp_cp_group is not None
     self.group = mesh.dp_cp_group if zero1 else None
     self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
-    self.parts, self.index = (mesh.dp_cp, mesh.dp_cp_rank) if zero1 else (1, 0)
     self.trainable = [n for n in params if trainable is None or n in trainable]
     for name, p in params.items():
       p.requires_grad_(name in self.trainable)
     self.placement = placement or {n: (tuple(slice(0, s) for s in p.shape), tuple(p.shape))
                                    for n, p in params.items()}
     strategy = config.distributed_strategy
-    self.collective = grad_buffer.collective_for(strategy.zero1_collectives, self.group)
     # ZeRO-1's in-place gathers left in flight after an update (name -> (work, group)), waited on
     # by wait_params: the next forward's layers, or anything else that reads the parameters.
     self.overlap_gather = bool(strategy.get('overlap_param_gather', True) and mesh.device.type != 'xla')
@@ -101,7 +64,7 @@ class Updater:
     self.zero1, self.domains = zero1, {}
     for n in self.trainable:
       self.domains.setdefault(experts.domain(mesh, n, zero1), []).append(n)
-    self.grads = _Buffers([grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group,
+    self.grads = grad_buffer.Domains([grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group,
                                                   self.bucket_bytes,
                                                   grad_buffer.collective_for(strategy.zero1_collectives,
                                                                              group if parts > 1 else None),
@@ -212,12 +175,11 @@ class Updater:
       self.master[n].data = self._owned(n)         # a view of the parameter's rows again
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
-    for (group, parts, index), names in self.domains.items():
-      group = group if parts > 1 else None
-      collective = grad_buffer.collective_for(self.config.distributed_strategy.zero1_collectives, group)
-      works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, parts,
-                               index, group, collective, self.bucket_bytes,
-                               async_op=self.overlap_gather and collective == 'all_reduce')
+    for names, buf in zip(self.domains.values(), self.grads.buffers):   # each domain's group and collective
+      group = buf.group if buf.parts > 1 else None
+      works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, buf.parts,
+                               buf.index, group, buf.collective, self.bucket_bytes,
+                               async_op=self.overlap_gather and buf.collective == 'all_reduce')
       self.pending.update({n: (w, group) for n, w in works.items()})
 
   def _fusable_sr(self):

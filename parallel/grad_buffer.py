@@ -178,6 +178,41 @@ class GradBuffer:
 
 
 
+class Domains:
+  """The GradBuffers of each reduction domain (parallel/experts.py: dense parameters over
+  DP; MoE experts under expert parallelism over the DP ranks holding the same experts)."""
+
+  def __init__(self, buffers):
+    self.buffers = buffers
+    self.of = {n: b for b in buffers for n in b.layout}
+
+  def accumulate(self, name, grad):
+    self.of[name].accumulate(name, grad)
+
+  def start(self, backwards):
+    for b in self.buffers:
+      b.start(backwards)
+
+  def reduced(self):
+    out = {}
+    for b in self.buffers:
+      out.update(b.reduced())
+    return out
+
+  def bytes(self):
+    return sum(b.bytes() for b in self.buffers)
+
+  @property
+  def buckets(self):
+    return [bucket for b in self.buffers for bucket in b.buckets]
+
+  def __getattr__(self, name):        # one domain (no expert parallelism): the GradBuffer's own
+    buffers = self.__dict__.get('buffers', ())
+    if len(buffers) == 1:
+      return getattr(buffers[0], name)
+    raise AttributeError(name)
+
+
 def check(strategy) -> list:
   """distributed_strategy.zero1_collectives and overlap_param_gather (the overlaps are bools: ConfigDict
   keeps their type)."""
