@@ -99,7 +99,7 @@ def _tp_reductions():
   out = {}
   for reduce_dtype in (torch.float32, None):
     for sp in (False, True):
-      ops = tensor.make_ops(types.SimpleNamespace(tp_group=dist.group.WORLD, tp=n), sp, reduce_dtype)
+      ops = tensor.make_ops(types.SimpleNamespace(tp_group=dist.group.WORLD, tp=n, cp=1), sp, reduce_dtype)
       expected = summed.chunk(n, 1)[r] if sp else summed
       forward = torch.equal(ops.row_linear(parts[r], torch.ones(1, 1, dtype=torch.bfloat16)), expected)
       local = torch.zeros(1, 8 if sp else 8 * n, 1, dtype=torch.bfloat16, requires_grad=True)
