@@ -187,7 +187,7 @@ def _tp_rank(sp, tied):
   from parallel import mesh as meshes  # pylint: disable=import-outside-toplevel
   dist.init_process_group('gloo')
   mesh = meshes.Mesh(tp=2, rank=dist.get_rank())
-  ops = tensor.make_ops(types.SimpleNamespace(tp_group=dist.group.WORLD, tp=2), sp)
+  ops = tensor.make_ops(types.SimpleNamespace(tp_group=dist.group.WORLD, tp=2, cp=1), sp)
   out = {}
   for chunk in (0, 5, 7):
     m = tiny(chunk, share_embeddings_and_output_weights=tied)

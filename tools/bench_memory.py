@@ -170,8 +170,8 @@ def worker(row, out_path):
     batches = [loader.global_batch(i * config.data.global_batch_size) for i in range(row['steps'])]
     sizes = training.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp, mesh.pp_rank)
-    workdir = tempfile.mkdtemp(prefix='bench_memory_') if mesh.rank == 0 else None
-    workdir = _share(workdir, mesh)
+    # Beside the JSON, inside run_row's temporary directory: removed with it, even on failure.
+    workdir = os.path.join(os.path.dirname(out_path), 'workdir')
     meter = PhaseMeter(mesh.device)
     meter.phase('init')
     params = training.init_params(config, mesh)
@@ -191,16 +191,6 @@ def worker(row, out_path):
       json.dump(result, f)
   finally:
     meshes.shutdown()
-
-
-def _share(value, mesh):
-  """Rank 0's `value` on every rank."""
-  if mesh.world_size == 1:
-    return value
-  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
-  box = [value]
-  dist.broadcast_object_list(box, 0, group=mesh.host_group)
-  return box[0]
 
 
 def _instrument(meter, passes, updater):
