@@ -34,6 +34,14 @@ class Cluster:
   attn_eff: float = 0.5
   link_eff: float = 0.8
   source: str = ''
+  # Measured by --calibrate on `local` only (0: the datasheet model, bytes at mem_bw and no
+  # overhead; on accelerators the host's work runs ahead of the device's and hides).
+  ew_bw: float = 0.0        # bytes/s the code's elementwise passes (norms, RoPE, act x up) reach
+  logit_s: float = 0.0      # seconds per logit element of the head's softmax and loss, fwd + bwd
+  layer_overhead: float = 0.0       # s of framework work per layer and micro batch (fwd + bwd)
+  layer_step_overhead: float = 0.0  # s per layer and step (its parameters' optimizer loop)
+  micro_overhead: float = 0.0       # s per micro batch outside the layers (embedding, head, loss)
+  step_overhead: float = 0.0        # s per step
 
 
 CLUSTERS = {

@@ -114,6 +114,21 @@ def _ring_score_bytes(b, s, heads, tp, cp):
   return b * heads / tp * s * s / (2 * cp) * 6 * 8
 
 
+def elementwise_bytes(config, tp, cp=1, is_moe=False) -> tuple:
+  """(attention sublayer, MLP sublayer) bytes of elementwise work, forward, one layer, one micro
+  batch on one rank: the norm, residual add, RoPE and act x up passes, each read and written;
+  under SP the norms and residuals hold s / tp tokens."""
+  m, a, d = config.model, config.data, config.distributed_strategy
+  n, h, hd = a.micro_batch_size * a.seq_length // cp, m.hidden_size, transformer.head_dim(m)
+  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
+  ffn_act = (m.moe.top_k * moe.expert_ffn_size(m) + m.moe.shared_expert_intermediate_size if is_moe
+             else m.ffn_hidden_size / tp)
+  w = 4 if compute_dtype(config) == 'fp32' else 2
+  local = n // tp if tp > 1 and d.sequence_parallel else n
+  return (w * (local * h * (2 + 6) + 2 * n * (heads + kv) * hd / tp) + 8 * local * h,
+          w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h)
+
+
 def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   """(forward s, backward s, {kind: (forward comm s, backward comm s)}) of one layer, one micro
   batch on one rank: kinds tp (TP/SP collectives), cp (ring exchange), ep (all-to-all)."""
@@ -128,22 +143,19 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   attn_flops = 2 * b * s * s * heads * hd / tp / cp   # QK^T and PV (2 x 2 b s^2 a d), causal: half; cp: a share
   attn_lin = 2 * n * (h * (heads + 2 * kv) * hd + heads * hd * h) / tp
   mlp_lin = 2 * n * (3 if gated else 2) * h * f / tp
-  ffn_act = f / tp
   if is_moe:       # experts replicated over TP: the whole sequence's routed tokens on each TP rank
     e, k, fe, shared = m.moe.num_experts, m.moe.top_k, moe.expert_ffn_size(m), m.moe.shared_expert_intermediate_size
     mlp_lin = 2 * n * (e * h + k * 3 * h * fe + (3 * h * shared + h if shared else 0))
-    ffn_act = k * fe + shared
   sp = tp > 1 and d.sequence_parallel
-  local = n // tp if sp else n
-  ew_attn = w * (local * h * (2 + 6) + 2 * n * (heads + kv) * hd / tp) + 8 * local * h   # norm, residual, RoPE
-  ew_mlp = w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h                   # norm, residual, act x up
+  ew_attn, ew_mlp = elementwise_bytes(config, tp, cp, is_moe)
   t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
   if cp > 1:       # the ring: fp32 matmuls on materialized score blocks, not a fused kernel
     t_core = (attn_flops / (cluster.peak['fp32'] * cluster.matmul_eff)
               + _ring_score_bytes(b, s, heads, tp, cp) / cluster.mem_bw)
-  t_ew_attn, t_ew_mlp = ew_attn / cluster.mem_bw, ew_mlp / cluster.mem_bw
-  fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp
-  bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp)
+  ew_bw = cluster.ew_bw or cluster.mem_bw
+  t_ew_attn, t_ew_mlp = ew_attn / ew_bw, ew_mlp / ew_bw
+  fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3
+  bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
   tp_bw, tp_lat = link(cluster, tp)
@@ -180,9 +192,11 @@ def _head_cost(config, cluster, tp, cp=1):
   n, vocab = a.micro_batch_size * a.seq_length // cp, transformer.padded_vocab_size(m, tp) // tp
   gemm = cluster.peak[compute_dtype(config)] * cluster.matmul_eff
   flops = 2 * n * m.hidden_size * vocab
-  ew = 4 * n * vocab * 3 / cluster.mem_bw                 # fp32 logits: softmax, its gradient
+  # fp32 logits: the softmax and its gradient, read and written (or as measured, per element)
+  ew = n * vocab * (cluster.logit_s / 2 if cluster.logit_s else 12 / cluster.mem_bw)
   chunk = m.fusions.get('chunked_cross_entropy', 0)
-  return flops / gemm + ew, 2 * flops / gemm + ew + (flops / gemm if chunk else 0)
+  over = cluster.micro_overhead
+  return flops / gemm + ew + over / 3, 2 * flops / gemm + ew + (flops / gemm if chunk else 0) + 2 * over / 3
 
 
 @functools.lru_cache(maxsize=4096)
@@ -300,7 +314,8 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
     owned = dense_trained / group + expert_trained / max(1, expert_group)
   else:
     owned = trainable
-  optimizer = owned * per_param / cluster.mem_bw
+  optimizer = (owned * per_param / cluster.mem_bw + layers_here * cluster.layer_step_overhead
+               + cluster.step_overhead)
   rest = fsdp_exposed + exposed + gather + optimizer
   if slower_than is not None and micro * (fwd + bwd) + rest > slower_than:
     return None          # slower whatever the bubble (every stage runs all its micro batches)

@@ -14,6 +14,23 @@ def test_fit_recovers_alpha_and_beta():
   assert got_bw == pytest.approx(bw)      # the median of the three operations' (all equal here)
 
 
+def test_overhead_fit_recovers_its_terms():
+  step, micro, layer_step, layer = 4e-4, 3e-4, 2e-4, 6e-4
+  t = {(l, m): step + m * micro + l * layer_step + l * m * layer for l in (1, 3) for m in (1, 3)}
+  got = plan_calibrate.fit_overhead(t)
+  assert got == pytest.approx({'step': step, 'micro': micro, 'layer_step': layer_step, 'layer': layer})
+
+
+def test_elementwise_fit_recovers_bandwidth_and_logit_cost():
+  ew_bw, logit_s, mem_bw = 10e9, 8e-9, 60e9
+  rows = [(3e8, 2e6), (3e8, 3.3e7)]                # the same layers, two vocabularies
+  rest = [b / ew_bw + l * logit_s for b, l in rows]
+  assert plan_calibrate.fit_elementwise(rows, rest, mem_bw) == pytest.approx({'ew_bw': ew_bw, 'logit_s': logit_s})
+  # faster than streaming memory is noise: the datasheet terms stay
+  fast = [b / 1e12 + l * 1e-13 for b, l in rows]
+  assert plan_calibrate.fit_elementwise(rows, fast, mem_bw) == pytest.approx({'ew_bw': mem_bw, 'logit_s': 24 / mem_bw})
+
+
 @pytest.mark.parametrize('layout', sorted(bench_layouts.LAYOUTS))
 def test_bench_plan_predicts_the_config_bench_layouts_runs(layout):
   c = bench_plan.layout_config('configs/llama_tiny.py', 'small', layout)

@@ -187,3 +187,24 @@ def test_dry_run_of_an_ep_run_splits_the_experts_and_predicts():
   assert 'ep=2 (experts over dp)' in text[2] and 'ep=' not in text[1].split('\n')[0]
   c.distributed_strategy.expert_model_parallel_size = 2
   assert f'step time (predicted on 2 x h100): {step_time.predict(c, H100, 2).line()}' in text[2]
+
+
+def test_measured_overheads_and_elementwise_rates_add_what_they_say():
+  """--calibrate's terms for `local` (tools/plan_calibrate.py): framework overhead per layer and
+  micro batch, per layer and step, per micro batch and per step; elementwise bytes at ew_bw and
+  the head's logits at logit_s, in place of the streaming-bandwidth terms."""
+  c = llama_tiny.get_config()
+  c.device, c.precision.type = 'cpu', 'fp32'
+  m, a = c.model, c.data
+  layers, micro = m.num_layers, a.global_batch_size // a.micro_batch_size
+  local = clusters.LOCAL_DEFAULT
+  base = step_time.predict(c, local, 1).step_s
+  over = dataclasses.replace(local, layer_overhead=1e-3, layer_step_overhead=2e-3, micro_overhead=3e-3,
+                             step_overhead=4e-3)
+  assert step_time.predict(c, over, 1).step_s - base == pytest.approx(
+      layers * micro * 1e-3 + layers * 2e-3 + micro * 3e-3 + 4e-3)
+  ew_bytes = 3 * layers * micro * sum(step_time.elementwise_bytes(c, 1))
+  logits = micro * a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)
+  rates = dataclasses.replace(local, ew_bw=1e9, logit_s=1e-8)
+  assert step_time.predict(c, rates, 1).step_s - base == pytest.approx(
+      ew_bytes * (1 / 1e9 - 1 / local.mem_bw) + logits * (1e-8 - 24 / local.mem_bw))

@@ -70,6 +70,89 @@ def compute_figures(threads=1) -> dict:
     torch.set_num_threads(before)
 
 
+# The framework's own cost: what a step of a model too small to compute anything still takes
+# (Python, the dispatcher, autograd, the optimizer's per-tensor loop). Fitted over layers L and
+# micro batches M as t(L, M) = step + M micro + L layer_step + L M layer (seconds).
+OVERHEAD_SHAPE = {'model.hidden_size': 32, 'model.ffn_hidden_size': 64, 'model.num_attention_heads': 2,
+                  'model.num_kv_heads': 1, 'model.vocab_size': 128, 'model.max_position_embeddings': 16,
+                  'data.seq_length': 16, 'data.micro_batch_size': 1}
+
+
+def _config(overrides):
+  """configs/llama_tiny.py with `overrides` ({'a.b': value}), fp32 on the CPU."""
+  from configs import cli  # pylint: disable=import-outside-toplevel
+  config = cli.load('configs/llama_tiny.py')
+  for key, value in {**overrides, 'precision.type': 'fp32', 'device': 'cpu'}.items():
+    *parents, leaf = key.split('.')
+    node = config
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return config
+
+
+def _step_seconds(config, seconds=1.0):
+  """Mean seconds of a train_step of `config` in this process (what tools/bench.py runs)."""
+  from tools import bench  # pylint: disable=import-outside-toplevel
+  run = bench.Run.build(config, 1)
+  run.batches = run.batches * 10**6          # the same batch again: the data is not what is timed
+  return _mean(run.step, seconds)
+
+
+def overhead_figures() -> dict:
+  """{'layer', 'layer_step', 'micro', 'step'}: seconds of framework overhead per layer and micro
+  batch (forward + backward), per layer and step (its parameters' optimizer loop), per micro
+  batch outside the layers (embedding, head, loss) and per step, from t(L, M) at L, M in {1, 3}."""
+  return fit_overhead({(l, m): _step_seconds(_config({**OVERHEAD_SHAPE, 'model.num_layers': l,
+                                                     'data.global_batch_size': m}))
+                       for l in (1, 3) for m in (1, 3)})
+
+
+def fit_overhead(t) -> dict:
+  """overhead_figures' terms from {(layers, micro batches): seconds} at 1 and 3 of each."""
+  layer = max(0.0, ((t[3, 3] - t[1, 3]) - (t[3, 1] - t[1, 1])) / 4)
+  layer_step = max(0.0, (t[3, 1] - t[1, 1]) / 2 - layer)
+  micro = max(0.0, (t[1, 3] - t[1, 1]) / 2 - layer)
+  return {'layer': layer, 'layer_step': layer_step, 'micro': micro,
+          'step': max(0.0, t[1, 1] - layer - layer_step - micro)}
+
+
+# Where elementwise work and the head's softmax are a real share of the step: bench_layouts'
+# small shape at 2 layers and 2 micro batches, at two vocabularies to tell the two apart.
+ELEMENTWISE_SHAPE = {'model.num_layers': 2, 'model.hidden_size': 256, 'model.ffn_hidden_size': 688,
+                     'model.num_attention_heads': 8, 'model.num_kv_heads': 4, 'model.max_position_embeddings': 256,
+                     'data.seq_length': 256, 'data.micro_batch_size': 2, 'data.global_batch_size': 4}
+
+
+def elementwise_figures(cluster) -> dict:
+  """{'ew_bw', 'logit_s'}: what the step takes beyond `cluster`'s prediction of its GEMMs,
+  attention and overheads (measured above), fitted as elementwise bytes (step_time's count) at
+  ew_bw plus logit elements at logit_s, from two steps that differ in the vocabulary only."""
+  from model import transformer  # pylint: disable=import-outside-toplevel
+  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  bare = dataclasses.replace(cluster, ew_bw=float('inf'), logit_s=1e-300)
+  rows, rest = [], []
+  for vocab in (512, 8192):
+    config = _config({**ELEMENTWISE_SHAPE, 'model.vocab_size': vocab})
+    a, m = config.data, config.model
+    micro = a.global_batch_size // a.micro_batch_size
+    rows.append((3 * m.num_layers * micro * sum(step_time.elementwise_bytes(config, 1)),
+                 micro * a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)))
+    rest.append(_step_seconds(config, 2.0) - step_time.predict(config, bare, 1).step_s)
+  return fit_elementwise(rows, rest, cluster.mem_bw)
+
+
+def fit_elementwise(rows, rest, mem_bw) -> dict:
+  """elementwise_figures' terms from [(elementwise bytes, logit elements)] and the seconds
+  beyond the prediction, at two vocabularies."""
+  (b0, l0), (b1, l1) = rows
+  det = b0 * l1 - b1 * l0
+  inv_bw = (rest[0] * l1 - rest[1] * l0) / det
+  logit_s = (b0 * rest[1] - b1 * rest[0]) / det
+  # a fit below the streaming rate's cost is noise: keep the datasheet term there
+  return {'ew_bw': 1 / inv_bw if inv_bw * mem_bw > 1 else mem_bw, 'logit_s': max(logit_s, 24 / mem_bw)}
+
+
 def _worker(rank, port, out):
   """Both processes measure the compute figures at once (the layouts run 2 busy ranks: they
   share caches, memory bandwidth and the other jobs' cores), then the collectives."""
@@ -80,6 +163,9 @@ def _worker(rank, port, out):
   try:
     dist.barrier()
     compute = compute_figures(1)
+    dist.barrier()
+    compute['overhead'] = overhead_figures()
+    compute.update(elementwise_figures(_local(compute)))
     dist.barrier()
     figures = {}
     for size in (2, 2**22):                       # fp32 elements: 8 bytes, 16 MiB
@@ -141,6 +227,15 @@ def fit(figures) -> tuple:
   return sorted(bws)[1], lat            # the median of the three operations' bandwidths
 
 
+def _local(compute, base=clusters.LOCAL_DEFAULT):
+  """`base` with the compute figures measured (all of them that `compute` has yet)."""
+  over = compute['overhead']
+  return dataclasses.replace(
+      base, peak=compute['peak'], attn_eff=compute['attn_eff'], mem_bw=compute['mem_bw'],
+      ew_bw=compute.get('ew_bw', 0.0), logit_s=compute.get('logit_s', 0.0), layer_overhead=over['layer'],
+      layer_step_overhead=over['layer_step'], micro_overhead=over['micro'], step_overhead=over['step'])
+
+
 def calibrated(base=clusters.LOCAL_DEFAULT):
   """`base` with everything measured now: what --calibrate writes, and what tools/bench_plan.py
   measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
@@ -148,8 +243,7 @@ def calibrated(base=clusters.LOCAL_DEFAULT):
   bw, lat = fit(figures)
   available = memory.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
-      base, peak=compute['peak'], attn_eff=compute['attn_eff'], mem_bw=compute['mem_bw'],
-      intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, memory_bytes=available / 2,
+      _local(compute, base), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
   return entry, compute, figures
 
@@ -163,6 +257,11 @@ def main():
   path = clusters.write_local(entry)
   print(f'fp32 matmul {compute["peak"]["fp32"] / 1e9:.1f} GFLOP/s, bf16 {compute["peak"]["bf16"] / 1e9:.1f} GFLOP/s '
         f'(1 thread); SDPA fwd+bwd at {compute["attn_eff"]:.0%} of fp32 peak; memory {compute["mem_bw"] / 1e9:.1f} GB/s')
+  over = compute['overhead']
+  print(f'elementwise passes {compute["ew_bw"] / 1e9:.1f} GB/s, head softmax + loss {compute["logit_s"] * 1e9:.2f} ns '
+        f'per logit; framework overhead {over["layer"] * 1e3:.3f} ms per layer and micro batch, '
+        f'{over["layer_step"] * 1e3:.3f} ms per layer and step, {over["micro"] * 1e3:.3f} ms per micro batch, '
+        f'{over["step"] * 1e3:.3f} ms per step')
   for size, ops in figures.items():
     print(f'gloo, 2 processes, {4 * size} bytes: ' + ', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in ops.items()))
   print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; memory per '
