@@ -6,12 +6,13 @@ from tools import bench_layouts, bench_plan, plan_calibrate
 
 
 def test_fit_recovers_alpha_and_beta():
-  lat, bw, n = 50e-6, 2e9, 4 * 2**22
-  small = {'all_reduce': 2 * lat, 'all_gather': lat, 'p2p': lat}
-  large = {'all_reduce': 2 * (lat + n / 2 / bw), 'all_gather': lat + n / 2 / bw, 'p2p': lat + n / bw}
-  got_bw, got_lat = plan_calibrate.fit({2: small, 2**22: large})
+  lat, bw = 50e-6, 2e9
+  # g = 2, n the bytes each rank gives: all-reduce 2(alpha + n / 2B), all-gather and p2p alpha + n / B
+  figures = {size: {'all_reduce': 2 * (lat + 4 * size / 2 / bw), 'all_gather': lat + 4 * size / bw,
+                    'p2p': lat + 4 * size / bw} for size in plan_calibrate.SIZES}
+  got_bw, got_lat = plan_calibrate.fit(figures)
   assert got_lat == pytest.approx(lat)
-  assert got_bw == pytest.approx(bw)      # the median of the three operations' (all equal here)
+  assert got_bw == pytest.approx(bw)
 
 
 def test_overhead_fit_recovers_its_terms():

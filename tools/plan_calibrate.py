@@ -6,14 +6,15 @@ A local "device" is one process with one thread (what tools/bench_layouts.py's l
 measured in 2 such processes at once: a 1024^3 matmul per dtype (the peak; matmul_eff is 1
 against it), causal SDPA forward + backward at a small model's shape (attn_eff = its FLOP/s
 over the fp32 peak) and a large elementwise add (memory bandwidth), each a mean over seconds
-of calls (_mean); then gloo between the 2 processes: all-reduce, all-gather and a send/recv
-pair at 8 bytes (latency) and 16 MiB (bandwidth), medians of 7, fitted to the alpha-beta
-formulas of parallel/step_time.py. One node: intra = inter.
+of calls (_mean); the framework's overhead (overhead_figures) and the rates the code's
+elementwise passes and the head's softmax reach (elementwise_figures), from real train_steps;
+then gloo between the 2 processes: all-reduce, all-gather and a send/recv pair at 8 bytes,
+512 KiB and 16 MiB, means of 30 calls, fitted to the alpha-beta formulas of
+parallel/step_time.py. One node: intra = inter.
 """
 import dataclasses
 import os
 import socket
-import statistics
 import time
 import warnings
 
@@ -36,15 +37,15 @@ def _mean(fn, seconds=2.0):
   return (time.perf_counter() - start) / calls
 
 
-def _median(fn, repeats=7):
-  """Median seconds of `fn` (the collectives: short calls that share the machine's load)."""
+def _mean_of_calls(fn, calls=30):
+  """Mean seconds of `calls` back-to-back calls of `fn` (a collective: a fixed count, so both
+  ranks make the same calls). Not a median: gloo's calls here take 0.2 or 3 ms by how the
+  processes happen to be scheduled, and a step pays the mean of that over its hundreds."""
   fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
+  start = time.perf_counter()
+  for _ in range(calls):
     fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return (time.perf_counter() - start) / calls
 
 
 def compute_figures(threads=1) -> dict:
@@ -153,6 +154,9 @@ def fit_elementwise(rows, rest, mem_bw) -> dict:
   return {'ew_bw': 1 / inv_bw if inv_bw * mem_bw > 1 else mem_bw, 'logit_s': max(logit_s, 24 / mem_bw)}
 
 
+SIZES = (2, 2**17, 2**22)           # fp32 elements: 8 bytes, 512 KiB (a small model's TP activations), 16 MiB
+
+
 def _worker(rank, port, out):
   """Both processes measure the compute figures at once (the layouts run 2 busy ranks: they
   share caches, memory bandwidth and the other jobs' cores), then the collectives."""
@@ -168,7 +172,7 @@ def _worker(rank, port, out):
     compute.update(elementwise_figures(_local(compute)))
     dist.barrier()
     figures = {}
-    for size in (2, 2**22):                       # fp32 elements: 8 bytes, 16 MiB
+    for size in SIZES:
       t = torch.ones(size)
       gathered = torch.empty(2 * size)
       peer = 1 - rank
@@ -180,9 +184,9 @@ def _worker(rank, port, out):
         else:
           dist.recv(t, peer)
           dist.send(t, peer)
-      figures[size] = {'all_reduce': _median(lambda: dist.all_reduce(t)),
-                       'all_gather': _median(lambda: dist.all_gather_into_tensor(gathered, t)),
-                       'p2p': _median(exchange) / 2}
+      figures[size] = {'all_reduce': _mean_of_calls(lambda: dist.all_reduce(t)),
+                       'all_gather': _mean_of_calls(lambda: dist.all_gather_into_tensor(gathered, t)),
+                       'p2p': _mean_of_calls(exchange) / 2}
     if rank == 0:
       out.put((compute, figures))
   finally:
@@ -217,14 +221,18 @@ def measure() -> tuple:
 
 
 def fit(figures) -> tuple:
-  """(bandwidth, latency) of the alpha-beta rings at g = 2 from the small and large timings:
-  all-reduce 2(alpha + n/(2B)), all-gather alpha + n/(2B) (n the output), p2p alpha + n/B."""
-  small, large = figures[2], figures[2**22]
-  n = 4 * 2**22
-  lat = min(small['all_reduce'] / 2, small['all_gather'], small['p2p'])
-  bws = [n / max(large['all_reduce'] - 2 * lat, 1e-9), n / max(large['all_gather'] - lat, 1e-9),
-         n / max(large['p2p'] - lat, 1e-9)]
-  return sorted(bws)[1], lat            # the median of the three operations' bandwidths
+  """(bandwidth, latency) of the alpha-beta rings at g = 2, fitted to every timing in `figures`
+  ({fp32 elements: {op: seconds}}) by least squares in relative error: all-reduce 2 alpha + n/B,
+  all-gather alpha + n/B (n the bytes each rank gives), p2p alpha + n/B."""
+  rows, times = [], []
+  for size, ops in figures.items():
+    n = 4 * size
+    for op, seconds in ops.items():
+      rows.append([2.0 if op == 'all_reduce' else 1.0, n])
+      times.append(seconds)
+  a, t = torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
+  lat, inv_bw = torch.linalg.lstsq(a / t[:, None], torch.ones_like(t)).solution.tolist()
+  return 1 / max(inv_bw, 1e-30), max(lat, 0.0)
 
 
 def _local(compute, base=clusters.LOCAL_DEFAULT):
