@@ -42,6 +42,9 @@ class Cluster:
   layer_step_overhead: float = 0.0  # s per layer and step (its parameters' optimizer loop)
   micro_overhead: float = 0.0       # s per micro batch outside the layers (embedding, head, loss)
   step_overhead: float = 0.0        # s per step
+  # {collective: [bytes/s, s]} fitted per operation inside a node (gloo's all-reduce and p2p
+  # differ ~10x in latency here); None: every collective on the intra/inter figures above
+  op_links: dict = None
 
 
 CLUSTERS = {

@@ -59,10 +59,13 @@ class Prediction:
 
 # --- alpha-beta collectives ---------------------------------------------------------------
 
-def link(cluster, size, stride=1) -> tuple:
-  """(bandwidth bytes/s, latency s) of a ring over `size` ranks `stride` apart."""
+def link(cluster, size, stride=1, op=None) -> tuple:
+  """(bandwidth bytes/s, latency s) of a ring over `size` ranks `stride` apart; inside a node,
+  the collective `op`'s own figures where the cluster has them (op_links: local's, measured)."""
   per_node = cluster.devices_per_node
   if size * stride <= per_node:
+    if cluster.op_links and op in cluster.op_links:
+      return tuple(cluster.op_links[op])
     return cluster.intra_bw * cluster.link_eff, cluster.intra_lat
   members = max(1, per_node // stride)          # this group's ranks in one node
   return min(cluster.intra_bw, cluster.inter_bw * members) * cluster.link_eff, cluster.inter_lat
@@ -97,7 +100,7 @@ def _ring(cluster, cp, tp, core, kv_bytes, grad_bytes):
   exceeds its step's compute by. `core`: this rank's forward attention compute."""
   if cp == 1:
     return 0.0, 0.0
-  bw, lat = link(cluster, cp, tp)
+  bw, lat = link(cluster, cp, tp, 'p2p')
   step = core / cp
   fwd = (cp - 1) * max(0.0, p2p(kv_bytes, bw, lat) - step)
   # backward: each step's dK/dV leaves after its compute and is awaited a step later; the last
@@ -158,18 +161,19 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
-  tp_bw, tp_lat = link(cluster, tp)
-  one = (all_gather(n * h * w, tp, tp_bw, tp_lat) + reduce_scatter(n * h * w, tp, tp_bw, tp_lat) if sp
-         else all_reduce(n * h * w, tp, tp_bw, tp_lat))    # per sublayer: attention, MLP
+  gather = all_gather(n * h * w, tp, *link(cluster, tp, 1, 'all_gather'))
+  one = (gather + reduce_scatter(n * h * w, tp, *link(cluster, tp, 1, 'reduce_scatter')) if sp
+         else all_reduce(n * h * w, tp, *link(cluster, tp, 1, 'all_reduce')))    # per sublayer: attention, MLP
   # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
   # slice) and no reduction (model/transformer.py)
-  mlp_comm = (all_gather(n * h * w, tp, tp_bw, tp_lat) if sp else 0.0) if is_moe else one
+  mlp_comm = (gather if sp else 0.0) if is_moe else one
   comm_f, comm_b = one + mlp_comm, one + mlp_comm
   kv_elems = 2 * n * kv * hd / tp                          # this rank's K and V block
   ring_f, ring_b = _ring(cluster, cp, tp, t_core, kv_elems * w, kv_elems * 4)   # dK/dV travel in fp32
   a2a = 0.0
   if is_moe and ep > 1:
-    ep_bw, ep_lat = link(cluster, ep, tp * cp * config.distributed_strategy.pipeline_model_parallel_size)
+    ep_bw, ep_lat = link(cluster, ep, tp * cp * config.distributed_strategy.pipeline_model_parallel_size,
+                         'all_to_all')
     a2a = 2 * all_to_all(n * m.moe.top_k * h * w, ep, ep_bw, ep_lat)   # dispatch + combine
   a2a_b = a2a
   if granularity == 'full':
@@ -224,13 +228,15 @@ def pipeline(p, mb, v, fwd, bwd, comm) -> float:
   return f * (b + (mb - long) * (b - a) / (long - short))
 
 
-def _reduce(zero1, d, backend, params, gsize, pbytes, g, bw, lat):
-  """(gradient reduction s, ZeRO-1 parameter gather s) of `params` trained parameters over g ranks."""
+def _reduce(zero1, d, backend, params, gsize, pbytes, cluster, g, stride):
+  """(gradient reduction s, ZeRO-1 parameter gather s) of `params` trained parameters over g
+  ranks `stride` apart."""
+  on = lambda op: link(cluster, g, stride, op)     # pylint: disable=unnecessary-lambda-assignment
   if not zero1 or g == 1:
-    return all_reduce(params * gsize, g, bw, lat), 0.0
+    return all_reduce(params * gsize, g, *on('all_reduce')), 0.0
   if grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
-    return all_reduce(params * gsize, g, bw, lat), all_reduce(params * pbytes, g, bw, lat)
-  return reduce_scatter(params * gsize, g, bw, lat), all_gather(params * pbytes, g, bw, lat)
+    return all_reduce(params * gsize, g, *on('all_reduce')), all_reduce(params * pbytes, g, *on('all_reduce'))
+  return reduce_scatter(params * gsize, g, *on('reduce_scatter')), all_gather(params * pbytes, g, *on('all_gather'))
 
 
 # --- the step -----------------------------------------------------------------------------
@@ -263,7 +269,7 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   w = 4 if compute_dtype(config) == 'fp32' else 2
   n = a.micro_batch_size * a.seq_length // cp
   sp = tp > 1 and d.sequence_parallel
-  pp_bw, pp_lat = link(cluster, pp, tp * cp)
+  pp_bw, pp_lat = link(cluster, pp, tp * cp, 'p2p')
   exchange = p2p(n * m.hidden_size * w // (tp if sp else 1), pp_bw, pp_lat) if pp > 1 else 0.0
   fwd = lf + cf + hf
   bwd = lb + cb + hb
@@ -279,7 +285,6 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   trainable = dense_trained + expert_trained
   group, expert_group = dp * cp, dp // ep        # dense gradients reduce over dp x cp, experts' over expert-DP
   dp_bw, dp_lat = link(cluster, group, tp * pp)  # (cp sits inside dp: the group's ranks average tp x pp apart)
-  ex_bw, ex_lat = link(cluster, expert_group, ep * tp * pp * cp)
   gsize = recipe.grad_acc_dtype.itemsize
   grads = trainable * gsize
   fsdp_exposed = 0.0
@@ -296,9 +301,9 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
     reduction = 0.0
   else:
     pbytes = recipe.param_dtype.itemsize
-    reduction, gather = _reduce(zero1, d, backend, dense_trained, gsize, pbytes, group, dp_bw, dp_lat)
+    reduction, gather = _reduce(zero1, d, backend, dense_trained, gsize, pbytes, cluster, group, tp * pp)
     if expert_trained:
-      r, g = _reduce(zero1, d, backend, expert_trained, gsize, pbytes, expert_group, ex_bw, ex_lat)
+      r, g = _reduce(zero1, d, backend, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)
       reduction, gather = reduction + r, gather + g
   buckets = max(1, math.ceil(grads / (config.bucket_size_collectives * 2**20)))
   if d.overlap_grad_reduce and cluster.device != 'xla':

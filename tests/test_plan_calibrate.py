@@ -9,10 +9,15 @@ def test_fit_recovers_alpha_and_beta():
   lat, bw = 50e-6, 2e9
   # g = 2, n the bytes each rank gives: all-reduce 2(alpha + n / 2B), all-gather and p2p alpha + n / B
   figures = {size: {'all_reduce': 2 * (lat + 4 * size / 2 / bw), 'all_gather': lat + 4 * size / bw,
-                    'p2p': lat + 4 * size / bw} for size in plan_calibrate.SIZES}
+                    'reduce_scatter': lat + 4 * size / 2 / bw, 'p2p': lat + 4 * size / bw}
+             for size in plan_calibrate.SIZES}
   got_bw, got_lat = plan_calibrate.fit(figures)
   assert got_lat == pytest.approx(lat)
   assert got_bw == pytest.approx(bw)
+  # one operation's own figures: gloo's p2p here is ~10x quicker to start than its all-reduce
+  figures = {size: dict(ops, p2p=lat / 10 + 4 * size / (2 * bw)) for size, ops in figures.items()}
+  assert plan_calibrate.fit(figures, 'p2p') == pytest.approx((2 * bw, lat / 10))
+  assert plan_calibrate.fit(figures, 'all_reduce') == pytest.approx((bw, lat))
 
 
 def test_overhead_fit_recovers_its_terms():

@@ -208,3 +208,19 @@ def test_measured_overheads_and_elementwise_rates_add_what_they_say():
   rates = dataclasses.replace(local, ew_bw=1e9, logit_s=1e-8)
   assert step_time.predict(c, rates, 1).step_s - base == pytest.approx(
       ew_bytes * (1 / 1e9 - 1 / local.mem_bw) + logits * (1e-8 - 24 / local.mem_bw))
+
+
+def test_measured_collectives_are_used_per_operation_inside_a_node():
+  local = dataclasses.replace(clusters.LOCAL_DEFAULT, op_links={'all_reduce': [1e9, 1e-3], 'p2p': [4e9, 1e-5]})
+  assert step_time.link(local, 2, 1, 'all_reduce') == (1e9, 1e-3)
+  assert step_time.link(local, 2, 1, 'p2p') == (4e9, 1e-5)
+  generic = (local.intra_bw * local.link_eff, local.intra_lat)
+  assert step_time.link(local, 2, 1, 'all_gather') == step_time.link(local, 2) == generic
+  c = llama_tiny.get_config()
+  c.device, c.precision.type = 'cpu', 'fp32'
+  c.distributed_strategy.tensor_model_parallel_size = 2
+  m, a = c.model, c.data
+  per_call = step_time.all_reduce(a.micro_batch_size * a.seq_length * m.hidden_size * 4, 2, 1e9, 1e-3)
+  micro = a.global_batch_size // a.micro_batch_size
+  # 2 sublayers x forward and backward, each layer, each micro batch
+  assert step_time.predict(c, local, 2).terms['tp_comm'] == pytest.approx(4 * m.num_layers * micro * per_call)

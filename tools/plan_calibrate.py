@@ -174,7 +174,7 @@ def _worker(rank, port, out):
     figures = {}
     for size in SIZES:
       t = torch.ones(size)
-      gathered = torch.empty(2 * size)
+      gathered, half = torch.empty(2 * size), torch.empty(size // 2)
       peer = 1 - rank
 
       def exchange():
@@ -186,6 +186,7 @@ def _worker(rank, port, out):
           dist.send(t, peer)
       figures[size] = {'all_reduce': _mean_of_calls(lambda: dist.all_reduce(t)),
                        'all_gather': _mean_of_calls(lambda: dist.all_gather_into_tensor(gathered, t)),
+                       'reduce_scatter': _mean_of_calls(lambda: dist.reduce_scatter_tensor(half, t)),
                        'p2p': _mean_of_calls(exchange) / 2}
     if rank == 0:
       out.put((compute, figures))
@@ -220,16 +221,22 @@ def measure() -> tuple:
         p.join()
 
 
-def fit(figures) -> tuple:
-  """(bandwidth, latency) of the alpha-beta rings at g = 2, fitted to every timing in `figures`
-  ({fp32 elements: {op: seconds}}) by least squares in relative error: all-reduce 2 alpha + n/B,
-  all-gather alpha + n/B (n the bytes each rank gives), p2p alpha + n/B."""
+# At g = 2, n the bytes each rank gives: seconds = alpha x a + n / B x b for (a, b) of the op.
+_ALPHA_BETA = {'all_reduce': (2.0, 1.0), 'all_gather': (1.0, 1.0), 'reduce_scatter': (1.0, 0.5), 'p2p': (1.0, 1.0)}
+
+
+def fit(figures, only=None) -> tuple:
+  """(bandwidth, latency) of the alpha-beta rings at g = 2, fitted to the timings in `figures`
+  ({fp32 elements: {op: seconds}}; of the op `only`, else of all) by least squares in relative
+  error: all-reduce 2 alpha + n/B, all-gather alpha + n/B (n the bytes each rank gives),
+  reduce-scatter alpha + n/2B, p2p alpha + n/B."""
   rows, times = [], []
   for size, ops in figures.items():
-    n = 4 * size
     for op, seconds in ops.items():
-      rows.append([2.0 if op == 'all_reduce' else 1.0, n])
-      times.append(seconds)
+      if only in (None, op):
+        a, b = _ALPHA_BETA[op]
+        rows.append([a, 4 * size * b])
+        times.append(seconds)
   a, t = torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
   lat, inv_bw = torch.linalg.lstsq(a / t[:, None], torch.ones_like(t)).solution.tolist()
   return 1 / max(inv_bw, 1e-30), max(lat, 0.0)
@@ -249,9 +256,12 @@ def calibrated(base=clusters.LOCAL_DEFAULT):
   measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
   compute, figures = measure()
   bw, lat = fit(figures)
+  ops = {op: list(fit(figures, op)) for op in _ALPHA_BETA}
+  ops['all_to_all'] = ops['all_gather']       # the same bytes sent: (g - 1) / g of what each holds
   available = memory.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
-      _local(compute, base), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, memory_bytes=available / 2,
+      _local(compute, base), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, op_links=ops,
+      memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
   return entry, compute, figures
 
@@ -272,5 +282,6 @@ def main():
         f'{over["step"] * 1e3:.3f} ms per step')
   for size, ops in figures.items():
     print(f'gloo, 2 processes, {4 * size} bytes: ' + ', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in ops.items()))
-  print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; memory per '
-        f'process {memory.human_bytes(entry.memory_bytes)}\nwrote {path}')
+  print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; per collective: '
+        + ', '.join(f'{op} {bw / 1e9:.2f} GB/s {lat * 1e6:.0f} us' for op, (bw, lat) in entry.op_links.items())
+        + f'; memory per process {memory.human_bytes(entry.memory_bytes)}\nwrote {path}')
