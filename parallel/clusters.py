@@ -105,7 +105,15 @@ def local(path=None) -> Cluster:
     return LOCAL_DEFAULT
   with open(path) as f:
     fields = json.load(f)
-  return Cluster(**fields)
+  # An entry another flatron version wrote: figures this one does not model are dropped (they
+  # only refine a prediction); one it needs and lacks is an error with the fix.
+  known = {f.name for f in dataclasses.fields(Cluster)}
+  try:
+    return Cluster(**{k: v for k, v in fields.items() if k in known})
+  except TypeError as e:
+    raise ValueError(f'{path}: not a cluster entry this version of flatron reads ({e}); re-run '
+                     'python -m tools.plan --calibrate (or delete the file: uncalibrated defaults; or set '
+                     'trainer.plan_cluster=none: no prediction in the summary)') from e
 
 
 def write_local(cluster: Cluster, path=None) -> str:

@@ -1,6 +1,7 @@
 """The step-time model's arithmetic: alpha-beta collectives, which links a group uses, the
 pipeline term against the simulator, and how the layout keys move the terms."""
 import dataclasses
+import json
 
 import pytest
 
@@ -145,6 +146,16 @@ def test_local_entry_round_trips(tmp_path):
   path = clusters.write_local(entry, str(tmp_path / 'local.json'))
   assert clusters.local(path) == entry
   assert clusters.local(str(tmp_path / 'missing.json')) == clusters.LOCAL_DEFAULT
+  # a file another version wrote: a figure this one does not know is dropped, a missing one named
+  with open(path) as f:
+    fields = json.load(f)
+  with open(path, 'w') as f:
+    json.dump(dict(fields, figure_from_a_newer_version=1.0), f)
+  assert clusters.local(path) == entry
+  with open(path, 'w') as f:
+    json.dump({k: v for k, v in fields.items() if k != 'peak'}, f)
+  with pytest.raises(ValueError, match='peak.*re-run python -m tools.plan --calibrate'):
+    clusters.local(path)
 
 
 def test_the_startup_summary_prints_this_model():
