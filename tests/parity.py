@@ -183,6 +183,16 @@ def check_layouts(layouts, tmp_path, tmp_path_factory, **tolerances):
   return out
 
 
+def world_sizes(layouts):
+  """The world sizes of `name: (world size, layout)` (a test parametrized by these trains each
+  size's layouts in one world)."""
+  return sorted({size for size, _ in layouts.values()})
+
+
+def of_size(layouts, world_size):
+  return {name: v for name, v in layouts.items() if v[0] == world_size}
+
+
 def compare(name, layout, results, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5, norm_rtol=1e-4):
   """Assert every rank's results of `layout` train like one device; the assembled parameters."""
   ref_losses, ref_norms, ref_params = reference(
