@@ -34,10 +34,11 @@ PAIR_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+# Packed SFT rows with masked prompts: documents start and end inside the cp chunks.
+SFT_LAYOUTS = {
+    'cp2_sft': (2, {'cp': 2}),
+    'cp2_sft_mistral': (2, {'cp': 2, 'family': 'mistral'}),
+}
 
 
 @pytest.fixture(scope='module')
@@ -47,12 +48,6 @@ def pairs_path(tmp_path_factory):
   path = tmp_path_factory.mktemp('pairs') / 'pairs.jsonl'
   parity.write_pairs(path, 40, seed=0)
   return str(path)
-
-
-@pytest.mark.parametrize('layout', sorted(PAIR_LAYOUTS))
-def test_preference_pairs_train_like_one_device(layout, pairs_path, tmp_path, tmp_path_factory):
-  world_size, kwargs = PAIR_LAYOUTS[layout]
-  parity.check_layout(layout, world_size, dict(kwargs, sft=pairs_path), tmp_path, tmp_path_factory)
 
 
 @pytest.fixture(scope='module')
@@ -70,10 +65,14 @@ def packed_records(tmp_path_factory):
   return str(path)
 
 
-@pytest.mark.parametrize('family', [None, 'mistral'])
-def test_packed_sft_rows_train_like_one_device(family, packed_records, tmp_path, tmp_path_factory):
-  name = 'cp2_sft' + (f'_{family}' if family else '')
-  parity.check_layout(name, 2, {'cp': 2, 'sft': packed_records, 'family': family}, tmp_path, tmp_path_factory)
+@pytest.mark.timeout(600)      # 11 layouts at 2 ranks in one world: minutes on a loaded machine
+@pytest.mark.parametrize('world_size', parity.world_sizes({**LAYOUTS, **PAIR_LAYOUTS, **SFT_LAYOUTS}))
+def test_layouts_train_like_one_device(world_size, pairs_path, packed_records, tmp_path, tmp_path_factory):
+  """Every layout of one world size (plain, preference pairs, packed SFT rows), one after
+  another in one spawned world."""
+  layouts = {**LAYOUTS, **{name: (size, dict(kwargs, sft=pairs_path)) for name, (size, kwargs) in PAIR_LAYOUTS.items()},
+             **{name: (size, dict(kwargs, sft=packed_records)) for name, (size, kwargs) in SFT_LAYOUTS.items()}}
+  parity.check_layouts(parity.of_size(layouts, world_size), tmp_path, tmp_path_factory)
 
 
 def test_slices_follow_the_load_balanced_layout():

@@ -19,10 +19,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_zero1_trains_like_the_unsharded_run(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=1e-6)
+@pytest.mark.parametrize('world_size', parity.world_sizes(LAYOUTS))
+def test_zero1_trains_like_the_unsharded_run(world_size, tmp_path, tmp_path_factory):
+  """The layouts of one world size, one after another in one spawned world."""
+  parity.check_layouts(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory, loss_rtol=1e-6)
 
 
 def test_shard_rows_cover_every_row_once():
@@ -102,11 +102,10 @@ PRECISION_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(PRECISION_LAYOUTS))
-def test_bf16_recipes_train_like_one_device_within_bf16_rounding(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = PRECISION_LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2,
-                      norm_rtol=0.25)
+def test_bf16_recipes_train_like_one_device_within_bf16_rounding(tmp_path, tmp_path_factory):
+  """Every recipe and layout, one after another in one spawned world (all are 2 ranks)."""
+  parity.check_layouts(PRECISION_LAYOUTS, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2,
+                       norm_rtol=0.25)
 
 
 def _steps_with_buckets():
