@@ -65,7 +65,6 @@ def packed_records(tmp_path_factory):
   return str(path)
 
 
-@pytest.mark.timeout(600)      # 11 layouts at 2 ranks in one world: minutes on a loaded machine
 @pytest.mark.parametrize('world_size', parity.world_sizes({**LAYOUTS, **PAIR_LAYOUTS, **SFT_LAYOUTS}))
 def test_layouts_train_like_one_device(world_size, pairs_path, packed_records, tmp_path, tmp_path_factory):
   """Every layout of one world size (plain, preference pairs, packed SFT rows), one after
