@@ -171,11 +171,12 @@ def test_a_checkpoint_saved_at_cp2_with_zero1_resumes_at_cp1(tmp_path):
   from checkpoint import steps as checkpoint_steps  # pylint: disable=import-outside-toplevel
   from tests import test_session  # pylint: disable=import-outside-toplevel
   world.run(test_session._run, 2, str(tmp_path / 'saved'), {'cp': 2, 'zero1': True}, 10)  # pylint: disable=protected-access
-  world.run(test_session._run, 1, str(tmp_path / 'straight'), {})  # pylint: disable=protected-access
   saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
   assert checkpoint_steps.read_metadata(saved)['layout']['cp'] == 2
   (tmp_path / 'run').mkdir()
-  world.run(test_session._resume_from, 1, str(tmp_path / 'run'), {}, saved)  # pylint: disable=protected-access
+  # the resume first, in a fresh process; the uninterrupted run after it, in the same one
+  world.run(world.in_turn, 1, [(test_session._resume_from, (str(tmp_path / 'run'), {}, saved)),  # pylint: disable=protected-access
+                               (test_session._run, (str(tmp_path / 'straight'), {}))])  # pylint: disable=protected-access
   np.testing.assert_allclose(test_session.losses(tmp_path / 'run'), test_session.losses(tmp_path / 'straight')[10:],
                              rtol=1e-5)
 

@@ -84,12 +84,12 @@ def test_a_step_saved_at_ep2_resumes_bitwise_at_ep2_and_continues_at_ep1(tmp_pat
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tests.test_session import _resume_from, _run, losses  # pylint: disable=import-outside-toplevel
   ep2, ep1 = dict(moe=4, ep=2, zero1=True), dict(moe=4)
-  world.run(_run, 2, str(tmp_path / 'saved'), ep2, 10)
+  # each resume runs first in a fresh world; the uninterrupted runs beside them
+  world.run(world.in_turn, 2, [(_run, (str(tmp_path / 'straight_ep2'), ep2, 0)), (_run, (str(tmp_path / 'saved'), ep2, 10))])
   saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
   world.run(_run, 2, str(tmp_path / 'saved'), ep2, 0)                 # resumes there, at ep2
-  world.run(_run, 2, str(tmp_path / 'straight_ep2'), ep2, 0)
   assert losses(tmp_path / 'saved') == losses(tmp_path / 'straight_ep2')   # identical floats
   os.makedirs(tmp_path / 'ep1')
-  world.run(_resume_from, 1, str(tmp_path / 'ep1'), ep1, saved)
-  world.run(_run, 1, str(tmp_path / 'straight_ep1'), ep1, 0)
+  world.run(world.in_turn, 1, [(_resume_from, (str(tmp_path / 'ep1'), ep1, saved)),
+                               (_run, (str(tmp_path / 'straight_ep1'), ep1, 0))])
   np.testing.assert_allclose(losses(tmp_path / 'ep1'), losses(tmp_path / 'straight_ep1')[10:], rtol=1e-5)
