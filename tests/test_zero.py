@@ -56,7 +56,7 @@ def _state_bytes_by_recipe(zero1, recipes):
 def test_optimizer_and_master_bytes_divide_by_dp():
   recipes = ('fp32', 'mixed_precision', 'bf16SR')
   single = _state_bytes(False, 'fp32')
-  full = world.run(_state_bytes_by_recipe, 1, True, recipes)[0]     # one shard: everything
+  full = _state_bytes_by_recipe(True, recipes)     # one shard: everything (in this process, as `single`)
   assert full['fp32'] == single            # fp32 parameters are their own master: no extra copy
   assert full['bf16SR'] * 2 == full['fp32']     # bf16 moments, no master: half of fp32's moments
   for got in world.run(_state_bytes_by_recipe, 2, True, recipes):
