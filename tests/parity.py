@@ -158,12 +158,6 @@ MODEL_KEYS = ('dropout', 'attention_dropout', 'nll_reduction', 'layers', 'tied',
               'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux')
 
 
-def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, **tolerances):
-  """Run `layout` on `world_size` ranks and assert it trains like one device; returns the
-  assembled global parameters."""
-  return check_layouts({name: (world_size, layout)}, tmp_path, tmp_path_factory, **tolerances)[name]
-
-
 def train_layouts_on_rank(workdirs, layouts):
   """train_on_rank for each layout in turn, in one process: one spawned world trains several
   layouts (spawning and initializing a world costs seconds; a fresh mesh's groups per layout)."""
@@ -171,11 +165,13 @@ def train_layouts_on_rank(workdirs, layouts):
 
 
 def check_layouts(layouts, tmp_path, tmp_path_factory, **tolerances):
-  """check_layout for every `name: (world size, layout)`, the layouts of one world size trained
-  one after another in one world; returns {name: assembled global parameters}."""
+  """Train every `name: (world size, layout)` on its world size and assert it trains like one
+  device (`compare`), the layouts of one world size one after another in one spawned world;
+  returns {name: assembled global parameters}."""
   out = {}
-  for world_size in sorted({size for size, _ in layouts.values()}):
-    names = [n for n, (size, _) in layouts.items() if size == world_size]
+  for world_size in world_sizes(layouts):
+    names = list(of_size(layouts, world_size))
+    # world.run's timeout bounds the wait for all of the world's layouts
     per_rank = world.run(train_layouts_on_rank, world_size, [str(tmp_path / n) for n in names],
                          [layouts[n][1] for n in names], timeout=240 * len(names))
     for i, name in enumerate(names):
