@@ -158,24 +158,52 @@ MODEL_KEYS = ('dropout', 'attention_dropout', 'nll_reduction', 'layers', 'tied',
               'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux')
 
 
-def check_layout(name, world_size, layout, tmp_path, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5,
-                 norm_rtol=1e-4):
-  """Run `layout` on `world_size` ranks and assert it trains like one device; returns the
-  assembled global parameters."""
+def train_layouts_on_rank(workdirs, layouts):
+  """train_on_rank for each layout in turn, in one process: one spawned world trains several
+  layouts (spawning and initializing a world costs seconds; a fresh mesh's groups per layout)."""
+  return [train_on_rank(workdir, layout) for workdir, layout in zip(workdirs, layouts)]
+
+
+def check_layouts(layouts, tmp_path, tmp_path_factory, **tolerances):
+  """Train every `name: (world size, layout)` on its world size and assert it trains like one
+  device (`compare`), the layouts of one world size one after another in one spawned world;
+  returns {name: assembled global parameters}."""
+  out = {}
+  for world_size in world_sizes(layouts):
+    names = list(of_size(layouts, world_size))
+    # world.run's timeout bounds the wait for all of the world's layouts
+    per_rank = world.run(train_layouts_on_rank, world_size, [str(tmp_path / n) for n in names],
+                         [layouts[n][1] for n in names], timeout=240 * len(names))
+    for i, name in enumerate(names):
+      out[name] = compare(name, layouts[name][1], [rank[i] for rank in per_rank], tmp_path_factory, **tolerances)
+  return out
+
+
+def world_sizes(layouts):
+  """The world sizes of `name: (world size, layout)` (a test parametrized by these trains each
+  size's layouts in one world)."""
+  return sorted({size for size, _ in layouts.values()})
+
+
+def of_size(layouts, world_size):
+  return {name: v for name, v in layouts.items() if v[0] == world_size}
+
+
+def compare(name, layout, results, tmp_path_factory, loss_rtol=1e-5, param_atol=1e-5, norm_rtol=1e-4):
+  """Assert every rank's results of `layout` train like one device; the assembled parameters."""
   ref_losses, ref_norms, ref_params = reference(
       tmp_path_factory, **{k: v for k, v in layout.items() if k in MODEL_KEYS})
-  results = world.run(train_on_rank, world_size, str(tmp_path), layout)
   losses, norms, _ = results[0]
-  assert ref_norms[0] > parity_config(**layout).trainer.gradient_clip_val   # clipping was active
-  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
-  np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+  assert ref_norms[0] > parity_config(**layout).trainer.gradient_clip_val, name   # clipping was active
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol, err_msg=name)
+  np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol, err_msg=name)
   params = assemble(results, parity_config(**layout).model)
-  assert params.keys() == ref_params.keys()
+  assert params.keys() == ref_params.keys(), name
   worst_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
   worst_param = max(float(np.abs(params[n] - ref_params[n]).max()) for n in ref_params)
   worst_norm = max(abs(a - b) / abs(b) for a, b in zip(norms, ref_norms))
   print(f'{name}: worst relative loss error {worst_loss:.2e}, worst parameter error {worst_param:.2e}, '
         f'worst relative grad-norm error {worst_norm:.2e}')
   for n in ref_params:
-    np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-5, atol=param_atol, err_msg=n)
+    np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-5, atol=param_atol, err_msg=f'{name}: {n}')
   return params

@@ -34,10 +34,11 @@ PAIR_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+# Packed SFT rows with masked prompts: documents start and end inside the cp chunks.
+SFT_LAYOUTS = {
+    'cp2_sft': (2, {'cp': 2}),
+    'cp2_sft_mistral': (2, {'cp': 2, 'family': 'mistral'}),
+}
 
 
 @pytest.fixture(scope='module')
@@ -47,12 +48,6 @@ def pairs_path(tmp_path_factory):
   path = tmp_path_factory.mktemp('pairs') / 'pairs.jsonl'
   parity.write_pairs(path, 40, seed=0)
   return str(path)
-
-
-@pytest.mark.parametrize('layout', sorted(PAIR_LAYOUTS))
-def test_preference_pairs_train_like_one_device(layout, pairs_path, tmp_path, tmp_path_factory):
-  world_size, kwargs = PAIR_LAYOUTS[layout]
-  parity.check_layout(layout, world_size, dict(kwargs, sft=pairs_path), tmp_path, tmp_path_factory)
 
 
 @pytest.fixture(scope='module')
@@ -70,10 +65,13 @@ def packed_records(tmp_path_factory):
   return str(path)
 
 
-@pytest.mark.parametrize('family', [None, 'mistral'])
-def test_packed_sft_rows_train_like_one_device(family, packed_records, tmp_path, tmp_path_factory):
-  name = 'cp2_sft' + (f'_{family}' if family else '')
-  parity.check_layout(name, 2, {'cp': 2, 'sft': packed_records, 'family': family}, tmp_path, tmp_path_factory)
+@pytest.mark.parametrize('world_size', parity.world_sizes({**LAYOUTS, **PAIR_LAYOUTS, **SFT_LAYOUTS}))
+def test_layouts_train_like_one_device(world_size, pairs_path, packed_records, tmp_path, tmp_path_factory):
+  """Every layout of one world size (plain, preference pairs, packed SFT rows), one after
+  another in one spawned world."""
+  layouts = {**LAYOUTS, **{name: (size, dict(kwargs, sft=pairs_path)) for name, (size, kwargs) in PAIR_LAYOUTS.items()},
+             **{name: (size, dict(kwargs, sft=packed_records)) for name, (size, kwargs) in SFT_LAYOUTS.items()}}
+  parity.check_layouts(parity.of_size(layouts, world_size), tmp_path, tmp_path_factory)
 
 
 def test_slices_follow_the_load_balanced_layout():
@@ -173,11 +171,12 @@ def test_a_checkpoint_saved_at_cp2_with_zero1_resumes_at_cp1(tmp_path):
   from checkpoint import steps as checkpoint_steps  # pylint: disable=import-outside-toplevel
   from tests import test_session  # pylint: disable=import-outside-toplevel
   world.run(test_session._run, 2, str(tmp_path / 'saved'), {'cp': 2, 'zero1': True}, 10)  # pylint: disable=protected-access
-  world.run(test_session._run, 1, str(tmp_path / 'straight'), {})  # pylint: disable=protected-access
   saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
   assert checkpoint_steps.read_metadata(saved)['layout']['cp'] == 2
   (tmp_path / 'run').mkdir()
-  world.run(test_session._resume_from, 1, str(tmp_path / 'run'), {}, saved)  # pylint: disable=protected-access
+  # the resume first, in a fresh process; the uninterrupted run after it, in the same one
+  world.run(world.in_turn, 1, [(test_session._resume_from, (str(tmp_path / 'run'), {}, saved)),  # pylint: disable=protected-access
+                               (test_session._run, (str(tmp_path / 'straight'), {}))])  # pylint: disable=protected-access
   np.testing.assert_allclose(test_session.losses(tmp_path / 'run'), test_session.losses(tmp_path / 'straight')[10:],
                              rtol=1e-5)
 

@@ -18,13 +18,22 @@ LAYOUTS = {                        # name: (world size, parity_config kwargs)
     'ep2_tp2_sp': (4, dict(moe=4, ep=2, tp=2, sp=True)),
     'ep2_pp2': (4, dict(moe=4, ep=2, pp=2, aux=False)),
     'ep2_pp2_vp2': (4, dict(moe=4, ep=2, pp=2, vp=2, layers=4, aux=False)),     # interleaved 1F1B
+    # LoRA on every linear of the attention (MoE layers take none; experts frozen), and SFT's
+    # packed rows with masked prompts (tests/test_train.py's records), each at ep2 x zero1
+    'ep2_lora': (2, dict(moe=4, ep=2, zero1=True, lora=4)),
+    'ep2_sft': (2, dict(moe=4, ep=2, zero1=True, sft='records')),
 }
 
 
-@pytest.mark.parametrize('layout', LAYOUTS)
-def test_expert_parallel_layouts_train_like_one_device(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+@pytest.mark.parametrize('world_size', parity.world_sizes(LAYOUTS))
+def test_expert_parallel_layouts_train_like_one_device(world_size, tmp_path, tmp_path_factory):
+  """The layouts of one world size, one after another in one spawned world."""
+  from tests.test_train import write_records  # pylint: disable=import-outside-toplevel
+  layouts = parity.of_size(LAYOUTS, world_size)
+  for name, (size, kwargs) in layouts.items():
+    if kwargs.get('sft') == 'records':
+      layouts[name] = size, dict(kwargs, sft=write_records(tmp_path_factory.mktemp('sft') / 'records.jsonl', 64))
+  parity.check_layouts(layouts, tmp_path, tmp_path_factory)
 
 
 def _exchange(rank_inputs):
@@ -75,25 +84,12 @@ def test_a_step_saved_at_ep2_resumes_bitwise_at_ep2_and_continues_at_ep1(tmp_pat
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tests.test_session import _resume_from, _run, losses  # pylint: disable=import-outside-toplevel
   ep2, ep1 = dict(moe=4, ep=2, zero1=True), dict(moe=4)
-  world.run(_run, 2, str(tmp_path / 'saved'), ep2, 10)
+  # each resume runs first in a fresh world; the uninterrupted runs beside them
+  world.run(world.in_turn, 2, [(_run, (str(tmp_path / 'straight_ep2'), ep2, 0)), (_run, (str(tmp_path / 'saved'), ep2, 10))])
   saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
   world.run(_run, 2, str(tmp_path / 'saved'), ep2, 0)                 # resumes there, at ep2
-  world.run(_run, 2, str(tmp_path / 'straight_ep2'), ep2, 0)
   assert losses(tmp_path / 'saved') == losses(tmp_path / 'straight_ep2')   # identical floats
   os.makedirs(tmp_path / 'ep1')
-  world.run(_resume_from, 1, str(tmp_path / 'ep1'), ep1, saved)
-  world.run(_run, 1, str(tmp_path / 'straight_ep1'), ep1, 0)
+  world.run(world.in_turn, 1, [(_resume_from, (str(tmp_path / 'ep1'), ep1, saved)),
+                               (_run, (str(tmp_path / 'straight_ep1'), ep1, 0))])
   np.testing.assert_allclose(losses(tmp_path / 'ep1'), losses(tmp_path / 'straight_ep1')[10:], rtol=1e-5)
-
-
-@pytest.mark.parametrize('layout', ['ep2_lora', 'ep2_sft'])
-def test_lora_and_sft_on_a_moe_model_at_ep2_train_like_one_device(layout, tmp_path, tmp_path_factory):
-  """LoRA on every linear of the attention (MoE layers take none; experts frozen), and SFT's
-  packed rows with masked prompts, each at ep2 x zero1 against one device."""
-  from tests.test_train import write_records  # pylint: disable=import-outside-toplevel
-  kwargs = dict(moe=4, ep=2, zero1=True)
-  if layout == 'ep2_lora':
-    kwargs['lora'] = 4
-  else:
-    kwargs['sft'] = write_records(tmp_path_factory.mktemp('sft') / 'records.jsonl', 64)
-  parity.check_layout(layout, 2, kwargs, tmp_path, tmp_path_factory)

@@ -169,24 +169,23 @@ LORA_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LORA_LAYOUTS))
-def test_lora_at_every_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
+def test_lora_at_every_layout_trains_like_one_device(tmp_path, tmp_path_factory):
   """Split and replicated factors, the row-parallel adapter joining the base's reduction, the
-  TP sum of replicated factors' gradients, keyed adapter dropout: one device's update."""
-  world_size, kwargs = LORA_LAYOUTS[layout]
-  kwargs = dict(kwargs, lora=4)
-  params = parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
-  if kwargs.get('lora_dropout'):        # the adapter dropout acted
-    without = parity.reference(tmp_path_factory, lora=4)[0]
-    assert without != parity.reference(tmp_path_factory, lora=4, lora_dropout=0.1)[0]
-  config = parity.parity_config(**kwargs)
-  init = transformer.init(config.model, config.seed)
-  for name, value in params.items():
-    start = init[name].detach().numpy()[:value.shape[0]]
-    if lora.is_adapter(name):
-      assert np.abs(value - start).max() > 1e-3, name                  # trained
-    else:
-      np.testing.assert_array_equal(value, start, err_msg=name)        # frozen, bit for bit
+  TP sum of replicated factors' gradients, keyed adapter dropout: one device's update (every
+  layout, one after another in one spawned world: all are 2 ranks)."""
+  layouts = {name: (world_size, dict(kwargs, lora=4)) for name, (world_size, kwargs) in LORA_LAYOUTS.items()}
+  trained = parity.check_layouts(layouts, tmp_path, tmp_path_factory)
+  without = parity.reference(tmp_path_factory, lora=4)[0]
+  assert without != parity.reference(tmp_path_factory, lora=4, lora_dropout=0.1)[0]   # the adapter dropout acted
+  for layout, params in trained.items():
+    config = parity.parity_config(**layouts[layout][1])
+    init = transformer.init(config.model, config.seed)
+    for name, value in params.items():
+      start = init[name].detach().numpy()[:value.shape[0]]
+      if lora.is_adapter(name):
+        assert np.abs(value - start).max() > 1e-3, f'{layout}: {name}'                  # trained
+      else:
+        np.testing.assert_array_equal(value, start, err_msg=f'{layout}: {name}')        # frozen, bit for bit
 
 
 # --- 6, 7: frozen base and checkpoints in the loop -------------------------------------------

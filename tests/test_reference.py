@@ -29,11 +29,11 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_preference_objectives_at_every_layout_train_like_one_device(layout, pairs_path, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  kwargs = dict(kwargs, sft=pairs_path, objective=layout.split('_')[0])
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+def test_preference_objectives_at_every_layout_train_like_one_device(pairs_path, tmp_path, tmp_path_factory):
+  """Every layout, one after another in one spawned world (all are 2 ranks)."""
+  layouts = {name: (world_size, dict(kwargs, sft=pairs_path, objective=name.split('_')[0]))
+             for name, (world_size, kwargs) in LAYOUTS.items()}
+  parity.check_layouts(layouts, tmp_path, tmp_path_factory)
 
 
 def _losses(workdir):

@@ -46,8 +46,10 @@ def losses(workdir):
     (2, {'zero1': True, 'precision': 'bf16SR'}, 0.0),   # bf16 moments, stochastic rounding keys
 ])
 def test_resume_is_bitwise_exact(tmp_path, world_size, layout, dropout):
-  straight = world.run(_run, world_size, str(tmp_path / 'straight'), layout, 0, dropout)
-  world.run(_run, world_size, str(tmp_path / 'resumed'), layout, 10, dropout)
+  # the uninterrupted run, then steps 1-10 saved, in one world; the resume in a fresh one
+  first = world.run(world.in_turn, world_size, [(_run, (str(tmp_path / 'straight'), layout, 0, dropout)),
+                                                (_run, (str(tmp_path / 'resumed'), layout, 10, dropout))])
+  straight = [rank[0] for rank in first]
   assert managers.CheckpointManager(str(tmp_path / 'resumed' / 'checkpoints')).committed_steps() == [10]
   resumed = world.run(_run, world_size, str(tmp_path / 'resumed'), layout, 0, dropout)
   assert losses(tmp_path / 'resumed') == losses(tmp_path / 'straight')      # identical floats
@@ -65,27 +67,32 @@ def saved_at_tp2_pp2_dp2(tmp_path_factory):
   """Steps 1-10 at tp2 x pp2 x dp2 with ZeRO-1 (8 processes), and the uninterrupted reference."""
   base = tmp_path_factory.mktemp('reshard')
   world.run(_run, 8, str(base / 'saved'), SAVED_AT, 10)
-  world.run(_run, 1, str(base / 'straight'), {'layers': 4})
+  _run(str(base / 'straight'), {'layers': 4})         # the reference, in this process (as parity.reference)
   return base
 
 
-@pytest.mark.parametrize('world_size,layout', [
-    (1, {'layers': 4}),
-    (4, {'pp': 4, 'layers': 4}),
-    (4, {'tp': 4, 'kv_replicator': 2, 'layers': 4, 'zero1': True}),
-])
-def test_resume_at_another_layout_continues_the_run(saved_at_tp2_pp2_dp2, tmp_path, world_size, layout):
+RESUMED_AT = {                     # name: (world size, layout)
+    'one_device': (1, {'layers': 4}),
+    'pp4': (4, {'pp': 4, 'layers': 4}),
+    'tp4_kv2_zero1': (4, {'tp': 4, 'kv_replicator': 2, 'layers': 4, 'zero1': True}),
+}
+
+
+@pytest.mark.parametrize('world_size', parity.world_sizes(RESUMED_AT))
+def test_resume_at_another_layout_continues_the_run(saved_at_tp2_pp2_dp2, tmp_path, world_size):
+  """The optimizer moments saved at tp2 x pp2 x dp2 read back whole at any layout (the layouts
+  of one world size resume one after another in one world)."""
   base = saved_at_tp2_pp2_dp2
-  workdir = tmp_path / 'run'
-  os.makedirs(workdir)
-  c = checkpointed(layout)
-  c.exp_manager.resume_from_checkpoint = str(base / 'saved' / 'checkpoints' / 'step_00000010')
-  # the optimizer moments saved at tp2 x pp2 x dp2 read back whole at any layout
   saved = str(base / 'saved' / 'checkpoints' / 'step_00000010')
   meta = checkpoint_steps.read_metadata(saved)
   assert meta['layout'] == {'dp': 2, 'pp': 2, 'tp': 2, 'cp': 1, 'vp': 1, 'zero1': True}
-  world.run(_resume_from, world_size, str(workdir), layout, saved)
-  np.testing.assert_allclose(losses(workdir), losses(base / 'straight')[10:], rtol=1e-5)
+  layouts = parity.of_size(RESUMED_AT, world_size)
+  for name in layouts:
+    os.makedirs(tmp_path / name)
+  world.run(world.in_turn, world_size, [(_resume_from, (str(tmp_path / name), layout, saved))
+                                        for name, (_, layout) in layouts.items()])
+  for name in layouts:
+    np.testing.assert_allclose(losses(tmp_path / name), losses(base / 'straight')[10:], rtol=1e-5, err_msg=name)
 
 
 def _resume_from(workdir, layout, path):

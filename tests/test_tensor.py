@@ -20,10 +20,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_layout_trains_like_one_device(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory)
+@pytest.mark.parametrize('world_size', parity.world_sizes(LAYOUTS))
+def test_layouts_train_like_one_device(world_size, tmp_path, tmp_path_factory):
+  """The layouts of one world size, one after another in one spawned world."""
+  parity.check_layouts(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory)
 
 
 # --- unit tests of the ops (in-process where a group of one suffices, else 2 ranks) -------

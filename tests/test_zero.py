@@ -19,10 +19,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(LAYOUTS))
-def test_zero1_trains_like_the_unsharded_run(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=1e-6)
+@pytest.mark.parametrize('world_size', parity.world_sizes(LAYOUTS))
+def test_zero1_trains_like_the_unsharded_run(world_size, tmp_path, tmp_path_factory):
+  """The layouts of one world size, one after another in one spawned world."""
+  parity.check_layouts(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory, loss_rtol=1e-6)
 
 
 def test_shard_rows_cover_every_row_once():
@@ -56,7 +56,7 @@ def _state_bytes_by_recipe(zero1, recipes):
 def test_optimizer_and_master_bytes_divide_by_dp():
   recipes = ('fp32', 'mixed_precision', 'bf16SR')
   single = _state_bytes(False, 'fp32')
-  full = world.run(_state_bytes_by_recipe, 1, True, recipes)[0]     # one shard: everything
+  full = _state_bytes_by_recipe(True, recipes)     # one shard: everything (in this process, as `single`)
   assert full['fp32'] == single            # fp32 parameters are their own master: no extra copy
   assert full['bf16SR'] * 2 == full['fp32']     # bf16 moments, no master: half of fp32's moments
   for got in world.run(_state_bytes_by_recipe, 2, True, recipes):
@@ -102,11 +102,10 @@ PRECISION_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize('layout', sorted(PRECISION_LAYOUTS))
-def test_bf16_recipes_train_like_one_device_within_bf16_rounding(layout, tmp_path, tmp_path_factory):
-  world_size, kwargs = PRECISION_LAYOUTS[layout]
-  parity.check_layout(layout, world_size, kwargs, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2,
-                      norm_rtol=0.25)
+def test_bf16_recipes_train_like_one_device_within_bf16_rounding(tmp_path, tmp_path_factory):
+  """Every recipe and layout, one after another in one spawned world (all are 2 ranks)."""
+  parity.check_layouts(PRECISION_LAYOUTS, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2,
+                       norm_rtol=0.25)
 
 
 def _steps_with_buckets():

@@ -1,6 +1,7 @@
 """Run a function on N spawned processes that see torchrun's environment (gloo, CPU).
 
     results = world.run(fn, 4, arg1, arg2)     # fn(*args) on ranks 0..3, returns [r0, r1, r2, r3]
+    world.run(world.in_turn, 2, [(f, args), (g, args)])   # several runs in one world
 
 Spawn, not fork (tensorstore aborts in a forked child). Each rank gets one thread (the ranks
 share the machine's cores). `fn` must be importable (module level). A rank that raises
@@ -36,6 +37,13 @@ def _worker(rank, world_size, port, fn, args, results):
     import torch.distributed as dist  # pylint: disable=import-outside-toplevel
     if dist.is_initialized():
       dist.destroy_process_group()
+
+
+def in_turn(calls):
+  """[fn(*args) for fn, args in calls] on this rank: several runs in one world, e.g.
+  world.run(world.in_turn, 2, [(f, (a,)), (g, (b,))]) (spawning and initializing a world
+  costs seconds; each run builds its own mesh groups)."""
+  return [fn(*args) for fn, args in calls]
 
 
 def run(fn, world_size, *args, timeout=240):
