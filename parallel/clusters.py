@@ -42,9 +42,10 @@ class Cluster:
   layer_step_overhead: float = 0.0  # s per layer and step (its parameters' optimizer loop)
   micro_overhead: float = 0.0       # s per micro batch outside the layers (embedding, head, loss)
   step_overhead: float = 0.0        # s per step
-  # {collective: [bytes/s, s]} fitted per operation inside a node (gloo's all-reduce and p2p
-  # differ ~10x in latency here); None: every collective on the intra/inter figures above
-  op_links: dict = None
+  # {collective: [[n bytes, seconds], ...]} measured between 2 ranks of a node (n as
+  # parallel/step_time.py's formula for it reads it): gloo's all-reduce and p2p differ ~10x in
+  # latency here, and no one alpha-beta line fits its all-reduce; None: the figures above
+  op_times: dict = None
 
 
 CLUSTERS = {

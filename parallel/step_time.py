@@ -59,16 +59,33 @@ class Prediction:
 
 # --- alpha-beta collectives ---------------------------------------------------------------
 
-def link(cluster, size, stride=1, op=None) -> tuple:
-  """(bandwidth bytes/s, latency s) of a ring over `size` ranks `stride` apart; inside a node,
-  the collective `op`'s own figures where the cluster has them (op_links: local's, measured)."""
+def link(cluster, size, stride=1, op=None, n=None) -> tuple:
+  """(bandwidth bytes/s, latency s) of a ring over `size` ranks `stride` apart. For a pair of
+  ranks in a node of a cluster with measured op_times (`local`), the line through the two
+  measured sizes around `n` bytes (the formula's n) of collective `op`, as alpha and beta."""
   per_node = cluster.devices_per_node
   if size * stride <= per_node:
-    if cluster.op_links and op in cluster.op_links:
-      return tuple(cluster.op_links[op])
+    curve = (cluster.op_times or {}).get(op)
+    if curve and size == 2 and n is not None:
+      return _segment(op, curve, n)
     return cluster.intra_bw * cluster.link_eff, cluster.intra_lat
   members = max(1, per_node // stride)          # this group's ranks in one node
   return min(cluster.intra_bw, cluster.inter_bw * members) * cluster.link_eff, cluster.inter_lat
+
+
+def _segment(op, curve, n) -> tuple:
+  """(bandwidth, latency) at g = 2 of the line t = a + b n through the measured [n, seconds]
+  points around n (the last two past the ends), as the op's formula reads them."""
+  points = sorted(curve)
+  i = next((k for k in range(1, len(points)) if n <= points[k][0]), len(points) - 1)
+  (n0, t0), (n1, t1) = points[max(i - 1, 0)], points[i]
+  b = max((t1 - t0) / (n1 - n0), 1e-15) if n1 > n0 else 1e-15     # noise can make a segment fall
+  a = max(t0 - b * n0, 0.0)
+  if op == 'all_reduce':                 # 2 (alpha + n / 2B)
+    return 1 / b, a / 2
+  if op == 'p2p':                        # alpha + n / B
+    return 1 / b, a
+  return 1 / (2 * b), a                  # all-gather (n the output), reduce-scatter, all-to-all: alpha + n / 2B
 
 
 def all_reduce(n, g, bw, lat) -> float:
@@ -87,6 +104,20 @@ def p2p(n, bw, lat) -> float:
   return lat + n / bw
 
 
+_FORMULAS = {'all_reduce': all_reduce, 'all_gather': all_gather, 'reduce_scatter': reduce_scatter,
+             'all_to_all': all_to_all}
+
+
+def collective(cluster, op, n, g, stride=1) -> float:
+  """Seconds of `op` ('p2p' or a _FORMULAS key) on `n` bytes (the formula's n) among g ranks
+  `stride` apart, on cluster's links (link())."""
+  if g == 1:
+    return 0.0
+  if op == 'p2p':
+    return p2p(n, *link(cluster, g, stride, op, n))
+  return _FORMULAS[op](n, g, *link(cluster, g, stride, op, n))
+
+
 # --- per micro batch, per layer -----------------------------------------------------------
 
 def compute_dtype(config) -> str:
@@ -100,12 +131,12 @@ def _ring(cluster, cp, tp, core, kv_bytes, grad_bytes):
   exceeds its step's compute by. `core`: this rank's forward attention compute."""
   if cp == 1:
     return 0.0, 0.0
-  bw, lat = link(cluster, cp, tp, 'p2p')
+  send = lambda n: collective(cluster, 'p2p', n, cp, tp)     # pylint: disable=unnecessary-lambda-assignment
   step = core / cp
-  fwd = (cp - 1) * max(0.0, p2p(kv_bytes, bw, lat) - step)
+  fwd = (cp - 1) * max(0.0, send(kv_bytes) - step)
   # backward: each step's dK/dV leaves after its compute and is awaited a step later; the last
   # one (every block's total back to its owner) has nothing left to hide behind
-  bwd = (cp - 1) * max(0.0, p2p(kv_bytes + grad_bytes, bw, lat) - 2 * step) + p2p(grad_bytes, bw, lat)
+  bwd = (cp - 1) * max(0.0, send(kv_bytes + grad_bytes) - 2 * step) + send(grad_bytes)
   return fwd, bwd
 
 
@@ -161,9 +192,9 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
-  gather = all_gather(n * h * w, tp, *link(cluster, tp, 1, 'all_gather'))
-  one = (gather + reduce_scatter(n * h * w, tp, *link(cluster, tp, 1, 'reduce_scatter')) if sp
-         else all_reduce(n * h * w, tp, *link(cluster, tp, 1, 'all_reduce')))    # per sublayer: attention, MLP
+  gather = collective(cluster, 'all_gather', n * h * w, tp)
+  one = (gather + collective(cluster, 'reduce_scatter', n * h * w, tp) if sp
+         else collective(cluster, 'all_reduce', n * h * w, tp))      # per sublayer: attention, MLP
   # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
   # slice) and no reduction (model/transformer.py)
   mlp_comm = (gather if sp else 0.0) if is_moe else one
@@ -172,9 +203,8 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   ring_f, ring_b = _ring(cluster, cp, tp, t_core, kv_elems * w, kv_elems * 4)   # dK/dV travel in fp32
   a2a = 0.0
   if is_moe and ep > 1:
-    ep_bw, ep_lat = link(cluster, ep, tp * cp * config.distributed_strategy.pipeline_model_parallel_size,
-                         'all_to_all')
-    a2a = 2 * all_to_all(n * m.moe.top_k * h * w, ep, ep_bw, ep_lat)   # dispatch + combine
+    a2a = 2 * collective(cluster, 'all_to_all', n * m.moe.top_k * h * w, ep,       # dispatch + combine
+                         tp * cp * config.distributed_strategy.pipeline_model_parallel_size)
   a2a_b = a2a
   if granularity == 'full':
     bwd += fwd
@@ -231,12 +261,12 @@ def pipeline(p, mb, v, fwd, bwd, comm) -> float:
 def _reduce(zero1, d, backend, params, gsize, pbytes, cluster, g, stride):
   """(gradient reduction s, ZeRO-1 parameter gather s) of `params` trained parameters over g
   ranks `stride` apart."""
-  on = lambda op: link(cluster, g, stride, op)     # pylint: disable=unnecessary-lambda-assignment
+  on = lambda op, n: collective(cluster, op, n, g, stride)     # pylint: disable=unnecessary-lambda-assignment
   if not zero1 or g == 1:
-    return all_reduce(params * gsize, g, *on('all_reduce')), 0.0
+    return on('all_reduce', params * gsize), 0.0
   if grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
-    return all_reduce(params * gsize, g, *on('all_reduce')), all_reduce(params * pbytes, g, *on('all_reduce'))
-  return reduce_scatter(params * gsize, g, *on('reduce_scatter')), all_gather(params * pbytes, g, *on('all_gather'))
+    return on('all_reduce', params * gsize), on('all_reduce', params * pbytes)
+  return on('reduce_scatter', params * gsize), on('all_gather', params * pbytes)
 
 
 # --- the step -----------------------------------------------------------------------------
@@ -269,8 +299,7 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   w = 4 if compute_dtype(config) == 'fp32' else 2
   n = a.micro_batch_size * a.seq_length // cp
   sp = tp > 1 and d.sequence_parallel
-  pp_bw, pp_lat = link(cluster, pp, tp * cp, 'p2p')
-  exchange = p2p(n * m.hidden_size * w // (tp if sp else 1), pp_bw, pp_lat) if pp > 1 else 0.0
+  exchange = collective(cluster, 'p2p', n * m.hidden_size * w // (tp if sp else 1), pp, tp * cp)
   fwd = lf + cf + hf
   bwd = lb + cb + hb
   total, trained, per_token = counts or (transformer.count_params(m), transformer.count_params(m, trainable_only=True),

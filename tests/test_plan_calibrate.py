@@ -18,6 +18,11 @@ def test_fit_recovers_alpha_and_beta():
   figures = {size: dict(ops, p2p=lat / 10 + 4 * size / (2 * bw)) for size, ops in figures.items()}
   assert plan_calibrate.fit(figures, 'p2p') == pytest.approx((2 * bw, lat / 10))
   assert plan_calibrate.fit(figures, 'all_reduce') == pytest.approx((bw, lat))
+  # the measured points as the planner's formulas read their n: all-gather's is its output
+  times = plan_calibrate.op_times(figures)
+  size = plan_calibrate.SIZES[1]
+  assert [8 * size, figures[size]['all_gather']] in times['all_gather'] == times['all_to_all']
+  assert [4 * size, figures[size]['all_reduce']] in times['all_reduce']
 
 
 def test_overhead_fit_recovers_its_terms():

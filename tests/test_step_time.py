@@ -221,17 +221,25 @@ def test_measured_overheads_and_elementwise_rates_add_what_they_say():
       ew_bytes * (1 / 1e9 - 1 / local.mem_bw) + logits * (1e-8 - 24 / local.mem_bw))
 
 
-def test_measured_collectives_are_used_per_operation_inside_a_node():
-  local = dataclasses.replace(clusters.LOCAL_DEFAULT, op_links={'all_reduce': [1e9, 1e-3], 'p2p': [4e9, 1e-5]})
-  assert step_time.link(local, 2, 1, 'all_reduce') == (1e9, 1e-3)
-  assert step_time.link(local, 2, 1, 'p2p') == (4e9, 1e-5)
-  generic = (local.intra_bw * local.link_eff, local.intra_lat)
-  assert step_time.link(local, 2, 1, 'all_gather') == step_time.link(local, 2) == generic
+def test_measured_collectives_are_interpolated_per_operation_between_two_ranks():
+  """local's op_times (plan_calibrate.op_times): the time of a collective is the line through the
+  measured sizes around its bytes, read back through the op's own alpha-beta formula."""
+  curve = [[8, 4e-4], [524288, 2.4e-3], [16777216, 1.2e-2]]
+  local = dataclasses.replace(clusters.LOCAL_DEFAULT, op_times={'all_reduce': curve, 'p2p': [[8, 6e-5], [4e6, 3e-3]]})
+  for n, seconds in curve:
+    assert step_time.collective(local, 'all_reduce', n, 2) == pytest.approx(seconds)
+  halfway = (curve[1][0] + curve[2][0]) / 2
+  assert step_time.collective(local, 'all_reduce', halfway, 2) == pytest.approx((curve[1][1] + curve[2][1]) / 2)
+  assert step_time.collective(local, 'p2p', 2e6, 2) == pytest.approx((6e-5 + 3e-3) / 2, rel=1e-5)
+  # past the last size: the last segment's slope; an op without a curve: the alpha-beta figures
+  assert step_time.collective(local, 'all_reduce', 2 * 16777216, 2) == pytest.approx(
+      1.2e-2 + 16777216 * (1.2e-2 - 2.4e-3) / (16777216 - 524288))
+  assert step_time.collective(local, 'all_gather', 1e6, 2) == step_time.all_gather(1e6, 2, *step_time.link(local, 2))
   c = llama_tiny.get_config()
   c.device, c.precision.type = 'cpu', 'fp32'
   c.distributed_strategy.tensor_model_parallel_size = 2
   m, a = c.model, c.data
-  per_call = step_time.all_reduce(a.micro_batch_size * a.seq_length * m.hidden_size * 4, 2, 1e9, 1e-3)
+  per_call = step_time.collective(local, 'all_reduce', a.micro_batch_size * a.seq_length * m.hidden_size * 4, 2)
   micro = a.global_batch_size // a.micro_batch_size
   # 2 sublayers x forward and backward, each layer, each micro batch
   assert step_time.predict(c, local, 2).terms['tp_comm'] == pytest.approx(4 * m.num_layers * micro * per_call)

@@ -242,6 +242,16 @@ def fit(figures, only=None) -> tuple:
   return 1 / max(inv_bw, 1e-30), max(lat, 0.0)
 
 
+def op_times(figures) -> dict:
+  """{op: [[n, seconds], ...]} for clusters.Cluster.op_times from `figures` ({fp32 elements:
+  {op: seconds}} at g = 2), n as step_time's formulas read it: the all-reduce's buffer, the
+  all-gather's output (2x what each rank gives), the reduce-scatter's input, what p2p sends;
+  all-to-all as the all-gather (the same bytes sent)."""
+  scale = {'all_reduce': 4, 'all_gather': 8, 'reduce_scatter': 4, 'p2p': 4}
+  times = {op: sorted([k * size, ops[op]] for size, ops in figures.items()) for op, k in scale.items()}
+  return dict(times, all_to_all=times['all_gather'])
+
+
 def _local(compute, base=clusters.LOCAL_DEFAULT):
   """`base` with the compute figures measured (all of them that `compute` has yet)."""
   over = compute['overhead']
@@ -256,11 +266,10 @@ def calibrated(base=clusters.LOCAL_DEFAULT):
   measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
   compute, figures = measure()
   bw, lat = fit(figures)
-  ops = {op: list(fit(figures, op)) for op in _ALPHA_BETA}
-  ops['all_to_all'] = ops['all_gather']       # the same bytes sent: (g - 1) / g of what each holds
+  ops = op_times(figures)
   available = memory.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
-      _local(compute, base), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, op_links=ops,
+      _local(compute, base), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, op_times=ops,
       memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
   return entry, compute, figures
@@ -283,5 +292,6 @@ def main():
   for size, ops in figures.items():
     print(f'gloo, 2 processes, {4 * size} bytes: ' + ', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in ops.items()))
   print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; per collective: '
-        + ', '.join(f'{op} {bw / 1e9:.2f} GB/s {lat * 1e6:.0f} us' for op, (bw, lat) in entry.op_links.items())
+        + ', '.join(f'{op} {bw / 1e9:.2f} GB/s {lat * 1e6:.0f} us' for op, (bw, lat) in
+                    ((op, fit(figures, op)) for op in _ALPHA_BETA))
         + f'; memory per process {memory.human_bytes(entry.memory_bytes)}\nwrote {path}')
