@@ -8,9 +8,10 @@ against it), causal SDPA forward + backward at a small model's shape (attn_eff =
 over the fp32 peak) and a large elementwise add (memory bandwidth), each a mean over seconds
 of calls (_mean); the framework's overhead (overhead_figures) and the rates the code's
 elementwise passes and the head's softmax reach (elementwise_figures), from real train_steps;
-then gloo between the 2 processes: all-reduce, all-gather and a send/recv pair at 8 bytes,
-512 KiB and 16 MiB, means of 30 calls, fitted to the alpha-beta formulas of
-parallel/step_time.py. One node: intra = inter.
+then gloo between the 2 processes: all-reduce, all-gather, reduce-scatter and a send/recv pair
+at 8 bytes, 512 KiB and 16 MiB, means of 30 back-to-back calls, kept per operation as measured
+curves (op_times: what parallel/step_time.py reads for a pair of local ranks) and fitted to
+one alpha-beta line (intra/inter bandwidth and latency). One node: intra = inter.
 """
 import dataclasses
 import os
