@@ -21,6 +21,11 @@ g * stride fits it; else its bandwidth is the node's inter-node share per device
 members it has per node (they share the crossing), at most the intra-node link. All-reduce 2(g-1)(alpha +
 n/(g B)), all-gather, reduce-scatter and all-to-all (g-1)(alpha + n/(g B)), p2p alpha + n/B.
 
+On `local` (tools/plan_calibrate.py measures it) the elementwise work runs at the rate the code's
+passes reached (ew_bw) and the head's softmax at logit_s per logit, the framework's measured
+overhead is added per layer and micro batch, per micro batch, per layer and per step, and a
+pair of ranks' collectives are read off their measured curves (op_times) instead of one line.
+
 Context parallelism (cp) divides every per-token cost by cp (a rank holds s / cp tokens of each
 sequence; its causal attention share is 1/cp of the whole with the load-balanced chunks), runs
 that attention as the ring does (fp32 matmuls at the fp32 peak plus its score blocks' bytes at
