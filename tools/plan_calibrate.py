@@ -120,27 +120,32 @@ def fit_overhead(t) -> dict:
 
 
 # Where elementwise work and the head's softmax are a real share of the step: bench_layouts'
-# small shape at 2 layers and 2 micro batches, at two vocabularies to tell the two apart.
+# small shape at 2 layers, at two vocabularies to tell the two apart.
 ELEMENTWISE_SHAPE = {'model.num_layers': 2, 'model.hidden_size': 256, 'model.ffn_hidden_size': 688,
                      'model.num_attention_heads': 8, 'model.num_kv_heads': 4, 'model.max_position_embeddings': 256,
-                     'data.seq_length': 256, 'data.micro_batch_size': 2, 'data.global_batch_size': 4}
+                     'data.seq_length': 256, 'data.micro_batch_size': 2}
 
 
 def elementwise_figures(cluster) -> dict:
-  """{'ew_bw', 'logit_s'}: what the step takes beyond `cluster`'s prediction of its GEMMs,
+  """{'ew_bw', 'logit_s'}: what a micro batch takes beyond `cluster`'s prediction of its GEMMs,
   attention and overheads (measured above), fitted as elementwise bytes (step_time's count) at
-  ew_bw plus logit elements at logit_s, from two steps that differ in the vocabulary only."""
+  ew_bw plus logit elements at logit_s, from steps at two vocabularies, each at 1 and 3 micro
+  batches: the difference leaves out what a step pays once (the embedding's and head's
+  gradients zeroed and updated), which would otherwise be charged to every micro batch."""
   from model import transformer  # pylint: disable=import-outside-toplevel
   from parallel import step_time  # pylint: disable=import-outside-toplevel
   bare = dataclasses.replace(cluster, ew_bw=float('inf'), logit_s=1e-300)
   rows, rest = [], []
   for vocab in (512, 8192):
-    config = _config({**ELEMENTWISE_SHAPE, 'model.vocab_size': vocab})
+    beyond = []
+    for micro in (1, 3):
+      config = _config({**ELEMENTWISE_SHAPE, 'model.vocab_size': vocab,
+                        'data.global_batch_size': micro * ELEMENTWISE_SHAPE['data.micro_batch_size']})
+      beyond.append(_step_seconds(config, 1.5) - step_time.predict(config, bare, 1).step_s)
     a, m = config.data, config.model
-    micro = a.global_batch_size // a.micro_batch_size
-    rows.append((3 * m.num_layers * micro * sum(step_time.elementwise_bytes(config, 1)),
-                 micro * a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)))
-    rest.append(_step_seconds(config, 2.0) - step_time.predict(config, bare, 1).step_s)
+    rows.append((3 * m.num_layers * sum(step_time.elementwise_bytes(config, 1)),
+                 a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)))
+    rest.append((beyond[1] - beyond[0]) / 2)
   return fit_elementwise(rows, rest, cluster.mem_bw)
 
 
