@@ -7,28 +7,9 @@ import pytest
 
 from configs import llama3_8b, llama_tiny
 from model import transformer
-from parallel import clusters, schedule_sim, step_time
+from parallel import clusters, collective_cost, schedule_sim, step_time
 
 H100 = clusters.CLUSTERS['h100']
-
-
-def test_alpha_beta_rings():
-  n, bw, lat = 8e6, 1e9, 1e-5
-  assert step_time.all_reduce(n, 4, bw, lat) == pytest.approx(2 * 3 * (lat + n / 4 / bw))
-  assert step_time.all_gather(n, 4, bw, lat) == pytest.approx(3 * (lat + n / 4 / bw))
-  assert step_time.reduce_scatter(n, 4, bw, lat) == step_time.all_gather(n, 4, bw, lat)
-  assert step_time.p2p(n, bw, lat) == pytest.approx(lat + n / bw)
-  assert step_time.all_reduce(n, 1, bw, lat) == step_time.all_gather(n, 1, bw, lat) == 0
-
-
-def test_links_inside_and_across_nodes():
-  eff = H100.link_eff
-  assert step_time.link(H100, 8) == (H100.intra_bw * eff, H100.intra_lat)          # tp8 in a node
-  assert step_time.link(H100, 2, 4) == (H100.intra_bw * eff, H100.intra_lat)       # 2 ranks 4 apart
-  # dp over nodes with tp8: one member per node, the node's NIC share per device
-  assert step_time.link(H100, 4, 8) == (H100.inter_bw * eff, H100.inter_lat)
-  # 16 ranks 2 apart: 4 of the group per node share the crossing
-  assert step_time.link(H100, 16, 2) == (min(H100.intra_bw, 4 * H100.inter_bw) * eff, H100.inter_lat)
 
 
 @pytest.mark.parametrize('p,m,v', [(2, 5, 1), (2, 33, 1), (4, 64, 1), (4, 64, 2), (4, 64, 4), (8, 48, 2), (8, 40, 1)])
@@ -102,8 +83,8 @@ def test_cp_divides_per_token_work_and_adds_the_ring():
   n, kv = b * s // 2, 2 * transformer.kv_heads(m) * hd
   bw, lat = SLOW.intra_bw * SLOW.link_eff, SLOW.intra_lat
   step = core / 2
-  ring = (max(0, step_time.p2p(n * kv * 2, bw, lat) - step) + max(0, step_time.p2p(n * kv * 6, bw, lat) - 2 * step)
-          + step_time.p2p(n * kv * 4, bw, lat))
+  ring = (max(0, collective_cost.p2p(n * kv * 2, bw, lat) - step) + max(0, collective_cost.p2p(n * kv * 6, bw, lat) - 2 * step)
+          + collective_cost.p2p(n * kv * 4, bw, lat))
   assert cp2.terms['cp_comm'] == pytest.approx(micro * m.num_layers * ring)
   # weight gradients reduce over dp x cp = 16 ranks: the all-reduce's ring is longer
   assert cp2.terms['dp_comm'] > base.terms['dp_comm']
@@ -125,8 +106,8 @@ def test_moe_runs_the_active_experts_and_ep_adds_all_to_alls():
   assert one.terms['compute'] == pytest.approx(dense.terms['compute'] + micro * m.num_layers * router)
   ep2 = step_time.predict(_moe(2), H100, 8)
   assert one.terms['ep_comm'] == 0 and ep2.terms['compute'] == pytest.approx(one.terms['compute'])
-  bw, lat = step_time.link(H100, 2)
-  a2a = step_time.all_to_all(n * m.moe.top_k * m.hidden_size * 2, 2, bw, lat)
+  bw, lat = collective_cost.link(H100, 2)
+  a2a = collective_cost.all_to_all(n * m.moe.top_k * m.hidden_size * 2, 2, bw, lat)
   assert ep2.terms['ep_comm'] == pytest.approx(micro * m.num_layers * 4 * a2a)
   # half the experts per rank: less optimizer work, and their gradients reduce over 4 ranks, not 8
   assert ep2.terms['optimizer'] < one.terms['optimizer']
@@ -221,25 +202,14 @@ def test_measured_overheads_and_elementwise_rates_add_what_they_say():
       ew_bytes * (1 / 1e9 - 1 / local.mem_bw) + logits * (1e-8 - 24 / local.mem_bw))
 
 
-def test_measured_collectives_are_interpolated_per_operation_between_two_ranks():
-  """local's op_times (plan_calibrate.op_times): the time of a collective is the line through the
-  measured sizes around its bytes, read back through the op's own alpha-beta formula."""
+def test_tp_collectives_are_counted_per_sublayer_on_measured_curves():
   curve = [[8, 4e-4], [524288, 2.4e-3], [16777216, 1.2e-2]]
-  local = dataclasses.replace(clusters.LOCAL_DEFAULT, op_times={'all_reduce': curve, 'p2p': [[8, 6e-5], [4e6, 3e-3]]})
-  for n, seconds in curve:
-    assert step_time.collective(local, 'all_reduce', n, 2) == pytest.approx(seconds)
-  halfway = (curve[1][0] + curve[2][0]) / 2
-  assert step_time.collective(local, 'all_reduce', halfway, 2) == pytest.approx((curve[1][1] + curve[2][1]) / 2)
-  assert step_time.collective(local, 'p2p', 2e6, 2) == pytest.approx((6e-5 + 3e-3) / 2, rel=1e-5)
-  # past the last size: the last segment's slope; an op without a curve: the alpha-beta figures
-  assert step_time.collective(local, 'all_reduce', 2 * 16777216, 2) == pytest.approx(
-      1.2e-2 + 16777216 * (1.2e-2 - 2.4e-3) / (16777216 - 524288))
-  assert step_time.collective(local, 'all_gather', 1e6, 2) == step_time.all_gather(1e6, 2, *step_time.link(local, 2))
+  local = dataclasses.replace(clusters.LOCAL_DEFAULT, op_times={'all_reduce': curve})
   c = llama_tiny.get_config()
   c.device, c.precision.type = 'cpu', 'fp32'
   c.distributed_strategy.tensor_model_parallel_size = 2
   m, a = c.model, c.data
-  per_call = step_time.collective(local, 'all_reduce', a.micro_batch_size * a.seq_length * m.hidden_size * 4, 2)
+  per_call = collective_cost.collective(local, 'all_reduce', a.micro_batch_size * a.seq_length * m.hidden_size * 4, 2)
   micro = a.global_batch_size // a.micro_batch_size
   # 2 sublayers x forward and backward, each layer, each micro batch
   assert step_time.predict(c, local, 2).terms['tp_comm'] == pytest.approx(4 * m.num_layers * micro * per_call)
