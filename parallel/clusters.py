@@ -12,6 +12,7 @@ datasheet: each says where it comes from.
 """
 import dataclasses
 import json
+import logging
 import os
 
 GB, GiB = 1e9, 2**30
@@ -109,6 +110,10 @@ def local(path=None) -> Cluster:
   # An entry another flatron version wrote: figures this one does not model are dropped (they
   # only refine a prediction); one it needs and lacks is an error with the fix.
   known = {f.name for f in dataclasses.fields(Cluster)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    logging.warning('%s: ignoring %s, which this version of flatron does not model (written by another '
+                    'version?); python -m tools.plan --calibrate rewrites the file', path, ', '.join(unknown))
   try:
     return Cluster(**{k: v for k, v in fields.items() if k in known})
   except TypeError as e:
