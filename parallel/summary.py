@@ -60,8 +60,10 @@ def plan_cluster(config, device):
   if name != 'auto':
     return clusters.get(name)
   if device.type == 'cpu':     # a local device is one thread's worth (--calibrate): a process has n
+    # (its rates scale with the threads; the framework's overhead, one Python thread's, does not)
     local, n = clusters.local(), torch.get_num_threads()
-    return dataclasses.replace(local, peak={k: v * n for k, v in local.peak.items()}, mem_bw=local.mem_bw * n)
+    return dataclasses.replace(local, peak={k: v * n for k, v in local.peak.items()}, mem_bw=local.mem_bw * n,
+                               ew_bw=local.ew_bw * n, logit_s=local.logit_s / n)
   if device.type == 'cuda':
     gpu = torch.cuda.get_device_name(device) if torch.cuda.is_available() else ''
     return next((clusters.CLUSTERS[k] for k in ('h100', 'a100') if k.upper() in gpu), None)
