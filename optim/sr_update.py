@@ -5,8 +5,9 @@ an update widens rows and moments to fp32 copies, runs torch's AdamW over them (
 and rounds all three back (several more passes each, plus a hash of every element's index):
 about as long as forward and backward together. `adamw_step` does it per tensor in one fused
 loop -- read bf16 row, gradient (bf16, scaled by the clip coefficient in the loop) and bf16
-moments, write the three rounded -- compiled by torch.compile (inductor: C++ on CPU) and 6x
-cheaper than the eager pipeline on the 32M bench.
+moments, write the three rounded -- compiled by torch.compile (inductor: C++ on CPU, its bit
+casts kept in vector registers by optim/inductor_bitcast.py) and 6x cheaper than the eager
+pipeline on the 32M bench.
 
 The math is torch.optim.AdamW's (Adam's) single-tensor step, op for op in fp32, and the
 rounding is parallel/precision.py's: each output element i gets stochastic_round with
@@ -21,6 +22,7 @@ import logging
 
 import torch
 
+from optim import inductor_bitcast
 from parallel import precision
 
 # Device types the kernels are compiled for. CUDA would compile too (triton), but nothing here
@@ -75,7 +77,8 @@ def _run(kernel, device, *args):
   """kernel(*args), compiled where the device type allows; eager (the same bits) otherwise."""
   if device.type in COMPILED_DEVICES and kernel not in _failed:
     try:
-      return _compiled(kernel)(*args)
+      with inductor_bitcast.vector_bitcasts():   # compiles happen inside the first calls
+        return _compiled(kernel)(*args)
     except Exception as e:  # pylint: disable=broad-except
       # Compiling fails before the kernel runs (no C++ compiler, an unsupported torch), so no
       # input has been written: the eager kernel computes the same bits, only slower.
