@@ -16,6 +16,8 @@ alone (forward and backward, timed one by one), and the fraction of it each side
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
 --profile prints flatron's step under torch.profiler, the ops by their own CPU time.
+--compile compiles both sides per block (flatron's model.compile, each HF decoder layer's
+torch.compile); the ceiling stays the eager GEMMs and attention.
 """
 import os
 import resource
@@ -135,14 +137,22 @@ def profile_step(params, updater, batch, config, step, mesh, ops, rows=15):
   return prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=rows)
 
 
-def run(precision, steps, warmup, config=None, clock='wall', profile=False):
-  """Interleaved steps of both sides: tok/s, state bytes and each side's losses."""
+def run(precision, steps, warmup, config=None, clock='wall', profile=False, compile_blocks=False):
+  """Interleaved steps of both sides: tok/s, state bytes and each side's losses. `compile_blocks`:
+  flatron's model.compile and torch.compile of each HF decoder layer (regional on both sides;
+  the compiles fall in the warm-up steps)."""
   config = config or bench_config(precision)
+  if compile_blocks:
+    config.model.compile = True
+    torch._dynamo.reset()      # pylint: disable=protected-access  # another precision's graphs: not a recompile
   mesh = meshes.init(config)
   ops = tensor.make_ops(mesh)
   params = training.init_params(config, mesh)
   updater = update.Updater(params, config, mesh)
   model, optimizer = hf_model(config, params, precision)
+  if compile_blocks:
+    for layer in model.model.layers:
+      layer.compile()
   loader = Loader(config, 'train', 0, 1)
   times, losses = {'hf': [], 'flatron': []}, {'hf': [], 'flatron': []}
   now = CLOCKS[clock]
@@ -176,6 +186,8 @@ def define_flags():
   flags.DEFINE_enum('clock', 'wall', list(CLOCKS), 'wall: seconds; cpu: this process\'s CPU seconds '
                     '(a machine shared with other jobs).')
   flags.DEFINE_bool('profile', False, 'Print one flatron step\'s ops by self CPU time per precision.')
+  flags.DEFINE_bool('compile', False, 'Both sides regionally compiled: flatron\'s model.compile, HF\'s '
+                    'decoder layers each torch.compile\'d (compiles fall in the warm-up).')
 
 
 def main(argv):
@@ -188,7 +200,8 @@ def main(argv):
         ' ceiling tok/s (GEMM + attention) | flatron / ceiling | process peak RSS MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for precision in FLAGS.precisions:
-    r = run(precision, FLAGS.steps, FLAGS.warmup, clock=FLAGS.clock, profile=FLAGS.profile)
+    r = run(precision, FLAGS.steps, FLAGS.warmup, clock=FLAGS.clock, profile=FLAGS.profile,
+            compile_blocks=FLAGS.compile)
     config = r['config']
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
