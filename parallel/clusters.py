@@ -43,6 +43,8 @@ class Cluster:
   layer_step_overhead: float = 0.0  # s per layer and step (its parameters' optimizer loop)
   micro_overhead: float = 0.0       # s per micro batch outside the layers (embedding, head, loss)
   step_overhead: float = 0.0        # s per step
+  sync_wait: float = 0.0            # s a blocking TP collective waits for the other ranks beyond
+                                    # its back-to-back time (they arrive after jittering compute)
   # {collective: [[n bytes, seconds], ...]} measured between 2 ranks of a node (n as
   # parallel/step_time.py's formula for it reads it): gloo's all-reduce and p2p differ ~10x in
   # latency here, and no one alpha-beta line fits its all-reduce; None: the figures above

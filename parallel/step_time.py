@@ -6,8 +6,10 @@ One optimizer step on one rank of the slowest pipeline stage (the last: it holds
   pipeline makespan  the schedule simulator (parallel/schedule_sim.py) over per-micro-batch
                      forward and backward costs, each = GEMMs at matmul_eff of the compute
                      dtype's peak + attention at attn_eff + elementwise bytes / memory bandwidth
-                     + the TP/SP collectives (blocking: on the critical path), and the p2p
-                     exchange as the simulator's comm cost; the bubble is what it adds
+                     + the TP/SP collectives, in the layers and around them (embedding, head
+                     input, loss; blocking: on the critical path, except on XLA, where the
+                     backward's overlap the weight-gradient GEMMs), and the p2p exchange as
+                     the simulator's comm cost; the bubble is what it adds
   + DP reduction     all-reduce of the gradient buckets (or ZeRO-1's collective): behind the
                      backward of the last micro batch when overlap_grad_reduce (all but the last
                      bucket), all of it when not, or on XLA (its compiler schedules one graph)
@@ -20,7 +22,8 @@ links, or on `local` each operation's measured curve.
 
 On `local` (tools/plan_calibrate.py measures it) the elementwise work runs at the rate the code's
 passes reached (ew_bw) and the head's softmax at logit_s per logit, the framework's measured
-overhead is added per layer and micro batch, per micro batch, per layer and per step.
+overhead is added per layer and micro batch, per micro batch, per layer and per step, and each
+blocking TP/SP collective waits sync_wait for the other rank beyond its measured curve.
 
 Context parallelism (cp) divides every per-token cost by cp (a rank holds s / cp tokens of each
 sequence; its causal attention share is 1/cp of the whole with the load-balanced chunks), runs
@@ -133,13 +136,18 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
-  gather = collective(cluster, 'all_gather', n * h * w, tp)
-  one = (gather + collective(cluster, 'reduce_scatter', n * h * w, tp) if sp
-         else collective(cluster, 'all_reduce', n * h * w, tp))      # per sublayer: attention, MLP
+  blocking = lambda op: collective(cluster, op, n * h * w, tp) + cluster.sync_wait  # pylint: disable=unnecessary-lambda-assignment
+  gather = blocking('all_gather')
+  one = gather + blocking('reduce_scatter') if sp else blocking('all_reduce')   # per sublayer: attention, MLP
   # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
   # slice) and no reduction (model/transformer.py)
   mlp_comm = (gather if sp else 0.0) if is_moe else one
   comm_f, comm_b = one + mlp_comm, one + mlp_comm
+  # On XLA the step is one graph and the collectives run on their own engines (Neuron: the CC
+  # cores, started by the compute engines and awaited later), so the backward's input-gradient
+  # collectives overlap the weight-gradient GEMMs, which do not depend on them. Eager code
+  # (CPU, CUDA here) blocks on each.
+  hidden = min(comm_b, t_attn_lin + t_mlp) if cluster.device == 'xla' else 0.0
   kv_elems = 2 * n * kv * hd / tp                          # this rank's K and V block
   ring_f, ring_b = _ring(cluster, cp, tp, t_core, kv_elems * w, kv_elems * 4)   # dK/dV travel in fp32
   a2a = 0.0
@@ -158,7 +166,35 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
     ring_b += ring_f if 'attention' in parts else 0
     a2a_b += a2a if 'mlp' in parts else 0
     bwd += (t_ew_attn / 4 if 'norm' in parts else 0) + (t_ew_mlp / 4 if 'activation' in parts else 0)
-  return fwd, bwd, {'tp': (comm_f, comm_b), 'cp': (ring_f, ring_b), 'ep': (a2a, a2a_b)}
+  return fwd, bwd, {'tp': (comm_f, comm_b - hidden), 'cp': (ring_f, ring_b), 'ep': (a2a, a2a_b)}
+
+
+def _edge_comm(config, cluster, tp, cp=1, first_stage=True):
+  """(forward s, backward s) of the TP collectives outside the layers, one micro batch
+  (parallel/tensor.py): the vocab-parallel embedding's sum (first stage; under SP its slice's
+  backward gather), the head's input (SP: gathered, its gradient reduce-scattered; TP: its
+  gradient summed) and the loss's three per-token reductions (blocking, as the layers' are)."""
+  if tp == 1:
+    return 0.0, 0.0
+  a, h = config.data, config.model.hidden_size
+  n = a.micro_batch_size * a.seq_length // cp
+  act = n * h * (4 if compute_dtype(config) == 'fp32' else 2)
+  on = lambda op, size: collective(cluster, op, size, tp) + cluster.sync_wait  # pylint: disable=unnecessary-lambda-assignment
+  sp = config.distributed_strategy.sequence_parallel
+  fwd = 3 * on('all_reduce', n * 4)
+  bwd = on('reduce_scatter', act) if sp else on('all_reduce', act)
+  if sp:
+    fwd += on('all_gather', act)
+  if first_stage:
+    fwd += on('all_reduce', act)
+    bwd += on('all_gather', act) if sp else 0.0
+  return fwd, bwd
+
+
+def blocking_tp_calls(config, cluster, world_size) -> float:
+  """Blocking TP/SP collectives per step that `predict` charges (each one sync_wait more)."""
+  waits = [predict(config, dataclasses.replace(cluster, sync_wait=w), world_size).terms['tp_comm'] for w in (0.0, 1.0)]
+  return waits[1] - waits[0]
 
 
 def _head_cost(config, cluster, tp, cp=1):
@@ -241,6 +277,8 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   n = a.micro_batch_size * a.seq_length // cp
   sp = tp > 1 and d.sequence_parallel
   exchange = collective(cluster, 'p2p', n * m.hidden_size * w // (tp if sp else 1), pp, tp * cp)
+  ef, eb = _edge_comm(config, cluster, tp, cp, first_stage=pp == 1)
+  cf, cb = cf + ef, cb + eb
   fwd = lf + cf + hf
   bwd = lb + cb + hb
   total, trained, per_token = counts or (transformer.count_params(m), transformer.count_params(m, trainable_only=True),
@@ -296,7 +334,7 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
     return None          # slower whatever the bubble (every stage runs all its micro batches)
   makespan = pipeline(pp, micro, v, fwd, bwd, exchange)
   ideal = micro * (fwd + bwd + (2 * exchange if pp > 1 else 0))
-  terms = {'compute': micro * (fwd + bwd - cf - cb), 'tp_comm': micro * sum(layer_comm['tp']),
+  terms = {'compute': micro * (fwd + bwd - cf - cb), 'tp_comm': micro * (sum(layer_comm['tp']) + ef + eb),
            'cp_comm': micro * sum(layer_comm['cp']), 'ep_comm': micro * sum(layer_comm['ep']),
            'pp_comm': 2 * micro * exchange if pp > 1 else 0.0, 'bubble': max(0.0, makespan - ideal),
            'fsdp_comm': fsdp_exposed, 'dp_comm': exposed, 'zero1_gather': gather, 'optimizer': optimizer}

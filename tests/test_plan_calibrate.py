@@ -42,6 +42,11 @@ def test_elementwise_fit_recovers_bandwidth_and_logit_cost():
   assert plan_calibrate.fit_elementwise(rows, fast, mem_bw) == pytest.approx({'ew_bw': mem_bw, 'logit_s': 24 / mem_bw})
 
 
+def test_sync_wait_fit_spreads_the_excess_over_the_collectives():
+  assert plan_calibrate.fit_sync_wait(0.012, 24) == pytest.approx(5e-4)
+  assert plan_calibrate.fit_sync_wait(-0.003, 24) == 0.0          # faster than predicted: no wait
+
+
 @pytest.mark.parametrize('layout', sorted(bench_layouts.LAYOUTS))
 def test_bench_plan_predicts_the_config_bench_layouts_runs(layout):
   c = bench_plan.layout_config('configs/llama_tiny.py', 'small', layout)

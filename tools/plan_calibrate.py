@@ -93,12 +93,13 @@ def _config(overrides):
   return config
 
 
-def _step_seconds(config, seconds=1.0):
-  """Mean seconds of a train_step of `config` in this process (what tools/bench.py runs)."""
+def _step_seconds(config, seconds=1.0, calls=None):
+  """Mean seconds of a train_step of `config` in this process (what tools/bench.py runs), over
+  `seconds` of steps, or over `calls` steps (ranks of one world must make the same calls)."""
   from tools import bench  # pylint: disable=import-outside-toplevel
   run = bench.Run.build(config, 1)
   run.batches = run.batches * 10**6          # the same batch again: the data is not what is timed
-  return _mean(run.step, seconds)
+  return _mean(run.step, seconds) if calls is None else _mean_of_calls(run.step, calls)
 
 
 def overhead_figures() -> dict:
@@ -160,6 +161,39 @@ def fit_elementwise(rows, rest, mem_bw) -> dict:
   return {'ew_bw': 1 / inv_bw if inv_bw * mem_bw > 1 else mem_bw, 'logit_s': max(logit_s, 24 / mem_bw)}
 
 
+def tp_wait_figures(cluster, rank) -> dict:
+  """{'sync_wait'}: seconds each blocking TP collective waits beyond its back-to-back time
+  (`cluster`'s op_times, measured with both ranks arriving together), from real tp2 steps of
+  bench_layouts' small shape (4 layers: the layers' collectives, not the head's, dominate) at 1
+  and 3 micro batches, both processes of this world running them: what a micro batch takes
+  beyond `cluster`'s prediction of it, over its blocking TP collectives."""
+  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  env = {'WORLD_SIZE': '2', 'RANK': str(rank), 'LOCAL_RANK': str(rank)}
+  saved = {k: os.environ.get(k) for k in env}
+  os.environ.update(env)
+  try:
+    beyond, calls = [], []
+    for micro in (1, 3):
+      config = _config({**ELEMENTWISE_SHAPE, 'model.num_layers': 4, 'model.vocab_size': 4096,
+                        'distributed_strategy.tensor_model_parallel_size': 2,
+                        'data.global_batch_size': micro * ELEMENTWISE_SHAPE['data.micro_batch_size']})
+      beyond.append(_step_seconds(config, calls=8) - step_time.predict(config, cluster, 2).step_s)
+      calls.append(step_time.blocking_tp_calls(config, cluster, 2))
+  finally:
+    for k, v in saved.items():
+      if v is None:
+        os.environ.pop(k, None)
+      else:
+        os.environ[k] = v
+  return {'sync_wait': fit_sync_wait((beyond[1] - beyond[0]) / 2, (calls[1] - calls[0]) / 2)}
+
+
+def fit_sync_wait(beyond_per_micro, calls_per_micro) -> float:
+  """The wait per blocking collective: what a micro batch takes beyond the prediction, over its
+  blocking TP collectives (none below 0: a faster step than predicted is not a negative wait)."""
+  return max(0.0, beyond_per_micro / calls_per_micro)
+
+
 SIZES = (2, 2**17, 2**22)           # fp32 elements: 8 bytes, 512 KiB (a small model's TP activations), 16 MiB
 
 
@@ -194,6 +228,11 @@ def _worker(rank, port, out):
                        'all_gather': _mean_of_calls(lambda: dist.all_gather_into_tensor(gathered, t)),
                        'reduce_scatter': _mean_of_calls(lambda: dist.reduce_scatter_tensor(half, t)),
                        'p2p': _mean_of_calls(exchange) / 2}
+    bw, lat = fit(figures)
+    timed = dataclasses.replace(_local(compute), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat,
+                                op_times=op_times(figures))
+    dist.barrier()
+    compute.update(tp_wait_figures(timed, rank))
     if rank == 0:
       out.put((compute, figures))
   finally:
@@ -263,7 +302,8 @@ def _local(compute, base=clusters.LOCAL_DEFAULT):
   over = compute['overhead']
   return dataclasses.replace(
       base, peak=compute['peak'], attn_eff=compute['attn_eff'], mem_bw=compute['mem_bw'],
-      ew_bw=compute.get('ew_bw', 0.0), logit_s=compute.get('logit_s', 0.0), layer_overhead=over['layer'],
+      ew_bw=compute.get('ew_bw', 0.0), logit_s=compute.get('logit_s', 0.0), sync_wait=compute.get('sync_wait', 0.0),
+      layer_overhead=over['layer'],
       layer_step_overhead=over['layer_step'], micro_overhead=over['micro'], step_overhead=over['step'])
 
 
@@ -295,6 +335,8 @@ def main():
         f'per logit; framework overhead {over["layer"] * 1e3:.3f} ms per layer and micro batch, '
         f'{over["layer_step"] * 1e3:.3f} ms per layer and step, {over["micro"] * 1e3:.3f} ms per micro batch, '
         f'{over["step"] * 1e3:.3f} ms per step')
+  print(f'a blocking TP collective waits {compute["sync_wait"] * 1e3:.3f} ms for the other rank beyond its '
+        'back-to-back time (fitted from tp2 steps)')
   for size, ops in figures.items():
     print(f'gloo, 2 processes, {4 * size} bytes: ' + ', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in ops.items()))
   print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; per collective: '
