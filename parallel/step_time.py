@@ -136,7 +136,8 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
-  blocking = lambda op: collective(cluster, op, n * h * w, tp) + cluster.sync_wait  # pylint: disable=unnecessary-lambda-assignment
+  wait = cluster.sync_wait if tp > 1 else 0.0
+  blocking = lambda op: collective(cluster, op, n * h * w, tp) + wait  # pylint: disable=unnecessary-lambda-assignment
   gather = blocking('all_gather')
   one = gather + blocking('reduce_scatter') if sp else blocking('all_reduce')   # per sublayer: attention, MLP
   # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain

@@ -239,6 +239,8 @@ def test_each_blocking_tp_collective_waits_sync_wait(sp, per_layer, outside):
   waits = dataclasses.replace(clusters.LOCAL_DEFAULT, sync_wait=1e-3)
   assert (step_time.predict(c, waits, 2).step_s - step_time.predict(c, clusters.LOCAL_DEFAULT, 2).step_s
           == pytest.approx(calls * 1e-3))
+  c.distributed_strategy.tensor_model_parallel_size, c.distributed_strategy.sequence_parallel = 1, False
+  assert step_time.predict(c, waits, 2).terms == step_time.predict(c, clusters.LOCAL_DEFAULT, 2).terms  # no TP
 
 
 def test_on_xla_backward_tp_collectives_hide_behind_weight_gradients():
