@@ -144,7 +144,8 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
   config = config or bench_config(precision)
   if compile_blocks:
     config.model.compile = True
-    torch._dynamo.reset()      # pylint: disable=protected-access  # another precision's graphs: not a recompile
+    # another precision's graphs of the same code would count as recompiles (dynamo's limit)
+    torch._dynamo.reset()  # pylint: disable=protected-access
   mesh = meshes.init(config)
   ops = tensor.make_ops(mesh)
   params = training.init_params(config, mesh)

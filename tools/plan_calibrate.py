@@ -11,7 +11,9 @@ elementwise passes and the head's softmax reach (elementwise_figures), from real
 then gloo between the 2 processes: all-reduce, all-gather, reduce-scatter and a send/recv pair
 at 8 bytes, 512 KiB and 16 MiB, means of 30 back-to-back calls, kept per operation as measured
 curves (op_times: what parallel/step_time.py reads for a pair of local ranks) and fitted to
-one alpha-beta line (intra/inter bandwidth and latency). One node: intra = inter.
+one alpha-beta line (intra/inter bandwidth and latency). One node: intra = inter. Last, the two
+processes run real tp2 steps (tp_wait_figures): what a blocking TP collective waits for the
+other rank beyond its back-to-back time (sync_wait).
 """
 import dataclasses
 import os
