@@ -85,11 +85,15 @@ def main(argv):
              '-m', 'tools.bench'] + bench_flags + bench_layouts.LAYOUTS[name]
       measured = bench_layouts._run(cmd, dict(os.environ, OMP_NUM_THREADS='1'), FLAGS.timeout)[0]  # pylint: disable=protected-access
       if FLAGS.recalibrate:    # the machine before and after the layout ran: their mean, and how far apart
-        pair = [step_time.predict(config, c, 2) for c in (before, plan_calibrate.calibrated()[0])]
+        after = plan_calibrate.calibrated()[0]
+        pair = [step_time.predict(config, c, 2) for c in (before, after)]
         p = min(pair, key=lambda q: q.step_s)
         p = dataclasses.replace(p, step_s=sum(q.step_s for q in pair) / 2,
                                 tokens_per_s=2 / sum(1 / q.tokens_per_s for q in pair))
-        spread = f' ({pair[0].tokens_per_s:,.0f} before, {pair[1].tokens_per_s:,.0f} after)'
+        spread = f' ({pair[0].tokens_per_s:,.0f} before, {pair[1].tokens_per_s:,.0f} after'
+        if config.distributed_strategy.tensor_model_parallel_size > 1:    # the fit that TP rows rest on
+          spread += f'; sync_wait {before.sync_wait * 1e3:.2f} / {after.sync_wait * 1e3:.2f} ms'
+        spread += ')'
     terms = ', '.join(f'{k} {v:.3g}' for k, v in p.terms.items() if v)
     ratio = f'{p.tokens_per_s / measured:.2f}' if measured else ''
     print(f'| {name} | {p.tokens_per_s:,.0f}{spread} | {f"{measured:,.0f}" if measured else ""} | {ratio} | {terms} |',
