@@ -15,6 +15,7 @@ bit cast is a bit cast: the kernels' results are the same bits with or without i
 differ from what this expects (another torch), it does nothing and the kernels run as before.
 """
 import contextlib
+import functools
 import logging
 
 
@@ -31,8 +32,10 @@ def _vector_bitcast(original, cpp, virtualized):
   return staticmethod(to_dtype_bitcast)
 
 
+@functools.lru_cache(maxsize=None)
 def _parts():
-  """(CppVecOverrides, cpp module, virtualized module), or None where they are not as expected."""
+  """(CppVecOverrides, cpp module, virtualized module), or None where they are not as expected
+  (looked up once: vector_bitcasts wraps every fused update call of a step)."""
   try:
     from torch._inductor.codegen import cpp  # pylint: disable=import-outside-toplevel
     from torch._inductor import virtualized  # pylint: disable=import-outside-toplevel
@@ -41,6 +44,7 @@ def _parts():
   overrides = getattr(cpp, 'CppVecOverrides', None)
   if (overrides is None or 'to_dtype_bitcast' not in vars(overrides) or not hasattr(cpp, 'DTYPE_TO_CPP')
       or not hasattr(getattr(cpp, 'CppVecKernel', None), '_get_num_vectors')):
+    logging.debug('inductor_bitcast: this torch has no CppVecOverrides.to_dtype_bitcast to replace')
     return None
   return overrides, cpp, virtualized
 
@@ -50,7 +54,6 @@ def vector_bitcasts():
   """Inside: inductor's CPU vector kernels bit-cast same-size dtypes in registers."""
   parts = _parts()
   if parts is None:
-    logging.debug('inductor_bitcast: this torch has no CppVecOverrides.to_dtype_bitcast to replace')
     yield
     return
   overrides, cpp, virtualized = parts

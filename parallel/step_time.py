@@ -107,6 +107,12 @@ def elementwise_bytes(config, tp, cp=1, is_moe=False) -> tuple:
           w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h)
 
 
+def _blocking(cluster, op, n, tp):
+  """A TP/SP collective the code waits on: its cost, plus local's measured wait for the other
+  rank (sync_wait; 0 on the datasheet clusters, and nothing where there is no TP)."""
+  return collective(cluster, op, n, tp) + (cluster.sync_wait if tp > 1 else 0.0)
+
+
 def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   """(forward s, backward s, {kind: (forward comm s, backward comm s)}) of one layer, one micro
   batch on one rank: kinds tp (TP/SP collectives), cp (ring exchange), ep (all-to-all)."""
@@ -136,10 +142,9 @@ def _layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
-  wait = cluster.sync_wait if tp > 1 else 0.0
-  blocking = lambda op: collective(cluster, op, n * h * w, tp) + wait  # pylint: disable=unnecessary-lambda-assignment
-  gather = blocking('all_gather')
-  one = gather + blocking('reduce_scatter') if sp else blocking('all_reduce')   # per sublayer: attention, MLP
+  gather = _blocking(cluster, 'all_gather', n * h * w, tp)
+  one = (gather + _blocking(cluster, 'reduce_scatter', n * h * w, tp) if sp
+         else _blocking(cluster, 'all_reduce', n * h * w, tp))      # per sublayer: attention, MLP
   # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
   # slice) and no reduction (model/transformer.py)
   mlp_comm = (gather if sp else 0.0) if is_moe else one
@@ -180,7 +185,7 @@ def _edge_comm(config, cluster, tp, cp=1, first_stage=True):
   a, h = config.data, config.model.hidden_size
   n = a.micro_batch_size * a.seq_length // cp
   act = n * h * (4 if compute_dtype(config) == 'fp32' else 2)
-  on = lambda op, size: collective(cluster, op, size, tp) + cluster.sync_wait  # pylint: disable=unnecessary-lambda-assignment
+  on = lambda op, size: _blocking(cluster, op, size, tp)     # pylint: disable=unnecessary-lambda-assignment
   sp = config.distributed_strategy.sequence_parallel
   fwd = 3 * on('all_reduce', n * 4)
   bwd = on('reduce_scatter', act) if sp else on('all_reduce', act)

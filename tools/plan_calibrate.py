@@ -19,6 +19,7 @@ import dataclasses
 import os
 import socket
 import time
+from unittest import mock
 import warnings
 
 import torch
@@ -170,23 +171,14 @@ def tp_wait_figures(cluster, rank) -> dict:
   and 3 micro batches, both processes of this world running them: what a micro batch takes
   beyond `cluster`'s prediction of it, over its blocking TP collectives."""
   from parallel import step_time  # pylint: disable=import-outside-toplevel
-  env = {'WORLD_SIZE': '2', 'RANK': str(rank), 'LOCAL_RANK': str(rank)}
-  saved = {k: os.environ.get(k) for k in env}
-  os.environ.update(env)
-  try:
-    beyond, calls = [], []
+  beyond, calls = [], []
+  with mock.patch.dict(os.environ, WORLD_SIZE='2', RANK=str(rank), LOCAL_RANK=str(rank)):   # a tp2 world
     for micro in (1, 3):
       config = _config({**ELEMENTWISE_SHAPE, 'model.num_layers': 4, 'model.vocab_size': 4096,
                         'distributed_strategy.tensor_model_parallel_size': 2,
                         'data.global_batch_size': micro * ELEMENTWISE_SHAPE['data.micro_batch_size']})
       beyond.append(_step_seconds(config, calls=8) - step_time.predict(config, cluster, 2).step_s)
       calls.append(step_time.blocking_tp_calls(config, cluster, 2))
-  finally:
-    for k, v in saved.items():
-      if v is None:
-        os.environ.pop(k, None)
-      else:
-        os.environ[k] = v
   return {'sync_wait': fit_sync_wait((beyond[1] - beyond[0]) / 2, (calls[1] - calls[0]) / 2)}
 
 
@@ -230,11 +222,8 @@ def _worker(rank, port, out):
                        'all_gather': _mean_of_calls(lambda: dist.all_gather_into_tensor(gathered, t)),
                        'reduce_scatter': _mean_of_calls(lambda: dist.reduce_scatter_tensor(half, t)),
                        'p2p': _mean_of_calls(exchange) / 2}
-    bw, lat = fit(figures)
-    timed = dataclasses.replace(_local(compute), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat,
-                                op_times=op_times(figures))
     dist.barrier()
-    compute.update(tp_wait_figures(timed, rank))
+    compute.update(tp_wait_figures(_with_links(_local(compute), figures), rank))
     if rank == 0:
       out.put((compute, figures))
   finally:
@@ -305,20 +294,25 @@ def _local(compute, base=clusters.LOCAL_DEFAULT):
   return dataclasses.replace(
       base, peak=compute['peak'], attn_eff=compute['attn_eff'], mem_bw=compute['mem_bw'],
       ew_bw=compute.get('ew_bw', 0.0), logit_s=compute.get('logit_s', 0.0), sync_wait=compute.get('sync_wait', 0.0),
-      layer_overhead=over['layer'],
-      layer_step_overhead=over['layer_step'], micro_overhead=over['micro'], step_overhead=over['step'])
+      layer_overhead=over['layer'], layer_step_overhead=over['layer_step'], micro_overhead=over['micro'],
+      step_overhead=over['step'])
+
+
+def _with_links(cluster, figures):
+  """`cluster` with the collectives measured in `figures`: the alpha-beta fit (one node: intra =
+  inter) and each operation's curve."""
+  bw, lat = fit(figures)
+  return dataclasses.replace(cluster, intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat,
+                             op_times=op_times(figures))
 
 
 def calibrated(base=clusters.LOCAL_DEFAULT):
   """`base` with everything measured now: what --calibrate writes, and what tools/bench_plan.py
   measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
   compute, figures = measure()
-  bw, lat = fit(figures)
-  ops = op_times(figures)
   available = memory.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
-      _local(compute, base), intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat, op_times=ops,
-      memory_bytes=available / 2,
+      _with_links(_local(compute, base), figures), memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
   return entry, compute, figures
 
