@@ -45,8 +45,9 @@ PARAMETER_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 MANUAL_KNOBS = {'master_weights': False, 'fp32_grad_acc': False, 'parameter_dtype': 'fp32',
                 'stochastic_rounding': False}
 
-# Device types optim/sr_update.py compiles bf16SR's one-pass update for (the memory estimate reads it).
-FUSED_SR_DEVICES = ('cpu',)
+# Device types optim/sr_update.py compiles bf16SR's one-pass update for (the memory estimate reads it;
+# on CUDA only once a probe showed the compiled kernels reproduce eager's bits).
+FUSED_SR_DEVICES = ('cpu', 'cuda')
 
 _LOW_HALF = 1 << 16                  # fp32 bits that bf16 drops
 _HIGH_HALF_MASK = -_LOW_HALF         # 0xFFFF0000 as an int32

@@ -183,7 +183,7 @@ def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
   with caplog.at_level(logging.WARNING):
     got = sr_update.round_at(x, full_box((10, 30)), (10, 30), 1)
   assert 'running it eagerly' in caplog.text
-  assert torch.equal(bits(got), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
+  assert torch.equal(bits(got).view(10, 30), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
 
 
 def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
@@ -192,3 +192,36 @@ def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
     got = sr_update.square_sum(t)
     assert got.dtype == torch.float32 and got.shape == ()
     torch.testing.assert_close(got, t.double().pow(2).sum().float(), rtol=1e-5, atol=0)
+
+
+def test_the_probe_finds_compiled_rounding_equal_to_eager_and_the_update_within_tolerance_on_the_cpu():
+  assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu')) == (0, 1 << 22)
+  # eager's CPU sqrt is not correctly rounded, inductor's is (the module's docstring)
+  differ, total = sr_update.differing_bits(sr_update._adamw_kernel, torch.device('cpu'))
+  assert total == 3 << 22 and differ <= sr_update.PROBE_TOLERANCE * total
+
+
+def test_the_probe_sees_a_kernel_that_contracts_or_divides_differently(monkeypatch):
+  # what triton's fma or approximate division would do: an fp32 ulp before the rounding
+  def nudged(kernel):
+    return lambda x, layout, seed: sr_update._round(torch.nextafter(x.float(), torch.tensor(float('inf'))),
+                                                    precision.index_from_layout(x.shape, layout), seed)
+  monkeypatch.setattr(sr_update, '_compiled', nudged)
+  differ, total = sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu'))
+  assert 0 < differ <= sr_update.PROBE_TOLERANCE * total        # ulp-level: still accepted
+
+
+def test_a_device_whose_compiled_bits_differ_runs_the_eager_kernel(monkeypatch, caplog):
+  monkeypatch.setattr(sr_update, 'differing_bits', lambda kernel, device: (7, 1000))
+  monkeypatch.setattr(sr_update, '_failed', set())
+  monkeypatch.setattr(sr_update, '_checks', {})
+  monkeypatch.setattr(sr_update, '_compiled', lambda kernel: pytest.fail('compiled kernel used'))
+  x = awkward_values(300, 5).view(10, 30)
+  sizes, layout = sr_update._layout(full_box((10, 30)), (10, 30), x.device)
+  seed = sr_update._seed((1,), x.device)
+  with caplog.at_level(logging.WARNING):
+    # a CUDA device object needs no GPU: only its type is read before the eager kernel runs here
+    got = sr_update._run(sr_update._round_kernel, torch.device('cuda'), x.reshape(sizes), layout, seed)
+  assert 'rounds 7 of its probe\'s 1000 bf16 outputs differently' in caplog.text
+  assert 'running it eagerly' in caplog.text
+  assert torch.equal(bits(got).view(10, 30), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))

@@ -3,6 +3,7 @@
     python -m tools.bench_hf                        # the 32M Llama of issue 18, fp32 / mixed / bf16
     python -m tools.bench_hf --precisions=fp32 --steps=3
     python -m tools.bench_hf --precisions=bf16 --clock=cpu --profile   # a shared machine; where time goes
+    python -m tools.bench_hf --device=cuda --model=tinyllama_1b --compile  # a GPU: 1.1B, both compiled
 
 Both sides train the same Llama (transformers' LlamaForCausalLM with torch.optim.AdamW, and
 flatron's loop step), from the same weights, on the same token batches, steps interleaved
@@ -11,14 +12,20 @@ flatron's loop step), from the same weights, on the same token batches, steps in
   mixed  HF fp32 under torch.autocast(bf16) vs flatron mixed_precision (bf16 weights, fp32 masters)
   bf16   HF .to(bfloat16)             vs flatron bf16SR (bf16 weights, stochastic rounding)
 It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
-gradients + optimizer state each side holds and the process's peak RSS (both sides together), then the ceiling: the step's GEMMs and attention
+gradients + optimizer state each side holds and the peak memory (both sides together: the process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
 alone (forward and backward, timed one by one), and the fraction of it each side reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
 --profile prints flatron's step under torch.profiler, the ops by their own CPU time.
 --compile compiles both sides per block (flatron's model.compile, each HF decoder layer's
 torch.compile); the ceiling stays the eager GEMMs and attention.
+--device=cuda runs both sides on the GPU (HF's AdamW fused, as flatron's fp32-master recipes
+step there; fp32 matmuls in fp32, TF32 off on both); MFU is then against the card's datasheet
+bf16 dense peak (parallel/device.py), which the line above the table names beside a measured
+bf16 8192^3 matmul. --model picks the shape (MODELS); --seq_length / --micro_batch_size /
+--global_batch_size override its batch.
 """
+import functools
 import os
 import resource
 import statistics
@@ -40,18 +47,30 @@ RECIPES = {'fp32': 'fp32', 'mixed': 'mixed_precision', 'bf16': 'bf16SR'}
 CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
 
 
-def bench_config(precision):
-  """The issue's 32M Llama: h 512, 8 layers, 8 heads / 4 KV, ffn 1408, vocab 8192, seq 256, batch 8."""
+# name -> (layers, hidden, ffn, heads, KV heads, vocab, seq, micro batch, global batch)
+MODELS = {
+    'bench32m': (8, 512, 1408, 8, 4, 8192, 256, 8, 8),           # issue 18's 32M Llama (CPU)
+    'llama_50m': (8, 512, 1408, 8, 4, 32000, 2048, 8, 16),       # configs/llama_50m.py's shape
+    'tinyllama_1b': (22, 2048, 5632, 32, 4, 32000, 2048, 4, 16),  # TinyLlama-1.1B's shape
+}
+
+
+def bench_config(precision, model='bench32m', seq_length=0, micro_batch_size=0, global_batch_size=0,
+                 device='cpu'):
+  """A Llama of MODELS[model] (untied head, no scaled init) for `precision`, batch overridable."""
   c = llama_tiny.get_config()
   m = c.model
-  m.num_layers, m.hidden_size, m.ffn_hidden_size = 8, 512, 1408
-  m.num_attention_heads, m.num_kv_heads, m.vocab_size = 8, 4, 8192
-  m.max_position_embeddings = 256
+  (m.num_layers, m.hidden_size, m.ffn_hidden_size, m.num_attention_heads, m.num_kv_heads, m.vocab_size,
+   seq, micro, global_batch) = MODELS[model]
   m.use_scaled_init_method = False
-  c.data.seq_length, c.data.micro_batch_size, c.data.global_batch_size = 256, 8, 8
+  c.data.seq_length = seq_length or seq
+  c.data.micro_batch_size = micro_batch_size or micro
+  c.data.global_batch_size = global_batch_size or global_batch
+  m.max_position_embeddings = c.data.seq_length
   c.precision.type = RECIPES[precision]
   c.trainer.gradient_clip_val = 1.0
   c.model.optim.sched.warmup_steps = 0
+  c.device = device
   return c
 
 
@@ -61,7 +80,9 @@ def hf_model(config, params, precision):
   hf_config = transformers.LlamaConfig(**{k: v for k, v in hf.config_to_hf(config.model).items()
                                           if k not in ('architectures', 'model_type')})
   hf_config._attn_implementation = 'sdpa'  # pylint: disable=protected-access
-  model = transformers.LlamaForCausalLM(hf_config)
+  device = next(iter(params.values())).device
+  with device:                 # built where it trains (a 1B model's CPU init takes minutes)
+    model = transformers.LlamaForCausalLM(hf_config)
   with torch.no_grad():
     for name, p in model.named_parameters():
       ours = params[name.removeprefix('model.')].detach().float()
@@ -73,7 +94,8 @@ def hf_model(config, params, precision):
   named = list(model.named_parameters())
   groups = [{'params': [p for n, p in named if optimizers.decays_weight(n)], 'weight_decay': o.weight_decay},
             {'params': [p for n, p in named if not optimizers.decays_weight(n)], 'weight_decay': 0.0}]
-  optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+  # on CUDA HF's Trainer steps AdamW fused (its default optim there), as flatron's fp32 steps do
+  optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=device.type == 'cuda')
   return model.train(), optimizer
 
 
@@ -81,11 +103,11 @@ def hf_step(model, optimizer, micro_batches, precision, clip, lr):
   """One HF training step on flatron's micro batches (the same labels, the same lr); returns the loss."""
   for group in optimizer.param_groups:
     group['lr'] = lr
-  total = 0.0
+  total, device = 0.0, model.device
   for mb in micro_batches:
-    with torch.autocast('cpu', torch.bfloat16, enabled=precision == 'mixed'):
-      logits = model(input_ids=mb['tokens']).logits
-    loss = F.cross_entropy(logits.float().flatten(0, 1), mb['labels'].flatten()) / len(micro_batches)
+    with torch.autocast(device.type, torch.bfloat16, enabled=precision == 'mixed'):
+      logits = model(input_ids=mb['tokens'].to(device)).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), mb['labels'].to(device).flatten()) / len(micro_batches)
     loss.backward()
     total += loss.item()
   torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -98,9 +120,10 @@ def state_bytes(tensors):
   return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def ceiling_step_time(config, dtype, repeats=3, clock='wall'):
+def ceiling_step_time(config, dtype, repeats=3, clock='wall', device=torch.device('cpu')):
   """Seconds per step for the step's GEMMs (forward, and both backward products) and SDPA
-  forward + backward only, each timed alone (best of `repeats`)."""
+  forward + backward only, each timed alone (best of `repeats`), per micro batch times the
+  micro batches of a step."""
   m, d = config.model, config.data
   tokens, hd = d.micro_batch_size * d.seq_length, transformer.head_dim(m)
   heads, kv = m.num_attention_heads, transformer.kv_heads(m)
@@ -112,21 +135,24 @@ def ceiling_step_time(config, dtype, repeats=3, clock='wall'):
     fn()
     times = []
     for _ in range(repeats):
+      devices.synchronize(device)
       start = CLOCKS[clock]()
       fn()
+      devices.synchronize(device)
       times.append(CLOCKS[clock]() - start)
     return min(times)
 
+  randn = functools.partial(torch.randn, dtype=dtype, device=device)
   total = 0.0
   for out_f, in_f in set(shapes):
-    x, w, g = torch.randn(tokens, in_f, dtype=dtype), torch.randn(out_f, in_f, dtype=dtype), torch.randn(tokens, out_f, dtype=dtype)
+    x, w, g = randn(tokens, in_f), randn(out_f, in_f), randn(tokens, out_f)
     t = best(lambda: (x @ w.t(), g @ w, g.t() @ x))       # forward, input grad, weight grad
     total += t * shapes.count((out_f, in_f))
-  q = torch.randn(d.micro_batch_size, heads, d.seq_length, hd, dtype=dtype, requires_grad=True)
-  k = torch.randn(d.micro_batch_size, heads, d.seq_length, hd, dtype=dtype, requires_grad=True)
-  v = torch.randn(d.micro_batch_size, heads, d.seq_length, hd, dtype=dtype, requires_grad=True)
+  q, k, v = (randn(d.micro_batch_size, heads, d.seq_length, hd, requires_grad=True) for _ in range(3))
   attention = best(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward())
-  return total + attention * m.num_layers, total, attention * m.num_layers
+  micro_batches = d.global_batch_size // d.micro_batch_size
+  total, attention = total * micro_batches, attention * m.num_layers * micro_batches
+  return total + attention, total, attention
 
 
 
@@ -152,20 +178,26 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
   updater = update.Updater(params, config, mesh)
   model, optimizer = hf_model(config, params, precision)
   if compile_blocks:
+    # one graph for every layer where dynamo can; the limit only matters where it cannot
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,  # pylint: disable=protected-access
+                                                config.model.num_layers + 8)
     for layer in model.model.layers:
       layer.compile()
   loader = Loader(config, 'train', 0, 1)
   times, losses = {'hf': [], 'flatron': []}, {'hf': [], 'flatron': []}
-  now = CLOCKS[clock]
+
+  def timed(side, fn):
+    devices.synchronize(mesh.device)        # a GPU's queue: each side's time is its own work
+    start = CLOCKS[clock]()
+    losses[side].append(fn())
+    devices.synchronize(mesh.device)
+    times[side].append(CLOCKS[clock]() - start)
+
   for i in range(steps + warmup):
     batch = loader.global_batch(i * config.data.global_batch_size)
-    start = now()
     lr = updater.lr(i)
-    losses['hf'].append(hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr))
-    times['hf'].append(now() - start)
-    start = now()
-    losses['flatron'].append(training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item())
-    times['flatron'].append(now() - start)
+    timed('hf', lambda: hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr))
+    timed('flatron', lambda: training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item())
   tokens = config.data.global_batch_size * config.data.seq_length
   hf_params = list(model.parameters())
   hf_optim = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
@@ -189,34 +221,54 @@ def define_flags():
   flags.DEFINE_bool('profile', False, 'Print one flatron step\'s ops by self CPU time per precision.')
   flags.DEFINE_bool('compile', False, 'Both sides regionally compiled: flatron\'s model.compile, HF\'s '
                     'decoder layers each torch.compile\'d (compiles fall in the warm-up).')
+  flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda', 'auto'], 'Where both sides train (auto: cuda if present).')
+  flags.DEFINE_enum('model', 'bench32m', list(MODELS), 'The Llama shape (MODELS in tools/bench_hf.py).')
+  flags.DEFINE_integer('seq_length', 0, 'Tokens per row (0: the model\'s in MODELS).')
+  flags.DEFINE_integer('micro_batch_size', 0, 'Rows per micro batch (0: the model\'s).')
+  flags.DEFINE_integer('global_batch_size', 0, 'Rows per step (0: the model\'s).')
 
 
 def main(argv):
   tools.no_arguments(argv)
   torch.set_num_threads(FLAGS.threads)
-  peak = devices.measured_matmul_flops(torch.device('cpu'), n=2048)
-  print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s; '
-        f'steps timed in {FLAGS.clock} seconds', flush=True)
+  device = devices.resolve(FLAGS.device)
+  if device.type == 'cuda':
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    peak, source = devices.peak_flops(device)
+    measured = devices.measured_matmul_flops(device, torch.bfloat16, n=8192)
+    print(f'{torch.cuda.get_device_name(device)}; MFU against {peak / 1e12:.0f} TFLOP/s ({source}); '
+          f'measured bf16 8192^3 matmul {measured / 1e12:.0f} TFLOP/s; steps timed in {FLAGS.clock} seconds', flush=True)
+  else:
+    peak = devices.measured_matmul_flops(device, n=2048)
+    print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s; '
+          f'steps timed in {FLAGS.clock} seconds', flush=True)
+  print(f'model {FLAGS.model}; {"compiled per block" if FLAGS.compile else "eager"}')
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
-        ' ceiling tok/s (GEMM + attention) | flatron / ceiling | process peak RSS MiB |')
+        ' ceiling tok/s (GEMM + attention) | flatron / ceiling | peak memory MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for precision in FLAGS.precisions:
-    r = run(precision, FLAGS.steps, FLAGS.warmup, clock=FLAGS.clock, profile=FLAGS.profile,
+    config = bench_config(precision, FLAGS.model, FLAGS.seq_length, FLAGS.micro_batch_size,
+                          FLAGS.global_batch_size, device.type)
+    r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
             compile_blocks=FLAGS.compile)
-    config = r['config']
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
-    ceiling, gemm, attention = ceiling_step_time(config, dtype, clock=FLAGS.clock)
+    ceiling, gemm, attention = ceiling_step_time(config, dtype, clock=FLAGS.clock, device=device)
     tokens = config.data.global_batch_size * config.data.seq_length
+    # both sides live in this process: the peak so far, not either side's own
+    peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == 'cuda'
+                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     print(f"| {precision} | {r['hf']:,.0f} | {r['flatron']:,.0f} | {r['flatron'] / r['hf']:.2f}x | "
           f"{100 * r['hf'] * flops / peak:.1f}% | {100 * r['flatron'] * flops / peak:.1f}% | "
           f"{r['hf_bytes'] / 2**20:.0f} | {r['flatron_bytes'] / 2**20:.0f} | "
           f"{tokens / ceiling:,.0f} (GEMMs {gemm * 1e3:.0f} ms, attention {attention * 1e3:.0f} ms) | "
-          f"{r['flatron'] * ceiling / tokens:.0%} | "
-          # both sides live in this process: the peak so far, not either side's own
-          f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} |", flush=True)
+          f"{r['flatron'] * ceiling / tokens:.0%} | {peak_memory / 2**20:,.0f} |", flush=True)
     if 'profile' in r:
       print(f'flatron {precision} step, ops by self CPU time:\n{r["profile"]}', flush=True)
+    del r
+    if device.type == 'cuda':
+      torch.cuda.empty_cache()
+      torch.cuda.reset_peak_memory_stats(device)
   meshes.shutdown()
 
 

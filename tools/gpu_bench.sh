@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 28's CUDA figures in one run on a one-GPU machine, most important first, each stage
+# under its own time limit so one slow or failing stage leaves the rest:
+#   bash tools/gpu_bench.sh            # writes $OUT/gpu_bench.log (OUT defaults to runs/gpu_bench)
+# 1. the loop itself on CUDA (train.py, llama_tiny, bf16SR and mixed_precision, 30 steps each);
+# 2. bf16SR's fused update on CUDA: compiled (triton) against eager on sr_update's probe, under
+#    the eager-numerics settings and triton's defaults, and its speed on 64M elements;
+# 3. tools/bench_hf.py against transformers: TinyLlama-1.1B's shape and llama_50m's, eager and
+#    compiled per block. Prints the tables again at the end.
+# Needs torch with CUDA, transformers, tensorstore, einops, absl-py, ml-collections (wheels in
+# .whl/ are installed to /tmp/site first: a machine with no registry).
+set -u
+OUT=${OUT:-runs/gpu_bench}
+mkdir -p "$OUT"
+LOG="$OUT/gpu_bench.log"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+THREADS=$(nproc)
+
+stage() {   # stage SECONDS command...: the command's output (less inductor's DEBUG lines) to the log
+  local limit=$1; shift
+  echo "=== $(date +%T) $*" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep --line-buffered -v ' DEBUG ' | tee -a "$LOG" | grep --line-buffered -E '^\||^model |TFLOP|rror|Traceback|step [0-9]+/|val_loss|MFU peak|measured|bf16SR|probe|==='
+  echo "=== exit ${PIPESTATUS[0]}" | tee -a "$LOG"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+} 2>&1 | tee -a "$LOG"
+
+for recipe in bf16SR mixed_precision; do
+  stage 90 python3 train.py --config=configs/llama_tiny.py --workdir="/tmp/gpu_bench_$recipe" --config.device=cuda \
+    --config.precision.type=$recipe --config.trainer.max_steps=30 --config.trainer.log_every_n_steps=10
+done
+
+stage 120 python3 - <<'EOF'
+import contextlib, time, torch
+from optim import sr_update
+device = torch.device('cuda')
+for settings in ('eager numerics', 'triton defaults'):
+  torch._dynamo.reset(); sr_update._compiled.cache_clear()
+  if settings == 'triton defaults':
+    sr_update._compile_settings = lambda d: contextlib.nullcontext()
+  for kernel in (sr_update._round_kernel, sr_update._adamw_kernel):
+    differ, total = sr_update.differing_bits(kernel, device)
+    print(f'probe: {settings}: compiled {kernel.__name__} rounds {differ} of {total} bf16 outputs differently from eager')
+args = sr_update._probe(sr_update._adamw_kernel, device)
+n = 1 << 26
+args = [a.repeat(16) if torch.is_tensor(a) and a.numel() == 1 << 22 else a for a in args]
+_, args[6] = sr_update._layout((slice(0, n),), (n,), device)
+for name, fn in (('compiled', sr_update._compiled(sr_update._adamw_kernel)), ('eager', sr_update._adamw_kernel)):
+  fn(*args); torch.cuda.synchronize()
+  start = time.perf_counter()
+  for _ in range(10):
+    fn(*args)
+  torch.cuda.synchronize()
+  ms = (time.perf_counter() - start) / 10 * 1e3
+  print(f'probe: bf16SR update of {n:,} elements, {name}: {ms:.2f} ms, {n * 14 / ms / 1e6:.0f} GB/s (bf16 row, gradient, moments read; row, moments written)')
+EOF
+
+B="python3 -m tools.bench_hf --device=cuda --threads=$THREADS"
+stage 150 $B --model=tinyllama_1b --precisions=bf16,mixed --steps=5 --warmup=2
+stage 150 $B --model=llama_50m --precisions=bf16,mixed,fp32 --steps=5 --warmup=2
+stage 200 $B --model=tinyllama_1b --precisions=bf16 --steps=5 --warmup=2 --compile
+stage 150 $B --model=llama_50m --precisions=bf16,mixed --steps=5 --warmup=2 --compile
+stage 120 $B --model=tinyllama_1b --precisions=fp32 --steps=2 --warmup=1
+
+echo "=== the tables"
+grep -E '^\||^model |TFLOP|probe:' "$LOG"
