@@ -32,7 +32,7 @@ stage() {   # stage SECONDS command...: the command's output (less inductor's DE
 } 2>&1 | tee -a "$LOG"
 
 for recipe in bf16SR mixed_precision; do
-  stage 90 python3 train.py --config=configs/llama_tiny.py --workdir="/tmp/gpu_bench_$recipe" --config.device=cuda \
+  stage 60 python3 train.py --config=configs/llama_tiny.py --workdir="/tmp/gpu_bench_$recipe" --config.device=cuda \
     --config.precision.type=$recipe --config.trainer.max_steps=30 --config.trainer.log_every_n_steps=10
 done
 
