@@ -80,8 +80,15 @@ _failed = set()        # (kernel, device type) pairs that run eagerly in this pr
 _checks = {}           # (kernel, device type) -> whether compiled agreed with eager on the probe
 
 
+# Graphs one kernel may need in a process: its tensors' ranks (1-3 after coalescing) x gradient
+# dtype x Adam's L2 or not x int32 / int64 indices; dynamo's default limit (8) would send the
+# rest eager.
+_GRAPHS = 24
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(kernel):
+  torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, _GRAPHS)  # pylint: disable=protected-access
   return torch.compile(kernel, dynamic=True, fullgraph=True)
 
 
@@ -111,7 +118,8 @@ def _probe(kernel, device):
     return [x.to(device), layout, _seed(('probe',), device)]
   gradient = torch.randn(n, generator=g) * torch.exp2(torch.randint(-20, 4, (n,), generator=g).float())
   scalars, l2 = _scalars({'lr': 3e-4, 'betas': (0.9, 0.95), 'eps': 1e-8, 'weight_decay': 0.1,
-                          'decoupled_weight_decay': True}, 3.0, device)
+                          'decoupled_weight_decay': True}, 3.0)
+  scalars = torch.tensor(scalars, dtype=torch.float32, device=device)
   bf16 = lambda t: t.to(device, torch.bfloat16)
   return [bf16(x * 1e-6), bf16(gradient), torch.tensor(0.73, device=device), bf16(gradient.roll(1) * 0.1),
           bf16(gradient.roll(2).square()), scalars, layout,
@@ -147,13 +155,13 @@ def _checked(kernel, device) -> bool:
 
 
 def _run(kernel, device, *args):
-  """kernel(*args), compiled where the device type allows; eager (the same bits) otherwise."""
+  """kernel(*args), compiled where the device type allows; eager (the same bits) otherwise.
+  Callers enter _compile_settings(device) around it (once for a whole step's calls)."""
   key = (kernel, device.type)
   if device.type in COMPILED_DEVICES and key not in _failed:
     try:
       if _checked(kernel, device):
-        with _compile_settings(device):   # compiles happen inside the first calls
-          return _compiled(kernel)(*args)
+        return _compiled(kernel)(*args)   # compiles happen inside the first calls
       _failed.add(key)
     except Exception as e:  # pylint: disable=broad-except
       # Compiling fails before the kernel runs (no C++ compiler, an unsupported torch), so no
@@ -164,9 +172,17 @@ def _run(kernel, device, *args):
   return kernel(*args)
 
 
+_layouts = {}
+
+
 def _layout(box, global_shape, device):
-  sizes, layout = precision.index_layout(box, global_shape)
-  return sizes, torch.tensor(layout, dtype=precision.layout_dtype(global_shape), device=device)
+  """(sizes, layout tensor on `device`) of precision.index_layout, made once per box: a tensor
+  made from host values is a copy to the device, which on CUDA waits for the device's queue."""
+  key = (tuple((s.start, s.stop, s.step) for s in box), tuple(global_shape), device)
+  if key not in _layouts:
+    sizes, layout = precision.index_layout(box, global_shape)
+    _layouts[key] = sizes, torch.tensor(layout, dtype=precision.layout_dtype(global_shape), device=device)
+  return _layouts[key]
 
 
 def _seed(key, device):
@@ -178,7 +194,8 @@ def round_at(x, box, global_shape, *key) -> torch.Tensor:
   if x.numel() == 0:
     return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
   sizes, layout = _layout(box, global_shape, x.device)
-  out = _run(_round_kernel, x.device, x.reshape(sizes), layout, _seed(key, x.device))
+  with _compile_settings(x.device):
+    out = _run(_round_kernel, x.device, x.reshape(sizes), layout, _seed(key, x.device))
   return out.view(x.shape)
 
 
@@ -195,7 +212,8 @@ def square_sum(t) -> torch.Tensor:
     # inductor's dynamic-shape reduction on CUDA ran one tensor per block: 874 ms for a 1.1B
     # model's 201 gradients on an H100, where eager's passes take milliseconds
     return _square_sum_kernel(t.detach().reshape(-1))
-  return _run(_square_sum_kernel, t.device, t.detach().reshape(-1))
+  with _compile_settings(t.device):
+    return _run(_square_sum_kernel, t.device, t.detach().reshape(-1))
 
 
 def fusable(optimizer, device) -> bool:
@@ -209,17 +227,19 @@ def fusable(optimizer, device) -> bool:
              for flag in ('amsgrad', 'maximize', 'capturable', 'differentiable'))
 
 
-def _scalars(group, step, device):
-  """The fp32 scalars of _adamw_kernel for `group` at step count `step`, computed in Python
-  floats as torch's single-tensor Adam does, then rounded to fp32 as its kernels round them."""
+def _scalars(group, step):
+  """The scalars of _adamw_kernel for `group` at step count `step` (and whether the weight decay
+  is Adam's L2), computed in Python floats as torch's single-tensor Adam does; the kernel gets
+  them rounded to fp32 as its kernels round them."""
   lr, (beta1, beta2), eps, wd = group['lr'], group['betas'], group['eps'], group['weight_decay']
   decoupled = group.get('decoupled_weight_decay', False)
   bias_correction1, bias_correction2 = 1 - beta1**step, 1 - beta2**step
   values = [1 - lr * wd if decoupled else 1.0, 1 - beta1, beta2, 1 - beta2,
             bias_correction2**0.5, eps, -(lr / bias_correction1), 0.0 if decoupled else wd]
-  return torch.tensor(values, dtype=torch.float32, device=device), not decoupled and wd != 0
+  return values, not decoupled and wd != 0
 
 
+@torch.no_grad()
 def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
   """One Adam(W) step of `optimizer` (fusable) on bf16 `rows` (name -> the optimizer's param,
   written in place) from `grads` (bf16 or fp32) times `scale` (an fp32 0-dim tensor, the clip
@@ -227,31 +247,39 @@ def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
   `placement`: name -> (box, global shape) of the rows; `keys`: name -> the rounding key of
   the rows, whose moments use key + ('exp_avg',) and key + ('exp_avg_sq',)."""
   names = {id(r): n for n, r in rows.items()}
-  with torch.no_grad():
-    device = next(iter(rows.values())).device if rows else None
+  work, scalars, seeds, rows_of = [], [], [], {}     # host values: one copy of each to the device
+  for group in optimizer.param_groups:
+    for t in group['params']:
+      name = names.get(id(t))
+      if name is None or grads.get(name) is None:
+        continue
+      state = optimizer.state[t]
+      if not state:                # torch's _init_group: a CPU step count, moments like t
+        state['step'] = torch.tensor(0.0, dtype=torch.float32)
+        state['exp_avg'] = torch.zeros_like(t, memory_format=torch.preserve_format)
+        state['exp_avg_sq'] = torch.zeros_like(t, memory_format=torch.preserve_format)
+      state['step'] += 1
+      step = float(state['step'])
+      if (id(group), step) not in rows_of:
+        values, l2 = _scalars(group, step)
+        rows_of[id(group), step] = len(scalars), l2
+        scalars.append(values)
+      if t.numel() == 0:
+        continue
+      key = keys[name]
+      seeds.append([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
+                    precision.key_seed(*key, 'exp_avg_sq')])
+      work.append((t, name, *rows_of[id(group), step]))
+  if not work:
+    return
+  device = work[0][0].device
+  with _compile_settings(device):
     scale = torch.ones((), device=device) if scale is None else scale.to(device=device, dtype=torch.float32)
-    for group in optimizer.param_groups:
-      cached = {}
-      for t in group['params']:
-        name = names.get(id(t))
-        if name is None or grads.get(name) is None:
-          continue
-        state = optimizer.state[t]
-        if not state:                # torch's _init_group: a CPU step count, moments like t
-          state['step'] = torch.tensor(0.0, dtype=torch.float32)
-          state['exp_avg'] = torch.zeros_like(t, memory_format=torch.preserve_format)
-          state['exp_avg_sq'] = torch.zeros_like(t, memory_format=torch.preserve_format)
-        state['step'] += 1
-        step = float(state['step'])
-        if step not in cached:
-          cached[step] = _scalars(group, step, t.device)
-        scalars, l2 = cached[step]
-        if t.numel() == 0:
-          continue
-        box, shape = placement[name]
-        sizes, layout = _layout(box, shape, t.device)
-        key = keys[name]
-        seeds = torch.tensor([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
-                              precision.key_seed(*key, 'exp_avg_sq')], dtype=torch.int32, device=t.device)
-        _run(_adamw_kernel, t.device, t.view(sizes), grads[name].reshape(sizes), scale,
-             state['exp_avg'].view(sizes), state['exp_avg_sq'].view(sizes), scalars, layout, seeds, l2)
+    scalars = torch.tensor(scalars, dtype=torch.float32, device=device)
+    seeds = torch.tensor(seeds, dtype=torch.int32, device=device)
+    for i, (t, name, row, l2) in enumerate(work):
+      state = optimizer.state[t]
+      sizes, layout = _layout(*placement[name], device)
+      # rows cloned: a view at an offset would be one more compiled graph (dynamo guards offsets)
+      _run(_adamw_kernel, device, t.view(sizes), grads[name].reshape(sizes), scale, state['exp_avg'].view(sizes),
+           state['exp_avg_sq'].view(sizes), scalars[row].clone(), layout, seeds[i].clone(), l2)

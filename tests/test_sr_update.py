@@ -170,6 +170,8 @@ def test_only_plain_adam_and_adamw_on_a_compiled_device_are_fused():
   assert not sr_update.fusable(torch.optim.AdamW(p, amsgrad=True), torch.device('cpu'))
   assert not sr_update.fusable(torch.optim.SGD(p, lr=1.0), torch.device('cpu'))
   assert not sr_update.fusable(torch.optim.AdamW(p), torch.device('meta'))
+  # flatron's CUDA optimizers are built fused=True: the one pass replaces torch's kernel there too
+  assert sr_update.fusable(torch.optim.AdamW(p, fused=True), torch.device('cpu'))
 
 
 def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):

@@ -66,7 +66,7 @@ stage 150 $B --model=tinyllama_1b --precisions=bf16,mixed --steps=5 --warmup=2
 stage 150 $B --model=llama_50m --precisions=bf16,mixed,fp32 --steps=5 --warmup=2
 stage 200 $B --model=tinyllama_1b --precisions=bf16 --steps=5 --warmup=2 --compile
 stage 150 $B --model=llama_50m --precisions=bf16,mixed --steps=5 --warmup=2 --compile
-stage 120 $B --model=tinyllama_1b --precisions=fp32 --steps=2 --warmup=1
+stage 120 $B --model=tinyllama_1b --precisions=fp32 --steps=2 --warmup=1 --micro_batch_size=1
 
 echo "=== the tables"
 grep -E '^\||^model |TFLOP|probe:' "$LOG"
