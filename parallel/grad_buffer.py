@@ -93,8 +93,20 @@ class GradBuffer:
         self.buckets.append(Bucket(names_in, self.layout, parts, bucket_dtype, params[names_in[0]].device))
     self.counts = dict.fromkeys(names, 0)
     self.expected, self.launched = None, 0
+    # name -> [(destination rows in part k's view, source rows lo, hi)], made once: the hook runs
+    # per parameter and micro batch, and slicing anew there was most of its host time
+    self.targets = {n: self._targets(n) for n in names}
     for n in names:
       params[n].register_post_accumulate_grad_hook(self._hook(n))
+
+  def _targets(self, name):
+    rows, out = self.params[name].shape[0], []
+    for k in range(self.parts):
+      view = self._part_view(name, k)
+      lo = min(k * view.shape[0], rows)
+      hi = min(lo + view.shape[0], rows)
+      out.append((view[:hi - lo], lo, hi))
+    return out
 
   def _hook(self, name):
     def hook(p):
@@ -115,14 +127,12 @@ class GradBuffer:
                          f'passes through it than the {self.expected} micro batches this step expects')
     rows = grad.reshape(grad.shape[0], -1)
     first = self.counts[name] == 0
-    for k in range(self.parts):
-      view = self._part_view(name, k)
-      lo = min(k * view.shape[0], rows.shape[0])
-      hi = min(lo + view.shape[0], rows.shape[0])
+    for destination, lo, hi in self.targets[name]:
+      source = rows if (lo, hi) == (0, rows.shape[0]) else rows[lo:hi]
       if first:
-        view[:hi - lo].copy_(rows[lo:hi])
+        destination.copy_(source)
       else:
-        view[:hi - lo].add_(rows[lo:hi])
+        destination.add_(source)
     self.counts[name] += 1
     if self.overlap and self.expected is not None and self.counts[name] == self.expected:
       self._launch_ready()

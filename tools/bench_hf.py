@@ -52,6 +52,9 @@ MODELS = {
     'bench32m': (8, 512, 1408, 8, 4, 8192, 256, 8, 8),           # issue 18's 32M Llama (CPU)
     'llama_50m': (8, 512, 1408, 8, 4, 32000, 2048, 8, 16),       # configs/llama_50m.py's shape
     'tinyllama_1b': (22, 2048, 5632, 32, 4, 32000, 2048, 4, 16),  # TinyLlama-1.1B's shape
+    # next to no arithmetic: each side's host time per step (Python, dispatch, autograd), which
+    # is what a GPU's small models wait on
+    'host_overhead': (8, 64, 172, 4, 2, 512, 32, 1, 8),
 }
 
 
