@@ -3,6 +3,7 @@ reference pipeline (precision.stochastic_round_at; torch.optim.AdamW on fp32 cop
 or within an fp32 ulp, on every layout."""
 import logging
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,6 +13,10 @@ from parallel import precision
 
 def bits(t):
   return t.view(torch.int16)
+
+
+def bits32(t):
+  return t.view(torch.int32)
 
 
 def full_box(shape):
@@ -196,11 +201,17 @@ def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
     torch.testing.assert_close(got, t.double().pow(2).sum().float(), rtol=1e-5, atol=0)
 
 
-def test_the_probe_finds_compiled_rounding_equal_to_eager_and_the_update_within_tolerance_on_the_cpu():
+def test_the_probe_finds_compiled_equal_to_eager_on_the_cpu():
   assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu')) == (0, 1 << 22)
-  # eager's CPU sqrt is not correctly rounded, inductor's is (the module's docstring)
-  differ, total = sr_update.differing_bits(sr_update._adamw_kernel, torch.device('cpu'))
-  assert total == 3 << 22 and differ <= sr_update.PROBE_TOLERANCE * total
+  assert sr_update.differing_bits(sr_update._adamw_kernel, torch.device('cpu')) == (0, 3 << 22)
+
+
+def test_eager_sqrt_is_correctly_rounded_as_compiled_kernels_sqrt_is():
+  # eager's CPU sqrt alone is an ulp off for about 1 value in 5 (why _sqrt goes through fp64)
+  g = torch.Generator().manual_seed(8)
+  x = torch.rand(1 << 20, generator=g) * torch.exp2(torch.randint(-120, 120, (1 << 20,), generator=g).float())
+  exact = torch.from_numpy(np.sqrt(x.numpy()))            # IEEE sqrt, correctly rounded
+  assert torch.equal(bits32(sr_update._sqrt(x)), bits32(exact))
 
 
 def test_the_probe_sees_a_kernel_that_contracts_or_divides_differently(monkeypatch):
@@ -209,8 +220,7 @@ def test_the_probe_sees_a_kernel_that_contracts_or_divides_differently(monkeypat
     return lambda x, layout, seed: sr_update._round(torch.nextafter(x.float(), torch.tensor(float('inf'))),
                                                     precision.index_from_layout(x.shape, layout), seed)
   monkeypatch.setattr(sr_update, '_compiled', nudged)
-  differ, total = sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu'))
-  assert 0 < differ <= sr_update.PROBE_TOLERANCE * total        # ulp-level: still accepted
+  assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu'))[0] > 0
 
 
 def test_a_device_whose_compiled_bits_differ_runs_the_eager_kernel(monkeypatch, caplog):
