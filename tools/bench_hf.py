@@ -12,7 +12,8 @@ flatron's loop step), from the same weights, on the same token batches, steps in
   mixed  HF fp32 under torch.autocast(bf16) vs flatron mixed_precision (bf16 weights, fp32 masters)
   bf16   HF .to(bfloat16)             vs flatron bf16SR (bf16 weights, stochastic rounding)
 It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
-gradients + optimizer state each side holds and the peak memory (both sides together: the process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
+gradients + optimizer state each side holds and the peak memory (both sides together: the
+process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
 alone (forward and backward, timed one by one), and the fraction of it each side reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
