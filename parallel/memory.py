@@ -176,10 +176,10 @@ def update_temporaries(config, sizes, dp=1) -> int:
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
   16-bit gradients (bf16SR) are stepped from an fp32 copy of all owned rows (4 bytes each).
-  For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU, optim/sr_update.py
-  steps and rounds each tensor in place in one compiled pass from the 16-bit gradients, after
-  a compiled norm (precision.FUSED_SR_DEVICES): nothing. Elsewhere the step
-  runs on fp32 working rows and moments (4 + 8 bytes per element, less the 4 of the bf16
+  For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU and CUDA
+  (precision.FUSED_SR_DEVICES), optim/sr_update.py steps and rounds each tensor in place in one
+  compiled pass from the 16-bit gradients, after a compiled norm on CPU (nothing) or an eager
+  one on CUDA (one tensor's fp32 copy and its square). Elsewhere the step runs on fp32 working rows and moments (4 + 8 bytes per element, less the 4 of the bf16
   moments freed as they widen), and then the larger of that plus the above, or that plus the
   rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
   one bucket of rows and moments (~24 bytes per element: fp32 input, int32 noise, bits and
@@ -198,8 +198,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
     optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
   temporaries = max(optimizer, 4 * max(owned)) + grads32
-  if fused_sr(config):
-    temporaries = 0          # it reads the 16-bit gradients, and their norm is a compiled pass too
+  if fused_sr(config):       # it reads the 16-bit gradients; their norm is compiled on CPU
+    temporaries = 0 if devices.kind(config.device) == 'cpu' else 2 * 4 * max(owned)
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
     moments = ADAM_STATES.get(config.model.optim.name, 2)
     items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded

@@ -106,6 +106,15 @@ def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
   assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500 + 4 * 6010   # one bucket holds all
 
 
+def test_bf16sr_fused_update_temporaries_are_the_norms_only_on_cuda():
+  c = llama_tiny.get_config()
+  c.precision.type = 'bf16SR'
+  sizes = {'a': 1000, 'b': 5000, 'c': 10}
+  assert memory.fused_sr(c) and memory.update_temporaries(c, sizes) == 0      # a compiled norm
+  c.device = 'cuda'                     # the norm eager there: one gradient's fp32 copy and square
+  assert memory.fused_sr(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 5000
+
+
 def test_first_pipeline_stage_holds_the_most_micro_batches():
   c = llama_tiny.get_config()
   c.distributed_strategy.pipeline_model_parallel_size = 2
