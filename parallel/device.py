@@ -9,9 +9,16 @@ import torch
 
 from parallel import xla
 
-# Dense bf16 datasheet peaks (never sparse), matched against torch.cuda.get_device_name().
-CUDA_PEAK_BF16 = (('H200', 989e12), ('H100', 989e12), ('A100', 312e12), ('L40S', 362e12),
-                  ('A10G', 125e12), ('L4', 121e12), ('V100', 125e12))
+# Dense bf16 datasheet peaks (never sparse), matched in order against
+# torch.cuda.get_device_name() ('NVIDIA H100 80GB HBM3' is the SXM part): the PCIe and NVL
+# H100s first, as their names hold 'H100' too.
+CUDA_PEAK_BF16 = (('H100 PCIe', 756e12), ('H100 NVL', 835e12), ('H200', 989e12), ('H100', 989e12),
+                  ('A100', 312e12), ('L40S', 362e12), ('A10G', 125e12), ('L4', 121e12), ('V100', 125e12))
+
+
+def datasheet_peak(name: str):
+  """The dense bf16 peak FLOP/s of the CUDA device called `name`, or None if not listed."""
+  return next((flops for key, flops in CUDA_PEAK_BF16 if key in name), None)
 
 
 def kind(name: str) -> str:
@@ -85,7 +92,6 @@ def peak_flops(device: torch.device, dtype=torch.float32) -> tuple:
   """(peak FLOP/s, where it came from). CUDA: datasheet bf16 dense; else a measured matmul."""
   if device.type == 'cuda':
     name = torch.cuda.get_device_name(device)
-    for key, flops in CUDA_PEAK_BF16:
-      if key in name:
-        return flops, f'{name} datasheet bf16 dense'
+    if datasheet_peak(name) is not None:
+      return datasheet_peak(name), f'{name} datasheet bf16 dense'
   return measured_matmul_flops(device, dtype), f'measured {dtype} 1024^3 matmul on {device.type}'

@@ -27,3 +27,13 @@ def test_xla_request_without_torch_xla_names_the_fix():
     pass
   with pytest.raises(RuntimeError, match='torch-xla'):
     device.resolve('xla')
+
+
+def test_datasheet_peaks_tell_the_h100_parts_apart():
+  # names as torch.cuda.get_device_name gives them (the first seen on the H100 of docs/performance.md)
+  assert device.datasheet_peak('NVIDIA H100 80GB HBM3') == 989e12
+  assert device.datasheet_peak('NVIDIA H100 PCIe') == 756e12
+  assert device.datasheet_peak('NVIDIA H100 NVL') == 835e12
+  assert device.datasheet_peak('NVIDIA A100-SXM4-80GB') == 312e12
+  assert device.datasheet_peak('NVIDIA GeForce GTX 1080') is None      # measured instead
+
