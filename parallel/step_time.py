@@ -58,7 +58,7 @@ class Prediction:
   terms: dict              # seconds per step per term (see module doc)
 
   def line(self) -> str:
-    return (f'{self.step_s:.3f} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}, '
+    return (f'{self.step_s:.3g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}, '
             f'bubble {self.bubble:.1%}, communication {self.comm:.1%}')
 
 
