@@ -271,8 +271,9 @@ def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
       if t.numel() == 0:
         continue
       key = keys[name]
+      # a fourth, unused: each row 16-byte aligned, as triton's compiled kernels assume
       seeds.append([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
-                    precision.key_seed(*key, 'exp_avg_sq')])
+                    precision.key_seed(*key, 'exp_avg_sq'), 0])
       work.append((t, name, *rows_of[id(group), step]))
   if not work:
     return
@@ -284,6 +285,7 @@ def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
     for i, (t, name, row, l2) in enumerate(work):
       state = optimizer.state[t]
       sizes, layout = _layout(*placement[name], device)
-      # rows cloned: a view at an offset would be one more compiled graph (dynamo guards offsets)
+      # views of the step's two tensors (one more graph than offset-0 tensors would compile,
+      # once; a clone per row would be two more launches per tensor every step)
       _run(_adamw_kernel, device, t.view(sizes), grads[name].reshape(sizes), scale, state['exp_avg'].view(sizes),
-           state['exp_avg_sq'].view(sizes), scalars[row].clone(), layout, seeds[i].clone(), l2)
+           state['exp_avg_sq'].view(sizes), scalars[row], layout, seeds[i], l2)
