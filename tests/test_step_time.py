@@ -7,7 +7,7 @@ import pytest
 
 from configs import llama3_8b, llama_tiny
 from model import transformer
-from parallel import clusters, collective_cost, schedule_sim, step_time
+from parallel import clusters, collective_cost, micro_batch_cost, schedule_sim, step_time
 
 H100 = clusters.CLUSTERS['h100']
 
@@ -118,7 +118,7 @@ def test_moe_runs_the_active_experts_and_ep_adds_all_to_alls():
   moe_tp = step_time.predict(_moe(tensor_model_parallel_size=2, kv_replicator=1), H100, 8)
   dense_tp = step_time.predict(tp2, H100, 8)
   micro_tp2 = a.global_batch_size // (a.micro_batch_size * 4)              # dp 4
-  outside = micro_tp2 * sum(step_time._edge_comm(tp2, H100, 2))  # pylint: disable=protected-access
+  outside = micro_tp2 * sum(micro_batch_cost.edge_comm(tp2, H100, 2))
   assert outside > 0
   assert moe_tp.terms['tp_comm'] - outside == pytest.approx((dense_tp.terms['tp_comm'] - outside) / 2)
   # under full recompute the backward runs the forward's two all-to-alls again
@@ -201,7 +201,7 @@ def test_measured_overheads_and_elementwise_rates_add_what_they_say():
                              step_overhead=4e-3)
   assert step_time.predict(c, over, 1).step_s - base == pytest.approx(
       layers * micro * 1e-3 + layers * 2e-3 + micro * 3e-3 + 4e-3)
-  ew_bytes = 3 * layers * micro * sum(step_time.elementwise_bytes(c, 1))
+  ew_bytes = 3 * layers * micro * sum(micro_batch_cost.elementwise_bytes(c, 1))
   logits = micro * a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)
   rates = dataclasses.replace(local, ew_bw=1e9, logit_s=1e-8)
   assert step_time.predict(c, rates, 1).step_s - base == pytest.approx(

@@ -132,12 +132,12 @@ ELEMENTWISE_SHAPE = {'model.num_layers': 2, 'model.hidden_size': 256, 'model.ffn
 
 def elementwise_figures(cluster) -> dict:
   """{'ew_bw', 'logit_s'}: what a micro batch takes beyond `cluster`'s prediction of its GEMMs,
-  attention and overheads (measured above), fitted as elementwise bytes (step_time's count) at
-  ew_bw plus logit elements at logit_s, from steps at two vocabularies, each at 1 and 3 micro
+  attention and overheads (measured above), fitted as elementwise bytes (micro_batch_cost's
+  count) at ew_bw plus logit elements at logit_s, from steps at two vocabularies, each at 1 and 3 micro
   batches: the difference leaves out what a step pays once (the embedding's and head's
   gradients zeroed and updated), which would otherwise be charged to every micro batch."""
   from model import transformer  # pylint: disable=import-outside-toplevel
-  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  from parallel import micro_batch_cost, step_time  # pylint: disable=import-outside-toplevel
   bare = dataclasses.replace(cluster, ew_bw=float('inf'), logit_s=1e-300)
   rows, rest = [], []
   for vocab in (512, 8192):
@@ -147,7 +147,7 @@ def elementwise_figures(cluster) -> dict:
                         'data.global_batch_size': micro * ELEMENTWISE_SHAPE['data.micro_batch_size']})
       beyond.append(_step_seconds(config, 1.5) - step_time.predict(config, bare, 1).step_s)
     a, m = config.data, config.model
-    rows.append((3 * m.num_layers * sum(step_time.elementwise_bytes(config, 1)),
+    rows.append((3 * m.num_layers * sum(micro_batch_cost.elementwise_bytes(config, 1)),
                  a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)))
     rest.append((beyond[1] - beyond[0]) / 2)
   return fit_elementwise(rows, rest, cluster.mem_bw)
