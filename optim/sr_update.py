@@ -22,14 +22,13 @@ settings (`_compile_settings`). Before the first use on a device type other than
 kernel runs compiled and eagerly on a probe of 4M awkward values, and runs compiled only if
 every bit agrees (`_checked`); else eagerly, with a warning.
 """
-import contextlib
 import functools
 import logging
 
 import torch
 
 from optim import inductor_bitcast
-from parallel import precision
+from parallel import grads, precision
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
 COMPILED_DEVICES = precision.FUSED_SR_DEVICES
@@ -100,15 +99,13 @@ def _compile_settings(device):
   """The inductor settings the kernels compile under: on the CPU, bit casts in vector registers;
   elsewhere (triton) eager's numerics -- no fma contraction (emulate_precision_casts) and
   IEEE division (eager_numerics.division_rounding, in torch releases that have it)."""
-  stack = contextlib.ExitStack()
-  stack.enter_context(inductor_bitcast.vector_bitcasts())
-  if device.type != 'cpu':
-    from torch._inductor import config  # pylint: disable=import-outside-toplevel
-    exact = {'emulate_precision_casts': True}
-    if hasattr(getattr(config, 'eager_numerics', None), 'division_rounding'):
-      exact['eager_numerics.division_rounding'] = True
-    stack.enter_context(config.patch(exact))
-  return stack
+  if device.type == 'cpu':
+    return inductor_bitcast.vector_bitcasts()
+  from torch._inductor import config  # pylint: disable=import-outside-toplevel
+  exact = {'emulate_precision_casts': True}
+  if hasattr(getattr(config, 'eager_numerics', None), 'division_rounding'):
+    exact['eager_numerics.division_rounding'] = True
+  return config.patch(exact)
 
 
 def _probe(kernel, device):
@@ -144,9 +141,8 @@ def differing_bits(kernel, device) -> tuple:
 
 def _checked(kernel, device) -> bool:
   """Whether compiled `kernel` may run on `device`: on the CPU the suite checks it; elsewhere it
-  must have eager's bits on the probe, checked once per process and device type. The norm's
-  kernel has bits of its own anyway (square_sum)."""
-  if device.type == 'cpu' or kernel is _square_sum_kernel:
+  must have eager's bits on the probe, checked once per process and device type."""
+  if device.type == 'cpu':
     return True
   key = (kernel, device.type)
   if key not in _checks:
@@ -203,21 +199,17 @@ def round_at(x, box, global_shape, *key) -> torch.Tensor:
   return out.view(x.shape)
 
 
-def _square_sum_kernel(x):
-  return x.float().pow(2).sum()
-
-
 def square_sum(t) -> torch.Tensor:
   """grads.square_sum (the fp32 sum of squares), compiled on the CPU: one pass over bf16
-  gradients where eager widens a full fp32 copy and squares it into another. Its loop sums in another order
-  than eager's, so its bits are its own (the eager fallback is eager's; norms are not layout-
-  invariant bit for bit anyway: shards are summed in other orders)."""
+  gradients where eager widens a full fp32 copy and squares it into another. Its loop sums in
+  another order than eager's, so its bits are its own (the eager fallback is eager's; norms are
+  not layout-invariant bit for bit anyway: shards are summed in other orders)."""
   if t.device.type != 'cpu':
     # inductor's dynamic-shape reduction was slow on CUDA: 874 ms of GPU time per step for a
     # 1.1B model's 201 gradients on an H100 (torch 2.11), where eager's passes take milliseconds
-    return _square_sum_kernel(t.detach().reshape(-1))
+    return grads.square_sum(t)
   with _compile_settings(t.device):
-    return _run(_square_sum_kernel, t.device, t.detach().reshape(-1))
+    return _run(grads.square_sum, t.device, t.reshape(-1))
 
 
 def fusable(optimizer, device) -> bool:

@@ -92,6 +92,7 @@ def peak_flops(device: torch.device, dtype=torch.float32) -> tuple:
   """(peak FLOP/s, where it came from). CUDA: datasheet bf16 dense; else a measured matmul."""
   if device.type == 'cuda':
     name = torch.cuda.get_device_name(device)
-    if datasheet_peak(name) is not None:
-      return datasheet_peak(name), f'{name} datasheet bf16 dense'
+    flops = datasheet_peak(name)
+    if flops is not None:
+      return flops, f'{name} datasheet bf16 dense'
   return measured_matmul_flops(device, dtype), f'measured {dtype} 1024^3 matmul on {device.type}'

@@ -179,8 +179,9 @@ def update_temporaries(config, sizes, dp=1) -> int:
   For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU and CUDA
   (precision.FUSED_SR_DEVICES), optim/sr_update.py steps and rounds each tensor in place in one
   compiled pass from the 16-bit gradients, after a compiled norm on CPU (nothing) or an eager
-  one on CUDA (one tensor's fp32 copy and its square). Elsewhere the step runs on fp32 working rows and moments (4 + 8 bytes per element, less the 4 of the bf16
-  moments freed as they widen), and then the larger of that plus the above, or that plus the
+  one on CUDA (one tensor's fp32 copy and its square). Elsewhere the step runs on fp32 working
+  rows and moments (4 + 8 bytes per element, less the 4 of the bf16 moments freed as they
+  widen), and then the larger of that plus the above, or that plus the
   rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
   one bucket of rows and moments (~24 bytes per element: fp32 input, int32 noise, bits and
   clamps, the bf16 result, the hash; a bucket may pass bucket_size by one tensor). With

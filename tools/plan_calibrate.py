@@ -133,8 +133,8 @@ ELEMENTWISE_SHAPE = {'model.num_layers': 2, 'model.hidden_size': 256, 'model.ffn
 def elementwise_figures(cluster) -> dict:
   """{'ew_bw', 'logit_s'}: what a micro batch takes beyond `cluster`'s prediction of its GEMMs,
   attention and overheads (measured above), fitted as elementwise bytes (micro_batch_cost's
-  count) at ew_bw plus logit elements at logit_s, from steps at two vocabularies, each at 1 and 3 micro
-  batches: the difference leaves out what a step pays once (the embedding's and head's
+  count) at ew_bw plus logit elements at logit_s, from steps at two vocabularies, each at 1 and
+  3 micro batches: the difference leaves out what a step pays once (the embedding's and head's
   gradients zeroed and updated), which would otherwise be charged to every micro batch."""
   from model import transformer  # pylint: disable=import-outside-toplevel
   from parallel import micro_batch_cost, step_time  # pylint: disable=import-outside-toplevel
