@@ -32,6 +32,9 @@ from parallel import grads, precision
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
 COMPILED_DEVICES = precision.FUSED_SR_DEVICES
+# ... and for fp32 rows: on the CPU torch steps them one tensor at a time, an op per pass; on
+# CUDA its fused AdamW is one multi-tensor kernel per group, which one call per tensor would not beat.
+FP32_DEVICES = ('cpu',)
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
@@ -56,27 +59,38 @@ def _sqrt(x):
   return x.double().sqrt().float()
 
 
-def _adamw_kernel(param, grad, scale, exp_avg, exp_avg_sq, scalars, layout, seeds, l2):
-  """In place: torch's single-tensor Adam(W) step on bf16 param/moments widened to fp32,
-  each result rounded back with its own seed. grad: bf16 or fp32, times the fp32 `scale` (the
-  clip coefficient: the multiply clipping does in place, so the same bits). scalars: fp32
-  [param decay, 1 - beta1, beta2, 1 - beta2, sqrt(bias correction 2), eps, -step size,
-  L2 weight decay (Adam)]."""
+def _adam(p, grad, scale, m, v, scalars, l2):
+  """torch's single-tensor Adam(W) step in fp32, op for op: (param, exp_avg, exp_avg_sq) after it.
+  grad (bf16 or fp32) times the fp32 `scale` (the clip coefficient: the multiply clipping does
+  in place, so the same bits). scalars: fp32 [param decay, 1 - beta1, beta2, 1 - beta2,
+  sqrt(bias correction 2), eps, -step size, L2 weight decay (Adam)]."""
   grad = grad.float() * scale
-  p = param.float()
   if l2:                                        # Adam: grad.add(param, alpha=weight_decay)
     grad = grad + scalars[7] * p
   p = p * scalars[0]                            # AdamW: param.mul_(1 - lr * weight_decay)
-  m = exp_avg.float()
   m = m + scalars[1] * (grad - m)               # exp_avg.lerp_(grad, 1 - beta1)
-  v = exp_avg_sq.float() * scalars[2]
+  v = v * scalars[2]
   v = v + scalars[3] * grad * grad              # .addcmul_(grad, grad, value=1 - beta2)
   denom = _sqrt(v) / scalars[4] + scalars[5]
-  p = p + scalars[6] * m / denom                # param.addcdiv_(exp_avg, denom, value=-step_size)
+  return p + scalars[6] * m / denom, m, v       # param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _adamw_kernel(param, grad, scale, exp_avg, exp_avg_sq, scalars, layout, seeds, l2):
+  """In place: _adam on bf16 param/moments widened to fp32, each result rounded back with its
+  own seed."""
+  p, m, v = _adam(param.float(), grad, scale, exp_avg.float(), exp_avg_sq.float(), scalars, l2)
   index = precision.index_from_layout(param.shape, layout)
   param.copy_(_round(p, index, seeds[0]))
   exp_avg.copy_(_round(m, index, seeds[1]))
   exp_avg_sq.copy_(_round(v, index, seeds[2]))
+
+
+def _adamw_fp32_kernel(param, grad, scale, exp_avg, exp_avg_sq, scalars, l2):
+  """In place: _adam on fp32 param (an fp32 recipe's parameter, or a master) and moments."""
+  p, m, v = _adam(param, grad, scale, exp_avg, exp_avg_sq, scalars, l2)
+  param.copy_(p)
+  exp_avg.copy_(m)
+  exp_avg_sq.copy_(v)
 
 
 _failed = set()        # (kernel, device type) pairs that run eagerly in this process
@@ -121,21 +135,25 @@ def _probe(kernel, device):
   scalars, l2 = _scalars({'lr': 3e-4, 'betas': (0.9, 0.95), 'eps': 1e-8, 'weight_decay': 0.1,
                           'decoupled_weight_decay': True}, 3.0)
   scalars = torch.tensor(scalars, dtype=torch.float32, device=device)
-  bf16 = lambda t: t.to(device, torch.bfloat16)
-  return [bf16(x * 1e-6), bf16(gradient), torch.tensor(0.73, device=device), bf16(gradient.roll(1) * 0.1),
-          bf16(gradient.roll(2).square()), scalars, layout,
-          torch.tensor([1, -2, 3], dtype=torch.int32, device=device), l2]
+  dtype = torch.float32 if kernel is _adamw_fp32_kernel else torch.bfloat16
+  cast = lambda t: t.to(device, dtype)
+  args = [cast(x * 1e-6), cast(gradient), torch.tensor(0.73, device=device), cast(gradient.roll(1) * 0.1),
+          cast(gradient.roll(2).square()), scalars]
+  if kernel is _adamw_fp32_kernel:
+    return args + [l2]
+  return args + [layout, torch.tensor([1, -2, 3], dtype=torch.int32, device=device), l2]
 
 
 def differing_bits(kernel, device) -> tuple:
-  """(bf16 outputs that differ between compiled and eager `kernel` on its probe, outputs)."""
+  """(outputs that differ in any bit between compiled and eager `kernel` on its probe, outputs)."""
   args = _probe(kernel, device)
   eager, compiled = ([a.clone() if torch.is_tensor(a) else a for a in args] for _ in range(2))
   want = kernel(*eager)
   with _compile_settings(device):
     got = _compiled(kernel)(*compiled)
   pairs = [(want, got)] if kernel is _round_kernel else [(eager[i], compiled[i]) for i in (0, 3, 4)]
-  return (sum(int((a.view(torch.int16) != b.view(torch.int16)).sum()) for a, b in pairs),
+  as_int = lambda t: t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+  return (sum(int((as_int(a) != as_int(b)).sum()) for a, b in pairs),
           sum(a.numel() for a, _ in pairs))
 
 
@@ -212,10 +230,13 @@ def square_sum(t) -> torch.Tensor:
     return _run(grads.square_sum, t.device, t.reshape(-1))
 
 
-def fusable(optimizer, device) -> bool:
-  """Whether `optimizer` is torch's Adam or AdamW with options adamw_step implements, on a
-  device type it is compiled for (elsewhere the eager pipeline is as fast)."""
-  if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or device.type not in COMPILED_DEVICES:
+def fusable(optimizer, device, dtype=torch.bfloat16) -> bool:
+  """Whether `optimizer` is torch's Adam or AdamW with options adamw_step implements, for rows of
+  `dtype` on a device type it is compiled for there: bf16 rows (bf16SR) on COMPILED_DEVICES,
+  fp32 rows (an fp32 recipe's parameters, masters) on FP32_DEVICES. Elsewhere the eager
+  pipeline is as fast."""
+  devices = FP32_DEVICES if dtype == torch.float32 else COMPILED_DEVICES
+  if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or device.type not in devices:
     return False
   # `fused` (flatron's CUDA default) only picks torch's kernel for the same step: the one pass
   # replaces it for the rows it updates
@@ -236,12 +257,13 @@ def _scalars(group, step):
 
 
 @torch.no_grad()
-def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
-  """One Adam(W) step of `optimizer` (fusable) on bf16 `rows` (name -> the optimizer's param,
-  written in place) from `grads` (bf16 or fp32) times `scale` (an fp32 0-dim tensor, the clip
+def adamw_step(optimizer, rows, grads, placement=None, keys=None, scale=None):
+  """One Adam(W) step of `optimizer` (fusable) on `rows` (name -> the optimizer's param, written
+  in place) from `grads` (bf16 or fp32) times `scale` (an fp32 0-dim tensor, the clip
   coefficient; None: 1, which changes no bit), state created and counted as torch's step would.
-  `placement`: name -> (box, global shape) of the rows; `keys`: name -> the rounding key of
-  the rows, whose moments use key + ('exp_avg',) and key + ('exp_avg_sq',)."""
+  bf16 rows are rounded stochastically: `placement`: name -> (box, global shape) of the rows;
+  `keys`: name -> the rounding key of the rows, whose moments use key + ('exp_avg',) and
+  key + ('exp_avg_sq',). fp32 rows need neither."""
   names = {id(r): n for n, r in rows.items()}
   work, scalars, seeds, rows_of = [], [], [], {}     # host values: one copy of each to the device
   for group in optimizer.param_groups:
@@ -262,22 +284,28 @@ def adamw_step(optimizer, rows, grads, placement, keys, scale=None):
         scalars.append(values)
       if t.numel() == 0:
         continue
-      key = keys[name]
-      # a fourth, unused: each row 16-byte aligned, as triton's compiled kernels assume
-      seeds.append([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
-                    precision.key_seed(*key, 'exp_avg_sq'), 0])
-      work.append((t, name, *rows_of[id(group), step]))
+      seed = None
+      if t.dtype != torch.float32:
+        key, seed = keys[name], len(seeds)
+        # a fourth, unused: each row 16-byte aligned, as triton's compiled kernels assume
+        seeds.append([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
+                      precision.key_seed(*key, 'exp_avg_sq'), 0])
+      work.append((t, name, *rows_of[id(group), step], seed))
   if not work:
     return
   device = work[0][0].device
   with _compile_settings(device):
     scale = torch.ones((), device=device) if scale is None else scale.to(device=device, dtype=torch.float32)
     scalars = torch.tensor(scalars, dtype=torch.float32, device=device)
-    seeds = torch.tensor(seeds, dtype=torch.int32, device=device)
-    for i, (t, name, row, l2) in enumerate(work):
+    seeds = torch.tensor(seeds, dtype=torch.int32, device=device) if seeds else None
+    for t, name, row, l2, seed in work:
       state = optimizer.state[t]
+      if seed is None:                 # fp32: flat, one graph for every shape
+        _run(_adamw_fp32_kernel, device, t.view(-1), grads[name].reshape(-1), scale, state['exp_avg'].view(-1),
+             state['exp_avg_sq'].view(-1), scalars[row], l2)
+        continue
       sizes, layout = _layout(*placement[name], device)
       # views of the step's two tensors (one more graph than offset-0 tensors would compile,
       # once; a clone per row would be two more launches per tensor every step)
       _run(_adamw_kernel, device, t.view(sizes), grads[name].reshape(sizes), scale, state['exp_avg'].view(sizes),
-           state['exp_avg_sq'].view(sizes), scalars[row], layout, seeds[i], l2)
+           state['exp_avg_sq'].view(sizes), scalars[row], layout, seeds[seed], l2)

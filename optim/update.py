@@ -108,10 +108,10 @@ class Updater:
     gathers stay in flight (overlap_param_gather); the caller waits (wait_params)."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
-    # bf16SR's one-pass update reads the bf16 gradients and applies the clip coefficient itself
-    # (the same fp32 multiply): no fp32 copy of them, no pass to scale them; their norm is a
-    # compiled loop too (one pass over the bf16 buckets, where eager widens a copy).
-    fused = self._fusable_sr()
+    # The one-pass update reads the gradients as they are (bf16SR's bf16) and applies the clip
+    # coefficient itself (the same fp32 multiply): no fp32 copy of them, no pass to scale them;
+    # bf16 gradients' norm is a compiled loop too (one pass over the buckets, where eager widens a copy).
+    fused = self._fusable()
     owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
     norm, coefficient = self._clip(owned, fused)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)
@@ -133,7 +133,8 @@ class Updater:
     """grads.clip over every domain (each domain's boxes are disjoint over its own group), the
     names in `fused` left for the fused update to scale. Returns (norm, coefficient or None)."""
     max_norm = self.config.trainer.gradient_clip_val
-    squares_of = sr_update.square_sum if fused else grad_ops.square_sum
+    sixteen_bit = any(self.master[n].dtype != torch.float32 for n in fused)
+    squares_of = sr_update.square_sum if sixteen_bit else grad_ops.square_sum
     if self.mesh.ep == 1:
       return grad_ops.clip(owned, self.mesh, max_norm, extra_group=self.group, unscaled=fused,
                            squares_of=squares_of)
@@ -150,7 +151,7 @@ class Updater:
 
   def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None):
     if fused:
-      self._fused_sr(fused, owned, step, scale)
+      self._fused_step(fused, owned, step, scale)
     narrow = self._widen(skip=fused)
     if keep_if_not is not None:
       before = {id(t): t.clone() for t in self._state_tensors()}
@@ -182,19 +183,21 @@ class Updater:
                                async_op=self.overlap_gather and buf.collective == 'all_reduce')
       self.pending.update({n: (w, group) for n, w in works.items()})
 
-  def _fusable_sr(self):
-    """Names whose update is bf16SR's one pass (optim/sr_update.py): bf16 rows without a master
-    under torch's Adam(W), stochastically rounded, on a device type it is compiled for."""
-    names = [n for n, m in self.master.items() if m.dtype != torch.float32]
-    if not (names and self.recipe.stochastic_rounding
-            and sr_update.fusable(self.optimizer, self.master[names[0]].device)):
+  def _fusable(self):
+    """Names whose Adam(W) step is optim/sr_update.py's one compiled pass per tensor: bf16 rows
+    without a master, stochastically rounded (bf16SR), and fp32 rows (fp32 parameters, masters),
+    on a device type that compiles them (sr_update.fusable)."""
+    if not self.master:
       return frozenset()
-    return frozenset(names)
+    device = next(iter(self.master.values())).device
+    fp32 = sr_update.fusable(self.optimizer, device, torch.float32)
+    sr = self.recipe.stochastic_rounding and sr_update.fusable(self.optimizer, device)
+    return frozenset(n for n, m in self.master.items() if (fp32 if m.dtype == torch.float32 else sr))
 
-  def _fused_sr(self, names, owned, step, scale):
-    """Rows and moments of `names` stepped and rounded in one pass each from the unscaled
-    gradients `owned` times `scale` (the clip coefficient; None: 1), bit for bit keyed as
-    _round_all keys them."""
+  def _fused_step(self, names, owned, step, scale):
+    """Rows (and moments) of `names` stepped in one pass each from the unscaled gradients
+    `owned` times `scale` (the clip coefficient; None: 1); bf16 rows and moments rounded bit for
+    bit keyed as _round_all keys them."""
     sr_update.adamw_step(self.optimizer, {n: self.master[n] for n in names}, owned,
                          {n: self._owned_box(n) for n in names},
                          {n: (self.config.seed, 'sr', step, n) for n in names}, scale=scale)

@@ -72,7 +72,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'update_temporaries': update_temporaries(config, sizes, group),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
       'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
-                  + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) else 0)
+                  + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) or fused_fp32(config) else 0)
                   if devices.kind(config.device) == 'cpu' else 0),
   }
   if m.objective == 'dpo' and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
@@ -170,8 +170,10 @@ FUSED = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adagrad')   # fused on C
 def update_temporaries(config, sizes, dp=1) -> int:
   """The update's transient bytes beyond gradients and state, over this rank's owned rows
   (ZeRO-1: 1/dp of each tensor's), the largest of
-    the optimizer's: on CPU and XLA torch steps one tensor at a time (its foreach kernels are
-      CUDA's): sqrt(v) and the quotient, 2 x 4 bytes x the largest tensor (measured); on CUDA
+    the optimizer's: on XLA torch steps one tensor at a time (its foreach kernels are CUDA's):
+      sqrt(v) and the quotient, 2 x 4 bytes x the largest tensor (measured); on CPU so do other
+      optimizers, while Adam(W) on fp32 rows (fp32 parameters, masters) is optim/sr_update.py's
+      one compiled pass per tensor, in place (nothing); on CUDA
       the fused optimizers none, the others foreach over runs of at most
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
@@ -194,7 +196,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
   if not owned:
     return 0
   if devices.kind(config.device) != 'cuda':
-    optimizer = 2 * 4 * max(owned)
+    optimizer = 0 if fused_fp32(config) else 2 * 4 * max(owned)
   else:
     optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
@@ -221,6 +223,15 @@ def fused_sr(config) -> bool:
   recipe = precision.recipe(config.precision)
   return (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState') and recipe.stochastic_rounding
           and not recipe.has_master(recipe.param_dtype) and devices.kind(config.device) in precision.FUSED_SR_DEVICES)
+
+
+def fused_fp32(config) -> bool:
+  """Whether Adam(W) steps fp32 rows (an fp32 recipe's parameters, or masters) in
+  optim/sr_update.py's one compiled pass (on the CPU: sr_update.FP32_DEVICES)."""
+  recipe = precision.recipe(config.precision)
+  fp32_rows = recipe.param_dtype == torch.float32 or recipe.has_master(recipe.param_dtype)
+  return (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState') and fp32_rows
+          and devices.kind(config.device) == 'cpu')
 
 
 def largest_run(elements, limit) -> int:

@@ -51,6 +51,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   bounds = pipeline.config_bounds(config, mesh.pp)
   last = len(bounds) - 1
   layer_fn = compiled.layer_fn(m, mesh.device, layer_fn) or (lambda fn, *args: fn(*args))
+  ops = compiled.loss_ops(m, ops)
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank

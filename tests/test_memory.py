@@ -96,14 +96,25 @@ def test_largest_run_is_the_optimizer_chunks():
     assert memory.largest_run(elements, limit) == max(4 * sum(elements[i] for i in run) for run in runs)
 
 
-def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
+def test_update_temporaries_of_torchs_step_are_twice_the_largest_owned_tensor():
   c = llama_tiny.get_config()
+  c.model.optim.name = 'sgd'                # torch's step, one tensor at a time, on the CPU
   sizes = {'a': 1000, 'b': 5000, 'c': 10}
   assert memory.update_temporaries(c, sizes) == 2 * 4 * 5000
   c.distributed_strategy.zero1 = True       # owned rows: half of each; gloo's OR gather is in place
   assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500
   c.distributed_strategy.zero1_collectives = 'reduce_scatter'     # the all-gather's bucket
   assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500 + 4 * 6010   # one bucket holds all
+
+
+@pytest.mark.parametrize('recipe', ['fp32', 'mixed_precision'])
+def test_fp32_rows_fused_adamw_on_cpu_leaves_the_norms_square_only(recipe):
+  c = llama_tiny.get_config()
+  c.precision.type = recipe
+  sizes = {'a': 1000, 'b': 5000, 'c': 10}
+  assert memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 4 * 5000    # the eager norm's square
+  c.device = 'xla'                      # torch's AdamW there: sqrt(v) and the quotient
+  assert not memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 5000
 
 
 def test_bf16sr_fused_update_temporaries_are_the_norms_only_on_cuda():

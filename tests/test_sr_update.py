@@ -160,6 +160,64 @@ def test_fused_step_rounds_alike_on_every_layout():
       assert torch.equal(bits(g), bits(w[box[1]]))
 
 
+def _fp32_steps(rows, grads, optimizer_cls, fused, steps=3, scale=None):
+  """`steps` Adam(W) steps on fp32 copies of `rows`: the one pass (gradients times `scale` in the
+  loop), or torch's single-tensor step (gradients scaled first, as grads.clip does)."""
+  rows = {n: r.float().clone() for n, r in rows.items()}
+  opt = optimizer_cls([{'params': [rows['w']], 'weight_decay': 0.1},
+                       {'params': [rows['b']], 'weight_decay': 0.0}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                      foreach=False)
+  for step in range(steps):
+    step_grads = {n: g * (step + 1) for n, g in grads.items()}
+    if fused:
+      sr_update.adamw_step(opt, rows, step_grads, scale=scale)
+      continue
+    if scale is not None:
+      torch._foreach_mul_(list(step_grads.values()), scale)
+    for n, r in rows.items():
+      r.grad = step_grads[n]
+    opt.step()
+  return {n: (r, opt.state[r]['exp_avg'], opt.state[r]['exp_avg_sq'], opt.state[r]['step']) for n, r in rows.items()}
+
+
+def _fp32_rows(seed, box=(slice(None), slice(None))):
+  g = torch.Generator().manual_seed(seed)
+  rows = {'w': torch.randn(64, 48, generator=g), 'b': torch.randn(48, generator=g)}
+  grads = {n: torch.randn(r.shape, generator=g) * 1e-2 for n, r in rows.items()}
+  return rows, grads
+
+
+@pytest.mark.parametrize('optimizer_cls', [torch.optim.AdamW, torch.optim.Adam])
+def test_fp32_fused_step_is_torchs_step_to_fp32_rounding(optimizer_cls):
+  rows, grads = _fp32_rows(10)
+  scale = torch.tensor(0.6173)
+  got = _fp32_steps(rows, grads, optimizer_cls, True, scale=scale)
+  want = _fp32_steps(rows, grads, optimizer_cls, False, scale=scale)
+  for n in rows:
+    assert all(t.dtype == torch.float32 for t in got[n][:3]) and got[n][3].item() == want[n][3].item() == 3.0
+    # torch's vectorized lerp_, addcmul_ and addcdiv_ contract into fmas: an ulp or two of each
+    # moment (more where Adam's L2 term cancels the gradient) and of the largest parameter
+    for g, w in zip(got[n][:3], want[n][:3]):
+      torch.testing.assert_close(g, w, rtol=4e-6, atol=4 * torch.finfo(torch.float32).eps * float(w.abs().max()), msg=n)
+
+
+def test_fp32_fused_step_is_the_same_bits_on_every_layout_and_compiled_or_not(monkeypatch):
+  rows, grads = _fp32_rows(11)
+  whole = _fp32_steps(rows, grads, torch.optim.AdamW, True)
+  for box in [(slice(0, 40), slice(0, 48)), (slice(40, 64), slice(0, 48)), (slice(8, 24), slice(16, 48))]:
+    part = _fp32_steps({'w': rows['w'][box], 'b': rows['b'][box[1]]},
+                       {'w': grads['w'][box], 'b': grads['b'][box[1]]}, torch.optim.AdamW, True)
+    for g, w in zip(part['w'][:3], whole['w'][:3]):
+      assert torch.equal(bits32(g), bits32(w[box]))
+    for g, w in zip(part['b'][:3], whole['b'][:3]):
+      assert torch.equal(bits32(g), bits32(w[box[1]]))
+  monkeypatch.setattr(sr_update, '_compiled', lambda kernel: kernel)
+  eager = _fp32_steps(rows, grads, torch.optim.AdamW, True)
+  for n in rows:
+    for e, w in zip(eager[n][:3], whole[n][:3]):
+      assert torch.equal(bits32(e), bits32(w))
+
+
 def test_fused_step_creates_torchs_state_on_a_first_step():
   rows = {'w': ROWS['w'].clone(), 'b': ROWS['b'].clone()}
   opt = torch.optim.AdamW([rows['w'], rows['b']], lr=1e-3)
@@ -177,6 +235,10 @@ def test_only_plain_adam_and_adamw_on_a_compiled_device_are_fused():
   assert not sr_update.fusable(torch.optim.AdamW(p), torch.device('meta'))
   # flatron's CUDA optimizers are built fused=True: the one pass replaces torch's kernel there too
   assert sr_update.fusable(torch.optim.AdamW(p, fused=True), torch.device('cpu'))
+  # fp32 rows: on the CPU only (CUDA's fused AdamW is one multi-tensor kernel already)
+  assert sr_update.fusable(torch.optim.AdamW(p), torch.device('cpu'), torch.float32)
+  assert not sr_update.fusable(torch.optim.AdamW(p, fused=True), torch.device('cuda'), torch.float32)
+  assert sr_update.fusable(torch.optim.AdamW(p, fused=True), torch.device('cuda'))
 
 
 def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
@@ -204,6 +266,7 @@ def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
 def test_the_probe_finds_compiled_equal_to_eager_on_the_cpu():
   assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu')) == (0, 1 << 22)
   assert sr_update.differing_bits(sr_update._adamw_kernel, torch.device('cpu')) == (0, 3 << 22)
+  assert sr_update.differing_bits(sr_update._adamw_fp32_kernel, torch.device('cpu')) == (0, 3 << 22)
 
 
 def test_eager_sqrt_is_correctly_rounded_as_compiled_kernels_sqrt_is():

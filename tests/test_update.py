@@ -51,7 +51,7 @@ def test_owned_rows_are_the_zero1_shards():
 
 
 def _sr_step(recipe, world_size):
-  """One stochastically rounded update from the same global gradient, on this rank's shards."""
+  """One (stochastically rounded) update from the same global gradient, on this rank's shards."""
   config = parity.parity_config(zero1=world_size > 1, precision=recipe)
   mesh = meshes.init(config)
   params = training.init_params(config, mesh)
@@ -70,8 +70,10 @@ def _sr_steps(recipes, world_size):
 
 
 def test_stochastic_rounding_is_the_same_at_every_zero1_layout():
+  # fp32 and mixed_precision too: the one-pass fp32 Adam step is the same arithmetic at every
+  # element's position, so ZeRO-1's shards step bit for bit as the whole does
   from tests import world  # pylint: disable=import-outside-toplevel
-  recipes = ('bf16SR', 'mixed_precisionSR')
+  recipes = ('bf16SR', 'mixed_precisionSR', 'fp32', 'mixed_precision')
   single = _sr_steps(recipes, 1)                  # one process: this one
   for got in world.run(_sr_steps, 2, recipes, 2):
     for recipe in recipes:
@@ -89,3 +91,19 @@ def test_bf16SR_keeps_bf16_moments_and_no_fp32_copy_between_steps():
   state = updater.named_state()
   assert state and all(v.dtype == torch.bfloat16 for v in state.values())
   assert any(not torch.equal(p.detach(), before[n]) for n, p in params.items())
+
+
+def test_fp32_rows_step_in_one_pass_as_torchs_adamw_does_to_fp32_rounding(monkeypatch):
+  for precision_type in ('fp32', 'mixed_precision'):
+    params, _, updater, _ = _stepped(precision_type=precision_type)
+    assert updater._fusable() == set(updater.master)         # every row, on the CPU
+    monkeypatch.setattr(update.sr_update, 'fusable', lambda *args, **kwargs: False)
+    reference, _, unfused, _ = _stepped(precision_type=precision_type)
+    assert unfused._fusable() == frozenset()
+    monkeypatch.undo()
+    # torch's vectorized lerp_ and addcmul_ contract into fmas, the one pass does not: an fp32
+    # ulp or so in the moments, as little in the parameters
+    for name, p in params.items():
+      torch.testing.assert_close(p, reference[name], rtol=1e-6, atol=1e-7, msg=name)
+    for key, value in updater.named_state().items():
+      torch.testing.assert_close(value, unfused.named_state()[key], rtol=1e-5, atol=1e-9, msg=key)
