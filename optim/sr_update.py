@@ -32,9 +32,7 @@ from parallel import grads, precision
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
 COMPILED_DEVICES = precision.FUSED_SR_DEVICES
-# ... and for fp32 rows: on the CPU torch steps them one tensor at a time, an op per pass; on
-# CUDA its fused AdamW is one multi-tensor kernel per group, which one call per tensor would not beat.
-FP32_DEVICES = ('cpu',)
+FP32_DEVICES = precision.FUSED_FP32_DEVICES     # ... and for fp32 rows
 _BF16_MAX = torch.finfo(torch.bfloat16).max
 
 

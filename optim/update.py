@@ -18,6 +18,7 @@ per parameter): for one update the owned rows and the moments are widened to fp3
 copies, and after it rounded back (stochastically, keyed like the parameters). Frozen
 parameters (not in `trainable`) get no gradient, state or rows.
 """
+import math
 import typing
 
 import torch
@@ -185,14 +186,17 @@ class Updater:
 
   def _fusable(self):
     """Names whose Adam(W) step is optim/sr_update.py's one compiled pass per tensor: bf16 rows
-    without a master, stochastically rounded (bf16SR), and fp32 rows (fp32 parameters, masters),
-    on a device type that compiles them (sr_update.fusable)."""
+    without a master, stochastically rounded (bf16SR), and fp32 rows (fp32 parameters, masters)
+    of parameters with at least precision.FUSED_FP32_MIN_NUMEL elements, on a device type that
+    compiles them (sr_update.fusable)."""
     if not self.master:
       return frozenset()
     device = next(iter(self.master.values())).device
     fp32 = sr_update.fusable(self.optimizer, device, torch.float32)
     sr = self.recipe.stochastic_rounding and sr_update.fusable(self.optimizer, device)
-    return frozenset(n for n, m in self.master.items() if (fp32 if m.dtype == torch.float32 else sr))
+    large = lambda n: math.prod(self.placement[n][1]) >= precision.FUSED_FP32_MIN_NUMEL
+    return frozenset(n for n, m in self.master.items()
+                     if (fp32 and large(n) if m.dtype == torch.float32 else sr))
 
   def _fused_step(self, names, owned, step, scale):
     """Rows (and moments) of `names` stepped in one pass each from the unscaled gradients

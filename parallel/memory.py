@@ -72,7 +72,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'update_temporaries': update_temporaries(config, sizes, group),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
       'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
-                  + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) or fused_fp32(config) else 0)
+                  + (RUNTIME_BYTES['inductor'] if m.get('compile') or fused_sr(config) or fused_fp32_names(config, sizes)
+                     else 0)
                   if devices.kind(config.device) == 'cpu' else 0),
   }
   if m.objective == 'dpo' and not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
@@ -172,8 +173,9 @@ def update_temporaries(config, sizes, dp=1) -> int:
   (ZeRO-1: 1/dp of each tensor's), the largest of
     the optimizer's: on XLA torch steps one tensor at a time (its foreach kernels are CUDA's):
       sqrt(v) and the quotient, 2 x 4 bytes x the largest tensor (measured); on CPU so do other
-      optimizers, while Adam(W) on fp32 rows (fp32 parameters, masters) is optim/sr_update.py's
-      one compiled pass per tensor, in place (nothing); on CUDA
+      optimizers, while Adam(W) on the fp32 rows (fp32 parameters, masters) of parameters of
+      precision.FUSED_FP32_MIN_NUMEL elements or more is optim/sr_update.py's one compiled
+      pass per tensor, in place (nothing); on CUDA
       the fused optimizers none, the others foreach over runs of at most
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
@@ -196,7 +198,9 @@ def update_temporaries(config, sizes, dp=1) -> int:
   if not owned:
     return 0
   if devices.kind(config.device) != 'cuda':
-    optimizer = 0 if fused_fp32(config) else 2 * 4 * max(owned)
+    fused = fused_fp32_names(config, sizes)
+    optimizer = 2 * 4 * max((math.ceil(v / shards) for n, v in sizes.items() if n in trained and n not in fused),
+                            default=0)
   else:
     optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
@@ -227,11 +231,23 @@ def fused_sr(config) -> bool:
 
 def fused_fp32(config) -> bool:
   """Whether Adam(W) steps fp32 rows (an fp32 recipe's parameters, or masters) in
-  optim/sr_update.py's one compiled pass (on the CPU: sr_update.FP32_DEVICES)."""
+  optim/sr_update.py's one compiled pass (on the CPU: precision.FUSED_FP32_DEVICES), for
+  parameters of precision.FUSED_FP32_MIN_NUMEL elements or more."""
   recipe = precision.recipe(config.precision)
   fp32_rows = recipe.param_dtype == torch.float32 or recipe.has_master(recipe.param_dtype)
   return (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState') and fp32_rows
-          and devices.kind(config.device) == 'cpu')
+          and devices.kind(config.device) in precision.FUSED_FP32_DEVICES)
+
+
+def fused_fp32_names(config, sizes) -> set:
+  """The parameters whose fp32 rows fused_fp32 steps in the compiled pass: the trained ones of
+  precision.FUSED_FP32_MIN_NUMEL elements or more (globally: `sizes` are estimate()'s, each a
+  global size over tp x pp)."""
+  if not fused_fp32(config):
+    return set()
+  d = config.distributed_strategy
+  spread = d.tensor_model_parallel_size * d.pipeline_model_parallel_size
+  return {n for n in lora.trainable(config.model, sizes) if sizes[n] * spread >= precision.FUSED_FP32_MIN_NUMEL}
 
 
 def largest_run(elements, limit) -> int:

@@ -48,6 +48,13 @@ MANUAL_KNOBS = {'master_weights': False, 'fp32_grad_acc': False, 'parameter_dtyp
 # Device types optim/sr_update.py compiles bf16SR's one-pass update for (the memory estimate reads it;
 # on CUDA only once a probe showed the compiled kernels reproduce eager's bits).
 FUSED_SR_DEVICES = ('cpu', 'cuda')
+# ... and Adam(W) on fp32 rows (fp32 parameters, masters): on the CPU, where torch steps one
+# tensor at a time, an op per pass (CUDA's fused AdamW is one multi-tensor kernel already); for
+# parameters of at least FUSED_FP32_MIN_NUMEL elements (globally, so every layout decides
+# alike): below, torch's step costs less than a compiled call, and a small model's process
+# never pays the compile.
+FUSED_FP32_DEVICES = ('cpu',)
+FUSED_FP32_MIN_NUMEL = 1 << 16
 
 _LOW_HALF = 1 << 16                  # fp32 bits that bf16 drops
 _HIGH_HALF_MASK = -_LOW_HALF         # 0xFFFF0000 as an int32

@@ -7,7 +7,7 @@ from configs import base, llama7b, llama_tiny
 from data.loader import Loader
 from model import transformer
 from optim import optimizers, update
-from parallel import memory, mesh as meshes, passes, tensor, training
+from parallel import memory, mesh as meshes, passes, precision, tensor, training
 
 
 def test_static_bytes_follow_the_parameter_count():
@@ -96,9 +96,8 @@ def test_largest_run_is_the_optimizer_chunks():
     assert memory.largest_run(elements, limit) == max(4 * sum(elements[i] for i in run) for run in runs)
 
 
-def test_update_temporaries_of_torchs_step_are_twice_the_largest_owned_tensor():
+def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
   c = llama_tiny.get_config()
-  c.model.optim.name = 'sgd'                # torch's step, one tensor at a time, on the CPU
   sizes = {'a': 1000, 'b': 5000, 'c': 10}
   assert memory.update_temporaries(c, sizes) == 2 * 4 * 5000
   c.distributed_strategy.zero1 = True       # owned rows: half of each; gloo's OR gather is in place
@@ -108,13 +107,17 @@ def test_update_temporaries_of_torchs_step_are_twice_the_largest_owned_tensor():
 
 
 @pytest.mark.parametrize('recipe', ['fp32', 'mixed_precision'])
-def test_fp32_rows_fused_adamw_on_cpu_leaves_the_norms_square_only(recipe):
+def test_fp32_rows_of_large_parameters_step_in_place_on_cpu(recipe):
   c = llama_tiny.get_config()
   c.precision.type = recipe
-  sizes = {'a': 1000, 'b': 5000, 'c': 10}
-  assert memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 4 * 5000    # the eager norm's square
-  c.device = 'xla'                      # torch's AdamW there: sqrt(v) and the quotient
-  assert not memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 5000
+  big = precision.FUSED_FP32_MIN_NUMEL
+  sizes = {'a': 1000, 'b': 2 * big, 'c': 10}
+  # b steps in place (one compiled pass); torch steps a: its sqrt(v) and quotient; b's norm square
+  assert memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == max(2 * 4 * 1000, 4 * 2 * big)
+  c.distributed_strategy.tensor_model_parallel_size = 2      # a rank's half of b: still a large parameter
+  assert memory.update_temporaries(c, {'a': 1000, 'b': big, 'c': 10}) == max(2 * 4 * 1000, 4 * big)
+  c.device = 'xla'                      # torch's AdamW there: sqrt(v) and the quotient of each
+  assert not memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 2 * big
 
 
 def test_bf16sr_fused_update_temporaries_are_the_norms_only_on_cuda():

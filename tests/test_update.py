@@ -3,7 +3,7 @@ import torch
 
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, tensor, training
+from parallel import mesh as meshes, precision, tensor, training
 from tests import parity
 
 
@@ -66,14 +66,17 @@ def _sr_step(recipe, world_size):
 
 
 def _sr_steps(recipes, world_size):
+  # every fp32 parameter of the tiny model through the one-pass step (else torch's for these sizes)
+  precision.FUSED_FP32_MIN_NUMEL = 0
   return {recipe: _sr_step(recipe, world_size) for recipe in recipes}
 
 
-def test_stochastic_rounding_is_the_same_at_every_zero1_layout():
+def test_stochastic_rounding_is_the_same_at_every_zero1_layout(monkeypatch):
   # fp32 and mixed_precision too: the one-pass fp32 Adam step is the same arithmetic at every
   # element's position, so ZeRO-1's shards step bit for bit as the whole does
   from tests import world  # pylint: disable=import-outside-toplevel
   recipes = ('bf16SR', 'mixed_precisionSR', 'fp32', 'mixed_precision')
+  monkeypatch.setattr(precision, 'FUSED_FP32_MIN_NUMEL', 0)
   single = _sr_steps(recipes, 1)                  # one process: this one
   for got in world.run(_sr_steps, 2, recipes, 2):
     for recipe in recipes:
@@ -96,7 +99,11 @@ def test_bf16SR_keeps_bf16_moments_and_no_fp32_copy_between_steps():
 def test_fp32_rows_step_in_one_pass_as_torchs_adamw_does_to_fp32_rounding(monkeypatch):
   for precision_type in ('fp32', 'mixed_precision'):
     params, _, updater, _ = _stepped(precision_type=precision_type)
-    assert updater._fusable() == set(updater.master)         # every row, on the CPU
+    assert updater._fusable() == frozenset()                 # the tiny model's parameters: torch's step
+    monkeypatch.setattr(precision, 'FUSED_FP32_MIN_NUMEL', 2048)
+    params, _, updater, _ = _stepped(precision_type=precision_type)
+    large = {n for n, p in params.items() if p.numel() >= 2048}
+    assert large and updater._fusable() == large != set(params)
     monkeypatch.setattr(update.sr_update, 'fusable', lambda *args, **kwargs: False)
     reference, _, unfused, _ = _stepped(precision_type=precision_type)
     assert unfused._fusable() == frozenset()
