@@ -31,7 +31,10 @@ def test_bench_hf_trains_the_same_model_on_both_sides():
   c = llama_tiny.get_config('test')
   c.trainer.gradient_clip_val = 1.0
   c.model.use_scaled_init_method = False
-  r = bench_hf.run('fp32', steps=2, warmup=1, config=c)
+  ceilings = iter([(3.0, 2.0, 1.0), (1.0, 0.5, 0.5), (2.0, 1.0, 1.0)])
+  r = bench_hf.run('fp32', steps=2, warmup=1, config=c, ceiling=lambda: next(ceilings))
+  assert r['ceiling'] == (1.0, 0.5, 0.5)      # one per timed step (2); the lower median: the stricter ceiling
+  assert next(ceilings) == (2.0, 1.0, 1.0)
   assert r['hf'] > 0 and r['flatron'] > 0 and r['flatron_bytes'] > 0 and r['hf_bytes'] > 0
   assert r['losses']['hf'] == pytest.approx(r['losses']['flatron'], rel=1e-5)
   assert r['losses']['flatron'][-1] < r['losses']['flatron'][0]

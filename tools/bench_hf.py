@@ -14,7 +14,9 @@ flatron's loop step), from the same weights, on the same token batches, steps in
 It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
 gradients + optimizer state each side holds and the peak memory (both sides together: the
 process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
-alone (forward and backward, timed one by one), and the fraction of it each side reaches.
+alone (forward and backward, timed one by one; once after each timed pair of steps, the median
+of those, so a slow spell of a shared machine weighs on both as on the steps), and the fraction
+of it flatron reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
 --profile prints flatron's step under torch.profiler, the ops by their own CPU time.
@@ -167,10 +169,12 @@ def profile_step(params, updater, batch, config, step, mesh, ops, rows=15):
   return prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=rows)
 
 
-def run(precision, steps, warmup, config=None, clock='wall', profile=False, compile_blocks=False):
+def run(precision, steps, warmup, config=None, clock='wall', profile=False, compile_blocks=False, ceiling=None):
   """Interleaved steps of both sides: tok/s, state bytes and each side's losses. `compile_blocks`:
   flatron's model.compile and torch.compile of each HF decoder layer (regional on both sides;
-  the compiles fall in the warm-up steps)."""
+  the compiles fall in the warm-up steps). `ceiling`: a function timed after each timed pair of
+  steps (the ceiling's (seconds, GEMM s, attention s)); 'ceiling' is the median by seconds, so
+  it samples the machine over the same minutes as the steps' medians do."""
   config = config or bench_config(precision)
   if compile_blocks:
     config.model.compile = True
@@ -188,7 +192,7 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
     for layer in model.model.layers:
       layer.compile()
   loader = Loader(config, 'train', 0, 1)
-  times, losses = {'hf': [], 'flatron': []}, {'hf': [], 'flatron': []}
+  times, losses, ceilings = {'hf': [], 'flatron': []}, {'hf': [], 'flatron': []}, []
 
   def timed(side, fn):
     devices.synchronize(mesh.device)        # a GPU's queue: each side's time is its own work
@@ -202,6 +206,8 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
     lr = updater.lr(i)
     timed('hf', lambda: hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr))
     timed('flatron', lambda: training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item())
+    if ceiling is not None and i >= warmup:
+      ceilings.append(ceiling())
   tokens = config.data.global_batch_size * config.data.seq_length
   hf_params = list(model.parameters())
   hf_optim = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
@@ -210,6 +216,8 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
   result['hf_bytes'] = 2 * state_bytes(hf_params) + state_bytes(hf_optim)
   result['flatron_bytes'] = state_bytes(params.values()) + updater.state_bytes() + updater.grads.bytes()
   result['config'], result['losses'] = config, losses
+  if ceilings:
+    result['ceiling'] = sorted(ceilings)[(len(ceilings) - 1) // 2]     # the faster of two middles
   if profile:
     result['profile'] = profile_step(params, updater, loader.global_batch(0), config, steps + warmup, mesh, ops)
   return result
@@ -253,11 +261,13 @@ def main(argv):
   for precision in FLAGS.precisions:
     config = bench_config(precision, FLAGS.model, FLAGS.seq_length, FLAGS.micro_batch_size,
                           FLAGS.global_batch_size, device.type)
-    r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
-            compile_blocks=FLAGS.compile)
-    flops = transformer.flops_per_token(config.model, config.data.seq_length)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
-    ceiling, gemm, attention = ceiling_step_time(config, dtype, clock=FLAGS.clock, device=device)
+    # timed between the steps, once each (after an untimed call): the median of them
+    r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
+            compile_blocks=FLAGS.compile,
+            ceiling=lambda: ceiling_step_time(config, dtype, repeats=1, clock=FLAGS.clock, device=device))
+    flops = transformer.flops_per_token(config.model, config.data.seq_length)
+    ceiling, gemm, attention = r['ceiling']
     tokens = config.data.global_batch_size * config.data.seq_length
     # both sides live in this process: the peak so far, not either side's own
     peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == 'cuda'
