@@ -111,7 +111,8 @@ class Updater:
       group['lr'] = lr
     # The one-pass update reads the gradients as they are (bf16SR's bf16) and applies the clip
     # coefficient itself (the same fp32 multiply): no fp32 copy of them, no pass to scale them;
-    # bf16 gradients' norm is a compiled loop too (one pass over the buckets, where eager widens a copy).
+    # their norm is a compiled loop too (one pass over the buckets, where eager widens a copy
+    # and squares it into another).
     fused = self._fusable()
     owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
     norm, coefficient = self._clip(owned, fused)
@@ -134,8 +135,7 @@ class Updater:
     """grads.clip over every domain (each domain's boxes are disjoint over its own group), the
     names in `fused` left for the fused update to scale. Returns (norm, coefficient or None)."""
     max_norm = self.config.trainer.gradient_clip_val
-    sixteen_bit = any(self.master[n].dtype != torch.float32 for n in fused)
-    squares_of = sr_update.square_sum if sixteen_bit else grad_ops.square_sum
+    squares_of = sr_update.square_sum if fused else grad_ops.square_sum
     if self.mesh.ep == 1:
       return grad_ops.clip(owned, self.mesh, max_norm, extra_group=self.group, unscaled=fused,
                            squares_of=squares_of)
@@ -166,10 +166,15 @@ class Updater:
           t.copy_(torch.where(keep_if_not, t, old if old is not None else torch.zeros_like(t)))
     # Rows (and, widened for this step, moments) go back to the parameter dtype, all rounded
     # in one pass. Without ZeRO-1 an fp32 master is the parameter itself: no copy back.
+    # Rounded to nearest, masters are rounded by the copy into the parameter (copy_ casts as
+    # .to does, the same bits), not into a copy of their own first.
     rows = [(n, m, ()) for n, m in self.master.items() if m.dtype != self.params[n].dtype]
     moments = [(n, self.optimizer.state[self.master[n]][key], (key,)) for n in narrow
                for key in self._shaped_state(self.master[n])]
-    results = self._round_all(rows + moments, step)
+    if self.recipe.stochastic_rounding:
+      results = self._round_all(rows + moments, step)
+    else:
+      results = [m for _, m, _ in rows] + self._round_all(moments, step)
     rounded = {n: r for (n, _, _), r in zip(rows, results)}
     for (n, _, (key,)), r in zip(moments, results[len(rows):]):
       self.optimizer.state[self.master[n]][key] = r

@@ -175,7 +175,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
       sqrt(v) and the quotient, 2 x 4 bytes x the largest tensor (measured); on CPU so do other
       optimizers, while Adam(W) on the fp32 rows (fp32 parameters, masters) of parameters of
       precision.FUSED_FP32_MIN_NUMEL elements or more is optim/sr_update.py's one compiled
-      pass per tensor, in place (nothing); on CUDA
+      pass per tensor, in place (nothing, and its norm compiled: no square either); on CUDA
       the fused optimizers none, the others foreach over runs of at most
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy)
@@ -197,14 +197,15 @@ def update_temporaries(config, sizes, dp=1) -> int:
   owned = [math.ceil(v / shards) for n, v in sizes.items() if n in trained]
   if not owned:
     return 0
+  fused = fused_fp32_names(config, sizes)
   if devices.kind(config.device) != 'cuda':
-    fused = fused_fp32_names(config, sizes)
     optimizer = 2 * 4 * max((math.ceil(v / shards) for n, v in sizes.items() if n in trained and n not in fused),
                             default=0)
   else:
     optimizer = 0 if config.model.optim.name in FUSED else 2 * largest_run(owned, _bucket_bytes(config))
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
-  temporaries = max(optimizer, 4 * max(owned)) + grads32
+  norm = 0 if fused else 4 * max(owned)        # with the one pass, the norm is compiled (no square)
+  temporaries = max(optimizer, norm) + grads32
   if fused_sr(config):       # it reads the 16-bit gradients; their norm is compiled on CPU
     temporaries = 0 if devices.kind(config.device) == 'cpu' else 2 * 4 * max(owned)
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):

@@ -44,7 +44,8 @@ def _gather_in_place(p, v, parts, index, group, async_op):
 
 def gather_rows(values, params, names, parts, index, group, collective, bucket_bytes, async_op=False):
   """ZeRO-1's parameter gather: each rank's updated rows (`values`: name -> owned rows in the
-  parameter dtype) written into every rank's parameters. Collective 'all_reduce': a bitwise-OR
+  parameter dtype, or fp32 masters that the copy rounds to it, to nearest) written into every
+  rank's parameters. Collective 'all_reduce': a bitwise-OR
   all-reduce of each parameter in its own storage, this rank's rows in it and the others'
   zeroed, which is exact (x | 0 = x) and needs no buffer (a 16-bit parameter of odd size goes
   the buffered way below). Else bucket by bucket through one transient [parts, bucket] buffer
