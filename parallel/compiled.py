@@ -1,11 +1,12 @@
 """model.compile: regional torch.compile, one transformer block at a time (torchtitan's choice).
 
-One compiled function serves every layer, and one more the per-token cross-entropy (`loss_ops`). Its arguments are the layer's parameters renamed to
-layer 0 (`layers.7.mlp.up_proj.weight` -> `layers.0.mlp.up_proj.weight`), the block's input and
-the shared rope/mask tensors; the layer index inside the dropout key travels as a tensor. Layers
-share shapes, so dynamo traces once (once more for evaluation, under no_grad) and every other
-call only checks guards: the graph count does not grow with layers or steps. Layers that differ
-(LoRA on some layers only, sliding vs full attention masks) get a graph each, through guards.
+One compiled function serves every layer (one more the per-token cross-entropy, `loss_ops`).
+Its arguments are the layer's parameters renamed to layer 0 (`layers.7.mlp.up_proj.weight` ->
+`layers.0.mlp.up_proj.weight`), the block's input and the shared rope/mask tensors; the layer
+index inside the dropout key travels as a tensor. Layers share shapes, so dynamo traces once
+(once more for evaluation, under no_grad) and every other call only checks guards: the graph
+count does not grow with layers or steps. Layers that differ (LoRA on some layers only, sliding
+vs full attention masks) get a graph each, through guards.
 
 What runs inside the graph and what does not:
   * activation recompute: the checkpoint wraps the compiled block (full), or runs inside it
@@ -30,7 +31,7 @@ import torch
 
 from model import layers, transformer
 
-_state = {'fn': None, 'cross_entropy': None}
+_state = {'fn': None, 'cross_entropy': None, 'loss_ops': {}}
 # dynamo's timers of a frame's compile, and of the backward graph's (compiled at the first backward)
 COMPILE_TIMERS = ('_compile.compile_inner', 'backward._backward_impl')
 
@@ -103,7 +104,7 @@ def loss_ops(model_cfg, ops):
   if _state['cross_entropy'] is None:
     _state['cross_entropy'] = torch.compile(layers.LOCAL_OPS.cross_entropy, dynamic=False)
   # the same Ops object each step: the compiled blocks take it as an argument
-  cached = _state.setdefault('loss_ops', {}).get(id(ops))
+  cached = _state['loss_ops'].get(id(ops))
   if cached is None or cached[0] is not ops:
     cached = _state['loss_ops'][id(ops)] = ops, dataclasses.replace(ops, cross_entropy=_state['cross_entropy'])
   return cached[1]
