@@ -28,8 +28,12 @@ def checkpointed(layout, max_steps=20, exit_interval=0, dropout=0.0):
 
 def _run(workdir, layout, exit_interval=0, dropout=0.0):
   """On every rank: train (or resume) to the end or to exit_interval; return rank 0's losses
-  and this rank's parameter boxes (as parity.train_on_rank)."""
+  and this rank's parameter boxes (as parity.train_on_rank). layout['fused_fp32_from']: the
+  size from which fp32 rows take the one-pass Adam step (precision.FUSED_FP32_MIN_NUMEL)."""
   import train  # pylint: disable=import-outside-toplevel
+  from parallel import precision  # pylint: disable=import-outside-toplevel
+  layout = dict(layout)
+  precision.FUSED_FP32_MIN_NUMEL = layout.pop('fused_fp32_from', precision.FUSED_FP32_MIN_NUMEL)
   config = checkpointed(layout, exit_interval=exit_interval, dropout=dropout)
   _, params = train.run(config, workdir)
   return parity.rank_result(config, workdir, params)
@@ -44,6 +48,8 @@ def losses(workdir):
     (1, {}, 0.0),
     (2, {'zero1': True}, 0.1),            # dropout keys and ZeRO-1 shards survive the restart
     (2, {'zero1': True, 'precision': 'bf16SR'}, 0.0),   # bf16 moments, stochastic rounding keys
+    # fp32 masters through the one-pass Adam step (the tiny model's parameters would take torch's)
+    (2, {'zero1': True, 'precision': 'mixed_precision', 'fused_fp32_from': 0}, 0.0),
 ])
 def test_resume_is_bitwise_exact(tmp_path, world_size, layout, dropout):
   # the uninterrupted run, then steps 1-10 saved, in one world; the resume in a fresh one
