@@ -25,7 +25,7 @@ from data import errors as data_errors, tokenizer
 from data.loader import Loader
 from model import lora, objectives, transformer
 from optim import update
-from parallel import comm, grads, memory, mesh as meshes, passes, reference as references, tensor
+from parallel import comm, grads, memory, memory_check, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, summary as summaries, training, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -124,7 +124,7 @@ def run(config, workdir=None):
     sizes = training.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp)
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
-    comm.on_every_rank(lambda: memory.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
+    comm.on_every_rank(lambda: memory_check.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')
     ops = tensor.config_ops(config, mesh)

@@ -10,7 +10,7 @@ casts kept in vector registers by optim/inductor_bitcast.py) and 6x cheaper than
 pipeline on the 32M bench.
 
 The math is torch.optim.AdamW's (Adam's) single-tensor step, op for op in fp32, and the
-rounding is parallel/precision.py's: each output element i gets stochastic_round with
+rounding is parallel/stochastic_rounding.py's: each output element i gets stochastic_round with
 noise_at(global index of i, key_seed(key)), keyed (seed, 'sr', step, name[, moment]) as in
 optim/update.py's unfused path. Every kernel here is also a plain function: where compiling is
 not possible (a device type not in COMPILED_DEVICES, XLA, no C++ compiler) the same function
@@ -28,7 +28,7 @@ import logging
 import torch
 
 from optim import inductor_bitcast
-from parallel import grads, precision
+from parallel import grads, precision, stochastic_rounding
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
 COMPILED_DEVICES = precision.FUSED_SR_DEVICES
@@ -38,13 +38,13 @@ _BF16_MAX = torch.finfo(torch.bfloat16).max
 
 def _round(x, index, seed):
   """stochastic_round(x, noise_at(index, seed)), written for inductor: the int32 view of fp32."""
-  bits = (x.view(torch.int32) + precision.noise_at(index, seed)) & -(1 << 16)
+  bits = (x.view(torch.int32) + stochastic_rounding.noise_at(index, seed)) & -(1 << 16)
   rounded = bits.view(torch.float32).clamp(-_BF16_MAX, _BF16_MAX)
   return torch.where(torch.isfinite(x), rounded, x).to(torch.bfloat16)
 
 
 def _round_kernel(x, layout, seed):
-  return _round(x.float(), precision.index_from_layout(x.shape, layout), seed)
+  return _round(x.float(), stochastic_rounding.index_from_layout(x.shape, layout), seed)
 
 
 def _sqrt(x):
@@ -77,7 +77,7 @@ def _adamw_kernel(param, grad, scale, exp_avg, exp_avg_sq, scalars, layout, seed
   """In place: _adam on bf16 param/moments widened to fp32, each result rounded back with its
   own seed."""
   p, m, v = _adam(param.float(), grad, scale, exp_avg.float(), exp_avg_sq.float(), scalars, l2)
-  index = precision.index_from_layout(param.shape, layout)
+  index = stochastic_rounding.index_from_layout(param.shape, layout)
   param.copy_(_round(p, index, seeds[0]))
   exp_avg.copy_(_round(m, index, seeds[1]))
   exp_avg_sq.copy_(_round(v, index, seeds[2]))
@@ -192,21 +192,21 @@ _layouts = {}
 
 
 def _layout(box, global_shape, device):
-  """(sizes, layout tensor on `device`) of precision.index_layout, made once per box: a tensor
+  """(sizes, layout tensor on `device`) of stochastic_rounding.index_layout, made once per box: a tensor
   made from host values is a copy to the device, which on CUDA waits for the device's queue."""
   key = (tuple((s.start, s.stop, s.step) for s in box), tuple(global_shape), device)
   if key not in _layouts:
-    sizes, layout = precision.index_layout(box, global_shape)
-    _layouts[key] = sizes, torch.tensor(layout, dtype=precision.layout_dtype(global_shape), device=device)
+    sizes, layout = stochastic_rounding.index_layout(box, global_shape)
+    _layouts[key] = sizes, torch.tensor(layout, dtype=stochastic_rounding.layout_dtype(global_shape), device=device)
   return _layouts[key]
 
 
 def _seed(key, device):
-  return torch.tensor(precision.key_seed(*key), dtype=torch.int32, device=device)
+  return torch.tensor(stochastic_rounding.key_seed(*key), dtype=torch.int32, device=device)
 
 
 def round_at(x, box, global_shape, *key) -> torch.Tensor:
-  """precision.stochastic_round_at(x, box, global_shape, *key), bit for bit, in one pass."""
+  """stochastic_rounding.stochastic_round_at(x, box, global_shape, *key), bit for bit, in one pass."""
   if x.numel() == 0:
     return torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
   sizes, layout = _layout(box, global_shape, x.device)
@@ -286,8 +286,8 @@ def adamw_step(optimizer, rows, grads, placement=None, keys=None, scale=None):
       if t.dtype != torch.float32:
         key, seed = keys[name], len(seeds)
         # a fourth, unused: each row 16-byte aligned, as triton's compiled kernels assume
-        seeds.append([precision.key_seed(*key), precision.key_seed(*key, 'exp_avg'),
-                      precision.key_seed(*key, 'exp_avg_sq'), 0])
+        seeds.append([stochastic_rounding.key_seed(*key), stochastic_rounding.key_seed(*key, 'exp_avg'),
+                      stochastic_rounding.key_seed(*key, 'exp_avg_sq'), 0])
       work.append((t, name, *rows_of[id(group), step], seed))
   if not work:
     return

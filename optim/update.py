@@ -24,7 +24,7 @@ import typing
 import torch
 
 from optim import optimizers, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grads as grad_ops, precision, zero
+from parallel import comm, experts, grad_buffer, grads as grad_ops, precision, stochastic_rounding, zero
 
 
 class Rows(typing.NamedTuple):
@@ -242,7 +242,7 @@ class Updater:
       return [sr_update.round_at(x, box, shape, *key) for x, box, shape, key in keyed]  # one pass each
     out = []
     for bucket in comm.buckets(range(len(keyed)), [k[0].numel() * 4 for k in keyed], self.bucket_bytes):
-      out += precision.stochastic_round_many([keyed[i] for i in bucket])
+      out += stochastic_rounding.stochastic_round_many([keyed[i] for i in bucket])
     return out
 
   def _owned_box(self, name):

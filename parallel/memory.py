@@ -1,8 +1,6 @@
 """Memory estimate per rank, by component and phase, printed before training so a layout that
 cannot fit fails early (the activation formula is parallel/activations.py)."""
-import copy
 import math
-import os
 
 import torch
 
@@ -42,7 +40,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   host copy, the runtime (CPU: RUNTIME_BYTES), and DPO's frozen reference copy (none with
   LoRA, whose reference is the base itself, nor with precomputed reference log-probs).
   'phases' (phase -> bytes live at its peak, PHASES), 'peak_phase' and 'total' (its bytes)
-  say when the rank peaks: what check_fits compares with the rank's memory."""
+  say when the rank peaks: what memory_check.check_fits compares with the rank's memory."""
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
@@ -287,68 +285,3 @@ def human_bytes(n: float) -> str:
       return f'{n:.1f} {unit}' if unit != 'B' else f'{int(n)} B'
     n /= 1024
   return str(n)
-
-
-def available_bytes(device, local_ranks=1):
-  """(bytes one rank may use, where the figure comes from): device memory on CUDA, else the
-  host's available RAM shared by the ranks of this host. None when unknown."""
-  if device.type == 'cuda':
-    return torch.cuda.mem_get_info(device)[1], f'{torch.cuda.get_device_name(device)} memory'
-  available = host_available_bytes()
-  if available is None:
-    return None, 'unknown'
-  return available // local_ranks, f'available host RAM / {local_ranks} local rank(s)'
-
-
-def host_available_bytes():
-  """MemAvailable of /proc/meminfo (Linux), or None."""
-  try:
-    with open('/proc/meminfo') as f:
-      info = dict(line.split(':', 1) for line in f)
-    return int(info['MemAvailable'].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    return None
-
-
-def fitting_layouts(config, world_size, budget, check) -> list:
-  """(description, bytes per rank) of every valid tp x pp (x ZeRO-1) layout of `world_size`
-  processes (at the configured context_parallel_size) whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
-  config's problems (configs/validate.py)."""
-  out, cp = [], config.distributed_strategy.get('context_parallel_size', 1)   # kept as configured
-  replicas = world_size // cp if world_size % cp == 0 else 0
-  for tp in (n for n in range(1, replicas + 1) if replicas % n == 0):
-    for pp in (n for n in range(1, replicas // tp + 1) if (replicas // tp) % n == 0):
-      dp = replicas // (tp * pp)
-      for zero1 in ((False, True) if dp * cp > 1 else (False,)):
-        c = copy.deepcopy(config)
-        d = c.distributed_strategy
-        d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.zero1 = tp, pp, zero1
-        d.virtual_pipeline_model_parallel_size, d.pipeline_cuts = 1, ()
-        d.sequence_parallel = d.sequence_parallel and tp > 1
-        kv = transformer.kv_heads(c.model)
-        d.kv_replicator = tp // kv if tp > kv and tp % kv == 0 else 1
-        if check(c, world_size):
-          continue
-        need = estimate(c, None, dp)['total']
-        if need <= budget:
-          out.append((f'tp={tp} pp={pp}' + (f' cp={cp}' if cp > 1 else '') + (' zero1' if zero1 else ''), need))
-  return sorted(out, key=lambda item: item[1])
-
-
-def check_fits(config, mesh, est, check):
-  """Refuse before allocating when the estimate `est` per rank exceeds what the rank has
-  (trainer.memory_check), naming both figures and the layouts that would fit."""
-  local_ranks = int(os.environ.get('LOCAL_WORLD_SIZE', '1'))
-  budget, source = available_bytes(mesh.device, local_ranks)
-  if not config.trainer.memory_check or budget is None or est['total'] <= budget:
-    return
-  fits = fitting_layouts(config, mesh.world_size, budget, check)
-  preset = f'configs/{config.name}.py' if os.path.isfile(f'configs/{config.name}.py') else 'configs/<model>.py'
-  hint = (f'layouts of {mesh.world_size} process(es) that fit: '
-          + ', '.join(f'{name} ({human_bytes(need)})' for name, need in fits[:4])
-          if fits else f'no layout of {mesh.world_size} process(es) fits; use more devices or a '
-          f'smaller model, e.g. the CPU-sized preset --config={preset}:smoke')
-  raise MemoryError(
-      f'this run needs an estimated {human_bytes(est["total"])} per rank but a rank has '
-      f'{human_bytes(budget)} ({source}); {hint}. Set --config.trainer.memory_check=False '
-      'to try anyway.')

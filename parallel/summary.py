@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from model import lora, transformer
-from parallel import clusters, device as devices, memory, mesh as meshes, step_time, tensor, training
+from parallel import clusters, device as devices, memory, memory_check, mesh as meshes, step_time, tensor, training
 
 
 def startup(config, mesh, sizes, est) -> str:
@@ -109,7 +109,7 @@ def dry_run(config, world_size, check) -> str:
   sizes = training.local_sizes(config, mesh)
   est = memory.estimate(config, sizes, mesh.dp)
   try:
-    memory.check_fits(config, mesh, est, check)
+    memory_check.check_fits(config, mesh, est, check)
     fits = f'memory: fits a {mesh.device.type} rank of this machine (or the check is off)'
   except MemoryError as e:
     fits = f'memory: would be refused here: {e}'

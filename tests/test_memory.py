@@ -51,25 +51,6 @@ def test_estimate_follows_the_recipe_and_zero1():
   assert (bf16['params'], bf16['grads'], bf16['master'], bf16['optimizer']) == (2000, 2000, 0, 2000)
 
 
-def test_fitting_layouts_are_valid_fit_the_budget_and_come_smallest_first():
-  from configs import validate  # pylint: disable=import-outside-toplevel
-  c = llama7b.get_config()
-  c.data.global_batch_size = 64
-  fits = memory.fitting_layouts(c, 8, 40 * 2**30, validate.check)
-  assert fits and [need for _, need in fits] == sorted(need for _, need in fits)
-  assert all(need <= 40 * 2**30 for _, need in fits)
-  assert 'tp=1 pp=1' not in [name for name, _ in fits]      # the whole model on each rank: 100+ GiB
-  assert memory.fitting_layouts(c, 8, 2**30, validate.check) == []
-  assert memory.fitting_layouts(c, 1, 40 * 2**30, validate.check) == []
-
-
-def test_available_bytes_splits_host_ram_between_local_ranks(monkeypatch):
-  import torch  # pylint: disable=import-outside-toplevel
-  assert memory.host_available_bytes() > 0
-  monkeypatch.setattr(memory, 'host_available_bytes', lambda: 8 * 2**30)
-  assert memory.available_bytes(torch.device('cpu'), 4) == (2 * 2**30, 'available host RAM / 4 local rank(s)')
-
-
 @pytest.mark.parametrize('recipe', ['fp32', 'bf16SR', 'mixed_precision'])
 def test_state_components_are_the_bytes_the_code_allocates(recipe):
   c = llama_tiny.get_config('test')

@@ -1,5 +1,5 @@
 """bf16SR's one-pass update (optim/sr_update.py): compiled kernels equal the eager ones and the
-reference pipeline (precision.stochastic_round_at; torch.optim.AdamW on fp32 copies) bit for bit
+reference pipeline (stochastic_rounding.stochastic_round_at; torch.optim.AdamW on fp32 copies) bit for bit
 or within an fp32 ulp, on every layout."""
 import logging
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from optim import sr_update
-from parallel import precision
+from parallel import stochastic_rounding
 
 
 def bits(t):
@@ -39,13 +39,13 @@ def awkward_values(n, seed):
 def test_round_at_is_stochastic_round_at_bit_for_bit(shape, box):
   sizes = tuple(s.stop - s.start for s in box)
   x = awkward_values(int(torch.tensor(sizes).prod()), 0).view(sizes)
-  expected = precision.stochastic_round_at(x, box, shape, 3, 'sr', 1, 'w')
+  expected = stochastic_rounding.stochastic_round_at(x, box, shape, 3, 'sr', 1, 'w')
   got = sr_update.round_at(x, box, shape, 3, 'sr', 1, 'w')
   assert got.dtype == torch.bfloat16 and got.shape == x.shape
   assert torch.equal(bits(got), bits(expected))
-  coalesced, layout = precision.index_layout(box, shape)
+  coalesced, layout = stochastic_rounding.index_layout(box, shape)
   assert len(coalesced) <= 2                                 # rows: one run; columns: two dims
-  seed = torch.tensor(precision.key_seed(3, 'sr', 1, 'w'), dtype=torch.int32)
+  seed = torch.tensor(stochastic_rounding.key_seed(3, 'sr', 1, 'w'), dtype=torch.int32)
   eager = sr_update._round_kernel(x.reshape(coalesced), torch.tensor(layout), seed)
   assert torch.equal(bits(eager.view(x.shape)), bits(expected))
   assert sr_update.round_at(x[:0], (slice(0, 0),) + box[1:], shape, 0).shape == x[:0].shape
@@ -88,9 +88,9 @@ def _reference(rows, grads_and_moments, optimizer_cls, boxes, steps=2, **kwargs)
     with torch.no_grad():
       for n, r in rows.items():
         box, shape = boxes[n]
-        r.copy_(precision.stochastic_round_at(r, box, shape, 0, 'sr', step, n).float())
+        r.copy_(stochastic_rounding.stochastic_round_at(r, box, shape, 0, 'sr', step, n).float())
         for k in ('exp_avg', 'exp_avg_sq'):
-          opt.state[r][k] = precision.stochastic_round_at(opt.state[r][k], box, shape, 0, 'sr', step, n, k).float()
+          opt.state[r][k] = stochastic_rounding.stochastic_round_at(opt.state[r][k], box, shape, 0, 'sr', step, n, k).float()
   return {n: (r.bfloat16(), opt.state[r]['exp_avg'].bfloat16(), opt.state[r]['exp_avg_sq'].bfloat16(),
               opt.state[r]['step']) for n, r in rows.items()}
 
@@ -252,7 +252,7 @@ def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
   with caplog.at_level(logging.WARNING):
     got = sr_update.round_at(x, full_box((10, 30)), (10, 30), 1)
   assert 'running it eagerly' in caplog.text
-  assert torch.equal(bits(got).view(10, 30), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
+  assert torch.equal(bits(got).view(10, 30), bits(stochastic_rounding.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
 
 
 def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
@@ -281,7 +281,7 @@ def test_the_probe_sees_a_kernel_that_contracts_or_divides_differently(monkeypat
   # what triton's fma or approximate division would do: an fp32 ulp before the rounding
   def nudged(kernel):
     return lambda x, layout, seed: sr_update._round(torch.nextafter(x.float(), torch.tensor(float('inf'))),
-                                                    precision.index_from_layout(x.shape, layout), seed)
+                                                    stochastic_rounding.index_from_layout(x.shape, layout), seed)
   monkeypatch.setattr(sr_update, '_compiled', nudged)
   assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu'))[0] > 0
 
@@ -299,4 +299,4 @@ def test_a_device_whose_compiled_bits_differ_runs_the_eager_kernel(monkeypatch, 
     got = sr_update._run(sr_update._round_kernel, torch.device('cuda'), x.reshape(sizes), layout, seed)
   assert 'rounds 7 of its probe\'s 1000 bf16 outputs differently' in caplog.text
   assert 'running it eagerly' in caplog.text
-  assert torch.equal(bits(got).view(10, 30), bits(precision.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
+  assert torch.equal(bits(got).view(10, 30), bits(stochastic_rounding.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))

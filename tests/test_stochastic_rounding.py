@@ -1,4 +1,4 @@
-"""Stochastic rounding fp32 -> bf16 (parallel/precision.py; its recipes: tests/test_precision.py):
+"""Stochastic rounding fp32 -> bf16 (parallel/stochastic_rounding.py; the recipes: tests/test_precision.py):
 always a bf16 neighbour, unbiased, keyed; exact values and specials pass, no overflow past bf16 max; the
 keyed noise (lowbias32 of the global index) is uniform and rounds a box alike on every layout."""
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from parallel import precision
+from parallel import stochastic_rounding
 import rng
-from parallel.precision import (add_stochastic, keyed_noise, stochastic_round,
+from parallel.stochastic_rounding import (add_stochastic, keyed_noise, stochastic_round,
                                 stochastic_round_at, stochastic_round_keyed)
 
 BF16_ULP_AT_ONE = 2.0**-7            # 7 stored mantissa bits: the spacing of bf16 in [1, 2)
@@ -216,12 +216,12 @@ def test_noise_is_the_top_of_lowbias32_of_the_global_index():
   assert keyed_noise(box, shape, 5, 'sr', 2, 'emb').tolist() == expected
   # Indices past 2^32 (tensors of over 4G elements) mix their high word in.
   big = torch.tensor([3, 2**32 + 3, 2**40 + 7, 2**33 - 1], dtype=torch.int64)
-  seed = torch.tensor(precision.key_seed(1, 'big'), dtype=torch.int32)
-  assert precision.noise_at(big, seed).tolist() == [lowbias32_noise_reference((1, 'big'), i) for i in big.tolist()]
+  seed = torch.tensor(stochastic_rounding.key_seed(1, 'big'), dtype=torch.int32)
+  assert stochastic_rounding.noise_at(big, seed).tolist() == [lowbias32_noise_reference((1, 'big'), i) for i in big.tolist()]
   # int32 indices (tensors of at most 2^31 elements, optim/sr_update.py's loops) hash alike.
   small = torch.tensor([0, 3, 2**20 + 5, 2**31 - 1], dtype=torch.int64)
-  assert torch.equal(precision.noise_at(small.int(), seed), precision.noise_at(small, seed))
-  assert precision.layout_dtype((2**16, 2**15)) == torch.int32 and precision.layout_dtype((2**16 + 1, 2**15)) == torch.int64
+  assert torch.equal(stochastic_rounding.noise_at(small.int(), seed), stochastic_rounding.noise_at(small, seed))
+  assert stochastic_rounding.layout_dtype((2**16, 2**15)) == torch.int32 and stochastic_rounding.layout_dtype((2**16 + 1, 2**15)) == torch.int64
 
 
 def test_same_key_same_noise_and_different_keys_differ():
@@ -308,10 +308,10 @@ def test_rounding_many_tensors_at_once_is_bitwise_the_rounding_of_each():
   g = torch.Generator().manual_seed(0)
   items = [(torch.randn(5, 3, generator=g), (slice(2, 7), slice(0, 3)), (9, 3), (7, 'sr', 1, 'a')),
            (torch.randn(4, generator=g) * 1e3, (slice(0, 4),), (4,), (7, 'sr', 1, 'b', 'exp_avg'))]
-  for got, (x, box, shape, key) in zip(precision.stochastic_round_many(items), items):
+  for got, (x, box, shape, key) in zip(stochastic_rounding.stochastic_round_many(items), items):
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
-    assert torch.equal(got, precision.stochastic_round_at(x, box, shape, *key))
-  assert precision.stochastic_round_many([]) == []
+    assert torch.equal(got, stochastic_rounding.stochastic_round_at(x, box, shape, *key))
+  assert stochastic_rounding.stochastic_round_many([]) == []
 
 
 def test_quarter_ulp_rounds_up_a_quarter_of_the_time_over_neighbouring_elements():
@@ -340,13 +340,13 @@ def test_noise_of_consecutive_keys_and_strided_elements_is_uncorrelated():
 @pytest.mark.parametrize('shape, boxes', list(layouts()))
 def test_index_layout_gives_every_boxs_global_indices_in_at_most_its_own_dims(shape, boxes):
   for box in [full_box(shape)] + boxes:
-    sizes, layout = precision.index_layout(box, shape)
-    expected = precision._flat_index(box, shape, torch.device('cpu'))
-    got = precision.index_from_layout(sizes, torch.tensor(layout))
+    sizes, layout = stochastic_rounding.index_layout(box, shape)
+    expected = stochastic_rounding._flat_index(box, shape, torch.device('cpu'))
+    got = stochastic_rounding.index_from_layout(sizes, torch.tensor(layout))
     assert torch.equal(got.reshape(-1), expected.reshape(-1)), box
-    narrow = precision.index_from_layout(sizes, torch.tensor(layout, dtype=precision.layout_dtype(shape)))
+    narrow = stochastic_rounding.index_from_layout(sizes, torch.tensor(layout, dtype=stochastic_rounding.layout_dtype(shape)))
     assert narrow.dtype == torch.int32 and torch.equal(narrow.reshape(-1).long(), expected.reshape(-1)), box
     assert len(sizes) <= max(len(shape), 1)
-  assert len(precision.index_layout(((slice(2, 5), slice(0, 6))), (10, 6))[0]) == 1   # rows: one run
+  assert len(stochastic_rounding.index_layout(((slice(2, 5), slice(0, 6))), (10, 6))[0]) == 1   # rows: one run
   with pytest.raises(ValueError, match='contiguous'):
-    precision.index_layout((slice(0, 6, 2),), (6,))
+    stochastic_rounding.index_layout((slice(0, 6, 2),), (6,))

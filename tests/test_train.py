@@ -13,7 +13,7 @@ from data.loader import Loader
 from optim import update
 from model import transformer
 from model.layers import LOCAL_OPS
-from parallel import grads, memory, mesh as meshes, training
+from parallel import grads, memory_check, mesh as meshes, training
 from tests import procs, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -236,7 +236,7 @@ def test_log_local_rank_0_only_false_prints_each_hosts_local_rank_0_with_its_ran
 
 def test_an_oversized_model_is_refused_naming_both_figures_and_a_way_out(tmp_path):
   """The design card's own command, on a machine that cannot hold Llama-2 7B's training state."""
-  if memory.available_bytes(torch.device('cpu'))[0] > 200 * 2**30:
+  if memory_check.available_bytes(torch.device('cpu'))[0] > 200 * 2**30:
     pytest.skip('this machine could hold llama7b')
   out = cli('--config=configs/llama7b.py', f'--workdir={tmp_path}')
   line = out.stderr.strip().splitlines()[-1]

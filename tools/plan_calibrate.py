@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from parallel import clusters, memory
+from parallel import clusters, memory, memory_check
 
 
 def _mean(fn, seconds=2.0):
@@ -310,7 +310,7 @@ def calibrated(base=clusters.LOCAL_DEFAULT):
   """`base` with everything measured now: what --calibrate writes, and what tools/bench_plan.py
   measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
   compute, figures = measure()
-  available = memory.host_available_bytes() or base.memory_bytes * 2
+  available = memory_check.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
       _with_links(_local(compute, base), figures), memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
