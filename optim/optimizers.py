@@ -146,7 +146,8 @@ def make_optimizer(params: dict, optim_cfg, chunk_bytes=CHUNK_BYTES) -> torch.op
     kwargs['capturable'] = True     # the step count on the device: no host value inside the graph
   elif device_types == {'cuda'} and 'fused' in accepts:
     # One kernel per tensor list. On CPU fused AdamW was 4x faster (32M params: 146 -> 35 ms) but
-    # moved a TP-sharded bias past the 1e-5 layout-parity bound: CPU keeps foreach.
+    # moved a TP-sharded bias past the 1e-5 layout-parity bound: on CPU torch steps one tensor at
+    # a time, and Adam(W)'s large fp32 rows take optim/sr_update.py's one pass (Updater.fused).
     kwargs['fused'] = True
   return cls(_chunked(param_groups(params, optim_cfg, 'weight_decay' in keys), chunk_bytes), **kwargs)
 

@@ -77,6 +77,7 @@ class Updater:
     self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
                    for n in self.trainable}
     self.optimizer = optimizers.make_optimizer(self.master, config.model.optim, self.bucket_bytes)
+    self.fused = self._fusable()      # fixed by the optimizer, recipe, device and sizes: once
 
   def _owned(self, name):
     return self.params[name].detach()[self.rows[name].rows]
@@ -113,7 +114,7 @@ class Updater:
     # coefficient itself (the same fp32 multiply): no fp32 copy of them, no pass to scale them;
     # their norm is a compiled loop too (one pass over the buckets, where eager widens a copy
     # and squares it into another).
-    fused = self._fusable()
+    fused = self.fused
     owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
     norm, coefficient = self._clip(owned, fused)
     finite = torch.isfinite(norm) if loss is None else torch.isfinite(norm) & torch.isfinite(loss)

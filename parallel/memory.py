@@ -164,6 +164,7 @@ def reduction_bytes(config, sizes, dp=1) -> int:
 
 
 FUSED = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adagrad')   # fused on CUDA: no temporaries
+ADAM = ('adam', 'adamw', 'adamw_fp32OptState')     # what optim/sr_update.py's one pass steps
 
 
 def update_temporaries(config, sizes, dp=1) -> int:
@@ -224,7 +225,7 @@ def fused_sr(config) -> bool:
   """Whether bf16SR's update runs optim/sr_update.py's one compiled pass (Adam(W), SR without
   masters, a device type in precision.FUSED_SR_DEVICES)."""
   recipe = precision.recipe(config.precision)
-  return (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState') and recipe.stochastic_rounding
+  return (config.model.optim.name in ADAM and recipe.stochastic_rounding
           and not recipe.has_master(recipe.param_dtype) and devices.kind(config.device) in precision.FUSED_SR_DEVICES)
 
 
@@ -234,7 +235,7 @@ def fused_fp32(config) -> bool:
   parameters of precision.FUSED_FP32_MIN_NUMEL elements or more."""
   recipe = precision.recipe(config.precision)
   fp32_rows = recipe.param_dtype == torch.float32 or recipe.has_master(recipe.param_dtype)
-  return (config.model.optim.name in ('adam', 'adamw', 'adamw_fp32OptState') and fp32_rows
+  return (config.model.optim.name in ADAM and fp32_rows
           and devices.kind(config.device) in precision.FUSED_FP32_DEVICES)
 
 
