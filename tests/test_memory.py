@@ -93,7 +93,7 @@ def test_fp32_rows_of_large_parameters_step_in_place_on_cpu(recipe):
   c.precision.type = recipe
   big = precision.FUSED_FP32_MIN_NUMEL
   sizes = {'a': 1000, 'b': 2 * big, 'c': 10}
-  # b steps in place (one compiled pass, the norm compiled too); torch steps a: its sqrt(v) and quotient
+  # b steps in place (one compiled pass, its norm compiled too); torch steps a: its sqrt(v) and quotient
   assert memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 1000
   c.distributed_strategy.tensor_model_parallel_size = 2      # a rank's half of b: still a large parameter
   assert memory.update_temporaries(c, {'a': 1000, 'b': big, 'c': 10}) == 2 * 4 * 1000
@@ -101,13 +101,16 @@ def test_fp32_rows_of_large_parameters_step_in_place_on_cpu(recipe):
   assert not memory.fused_fp32(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 2 * big
 
 
-def test_bf16sr_fused_update_temporaries_are_the_norms_only_on_cuda():
+def test_bf16sr_fused_update_temporaries_are_its_eager_norms():
   c = llama_tiny.get_config()
   c.precision.type = 'bf16SR'
-  sizes = {'a': 1000, 'b': 5000, 'c': 10}
-  assert memory.fused_sr(c) and memory.update_temporaries(c, sizes) == 0      # a compiled norm
+  big = precision.FUSED_FP32_MIN_NUMEL
+  sizes = {'a': 1000, 'b': 2 * big, 'c': 10}
+  # b's norm compiled; a's eager (smaller than a compiled call): its fp32 copy and square
+  assert memory.fused_sr(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 1000
+  assert memory.update_temporaries(c, {'b': 2 * big}) == 0
   c.device = 'cuda'                     # the norm eager there: one gradient's fp32 copy and square
-  assert memory.fused_sr(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 5000
+  assert memory.fused_sr(c) and memory.update_temporaries(c, sizes) == 2 * 4 * 2 * big
 
 
 def test_first_pipeline_stage_holds_the_most_micro_batches():

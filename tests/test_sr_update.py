@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from optim import sr_update
-from parallel import stochastic_rounding
+from parallel import grads as grad_ops, stochastic_rounding
 
 
 def bits(t):
@@ -255,12 +255,17 @@ def test_a_failed_compile_falls_back_to_the_eager_kernel(monkeypatch, caplog):
   assert torch.equal(bits(got).view(10, 30), bits(stochastic_rounding.stochastic_round_at(x, full_box((10, 30)), (10, 30), 1)))
 
 
-def test_compiled_square_sum_is_the_eager_norms_sum_to_rounding():
+def test_square_sum_is_the_eager_norms_sum_to_rounding_and_eager_where_not_compiled():
   g = torch.Generator().manual_seed(6)
-  for t in [torch.randn(300, 70, generator=g).bfloat16(), torch.randn(1001, generator=g), torch.zeros(0)]:
+  large = torch.randn(300, 700, generator=g).bfloat16()         # >= FUSED_FP32_MIN_NUMEL: compiled
+  eager = [torch.randn(300, 70, generator=g).bfloat16(), torch.randn(300, 70, generator=g),  # small: eager's bits
+           torch.zeros(0)]
+  for t in [large, large.float()] + eager:
     got = sr_update.square_sum(t)
     assert got.dtype == torch.float32 and got.shape == ()
     torch.testing.assert_close(got, t.double().pow(2).sum().float(), rtol=1e-5, atol=0)
+  for t in eager:
+    assert torch.equal(sr_update.square_sum(t), grad_ops.square_sum(t))
 
 
 def test_the_probe_finds_compiled_equal_to_eager_on_the_cpu():
