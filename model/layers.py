@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 import rng
-from model import lora
+from model import cross_entropy, lora
 
 
 def _linear(x, w, b=None):
@@ -28,12 +28,6 @@ def _row_linear(x, w, b=None, partial=None):
 
 def _embed(ids_bs, table_vh):
   return F.embedding(ids_bs, table_vh)
-
-
-def _cross_entropy(logits_bsv, labels_bs, vocab_size):
-  """Per-token loss; logits of padded vocab rows (>= vocab_size) never get probability."""
-  logits = logits_bsv[..., :vocab_size].float()
-  return F.cross_entropy(logits.flatten(0, 1), labels_bs.flatten(), reduction='none').view_as(labels_bs)
 
 
 def _identity(x):
@@ -57,7 +51,7 @@ class Ops:
                                        # `partial` (an adapter's share) added before the reduction
   embed: Callable = _embed             # vocab-sharded under TP
   lm_head: Callable = _linear          # vocab-sharded logits
-  cross_entropy: Callable = _cross_entropy  # over (possibly vocab-sharded) logits
+  cross_entropy: Callable = cross_entropy.per_token  # over (possibly vocab-sharded) logits
   vocab_reduce: Callable = _one_shard  # (x, 'max' | 'sum'): x reduced in place over the vocab shards
                                        # (the TP group); model/chunked_ce.py's loss pieces
   vocab_rank: int = 0                  # this rank's vocab shard: logit columns [rank w, (rank + 1) w)
