@@ -14,7 +14,7 @@ flatron's loop step), from the same weights, on the same token batches, steps in
 It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
 gradients + optimizer state each side holds and the peak memory (both sides together: the
 process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
-alone (forward and backward, timed one by one; once after each timed pair of steps, the median
+alone (forward and backward, timed one by one, each the best of 3; once after each timed pair of steps, the median
 of those, so a slow spell of a shared machine weighs on both as on the steps), and the fraction
 of it flatron reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
@@ -267,10 +267,11 @@ def main(argv):
     config = bench_config(precision, FLAGS.model, FLAGS.seq_length, FLAGS.micro_batch_size,
                           FLAGS.global_batch_size, device.type)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
-    # timed between the steps, once each (after an untimed call): the median of them
+    # timed between the steps (each op the best of 3 after an untimed call: one sample of a layer's
+    # attention, times the layers, moved the ceiling by 20%): the median of them
     r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
             compile_blocks=FLAGS.compile,
-            ceiling=lambda: ceiling_step_time(config, dtype, repeats=1, clock=FLAGS.clock, device=device))
+            ceiling=lambda: ceiling_step_time(config, dtype, repeats=3, clock=FLAGS.clock, device=device))
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     ceiling, gemm, attention = r['ceiling']
     tokens = config.data.global_batch_size * config.data.seq_length
