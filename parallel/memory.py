@@ -106,9 +106,11 @@ def _holds_head(config, sizes):
 def logits_bytes(config, tp=1) -> int:
   """Bytes of the last stage's logits at the loss (kept apart: a chunked cross-entropy changes
   only this): with N = b s / cp tokens (this rank's slice) and V' = padded vocab / t, 8 N V': the fp32 log-probs
-  cross-entropy keeps and, in backward, their fp32 gradient (the logits themselves, and the
-  fp32 copy of 16-bit ones, are freed after the forward: nothing saves them). With
-  model.fusions.chunked_cross_entropy = c (model/chunked_ce.py), N is one chunk's c tokens."""
+  cross-entropy keeps and the fp32 copy of 16-bit logits they are made from (freed after the
+  forward: nothing saves it, nor the logits). model/cross_entropy.py's backward turns the
+  log-probs into the gradient in place, so fp32 logits (no copy) need 4 N V' of the 8: counted
+  alike, an upper bound there. With model.fusions.chunked_cross_entropy = c
+  (model/chunked_ce.py), N is one chunk's c tokens."""
   m, a = config.model, config.data
   tokens = a.micro_batch_size * a.seq_length // config.distributed_strategy.get('context_parallel_size', 1)
   chunk = m.fusions.get('chunked_cross_entropy', 0)
