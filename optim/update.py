@@ -112,8 +112,8 @@ class Updater:
       group['lr'] = lr
     # The one-pass update reads the gradients as they are (bf16SR's bf16) and applies the clip
     # coefficient itself (the same fp32 multiply): no fp32 copy of them, no pass to scale them;
-    # their norm is a compiled loop too (one pass over the buckets, where eager widens a copy
-    # and squares it into another).
+    # on the CPU their norm is a compiled loop too for large tensors (one pass over the buckets,
+    # where eager widens a copy and squares it into another).
     fused = self.fused
     owned = {n: g if g.dtype == torch.float32 or n in fused else g.float() for n, g in gradients.items()}
     norm, coefficient = self._clip(owned, fused)

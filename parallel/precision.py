@@ -43,7 +43,8 @@ FUSED_SR_DEVICES = ('cpu', 'cuda')
 # tensor at a time, an op per pass (CUDA's fused AdamW is one multi-tensor kernel already); for
 # parameters of at least FUSED_FP32_MIN_NUMEL elements (globally, so every layout decides
 # alike): below, torch's step costs less than a compiled call, and a small model's process
-# never pays the compile.
+# never pays the compile. The clip norm compiles on the same threshold (per local tensor,
+# optim/sr_update.square_sum): below it an eager norm costs less than a compiled call.
 FUSED_FP32_DEVICES = ('cpu',)
 FUSED_FP32_MIN_NUMEL = 1 << 16
 

@@ -14,9 +14,9 @@ flatron's loop step), from the same weights, on the same token batches, steps in
 It prints tok/s, the ratio, MFU (against a measured matmul peak), the bytes of parameters +
 gradients + optimizer state each side holds and the peak memory (both sides together: the
 process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
-alone (forward and backward, timed one by one, each the best of 3; once after each timed pair of steps, the median
-of those, so a slow spell of a shared machine weighs on both as on the steps), and the fraction
-of it flatron reaches.
+alone (forward and backward, timed one by one, each the best of 3; once after each timed pair
+of steps, the median of those, so a slow spell of a shared machine weighs on both as on the
+steps), and the fraction of it flatron reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
 --profile prints flatron's step under torch.profiler, the ops by their own CPU time.
@@ -128,8 +128,8 @@ def state_bytes(tensors):
 
 def ceiling_step_time(config, dtype, repeats=3, clock='wall', device=torch.device('cpu')):
   """Seconds per step for the step's GEMMs (forward, and both backward products) and SDPA
-  forward + backward (causal, grouped KV heads) only, each timed alone (best of `repeats`), per micro batch times the
-  micro batches of a step."""
+  forward + backward (causal, grouped KV heads) only, each timed alone (best of `repeats`), per
+  micro batch times the micro batches of a step."""
   m, d = config.model, config.data
   tokens, hd = d.micro_batch_size * d.seq_length, transformer.head_dim(m)
   heads, kv = m.num_attention_heads, transformer.kv_heads(m)
@@ -271,7 +271,7 @@ def main(argv):
     # attention, times the layers, moved the ceiling by 20%): the median of them
     r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
             compile_blocks=FLAGS.compile,
-            ceiling=lambda: ceiling_step_time(config, dtype, repeats=3, clock=FLAGS.clock, device=device))
+            ceiling=lambda: ceiling_step_time(config, dtype, clock=FLAGS.clock, device=device))
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     ceiling, gemm, attention = r['ceiling']
     tokens = config.data.global_batch_size * config.data.seq_length
