@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from optim import inductor_bitcast
+from optim import graphed, inductor_bitcast
 from parallel import grads, precision, stochastic_rounding
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
@@ -295,18 +295,26 @@ def adamw_step(optimizer, rows, grads, placement=None, keys=None, scale=None):
   if not work:
     return
   device = work[0][0].device
+  calls = []           # (param, gradient, moment, moment, scalars row, L2, (layout, seeds row) or None)
+  for t, name, row, l2, seed in work:
+    state = optimizer.state[t]
+    # fp32 flat (one graph for every shape); bf16 shaped as their index layout
+    sizes, layout = ((-1,), None) if seed is None else _layout(*placement[name], device)
+    calls.append((t.view(sizes), grads[name].reshape(sizes), state['exp_avg'].view(sizes),
+                  state['exp_avg_sq'].view(sizes), row, l2, None if seed is None else (layout, seed)))
+
+  def launch(scale, scalars, seeds):
+    # views of the step's two tensors (one more graph than offset-0 tensors would compile,
+    # once; a clone per row would be two more launches per tensor every step)
+    for p, g, m, v, row, l2, keyed in calls:
+      if keyed is None:
+        _run(_adamw_fp32_kernel, device, p, g, scale, m, v, scalars[row], l2)
+      else:
+        _run(_adamw_kernel, device, p, g, scale, m, v, scalars[row], keyed[0], seeds[keyed[1]], l2)
+
   with _compile_settings(device):
     scale = torch.ones((), device=device) if scale is None else scale.to(device=device, dtype=torch.float32)
     scalars = torch.tensor(scalars, dtype=torch.float32, device=device)
     seeds = torch.tensor(seeds, dtype=torch.int32, device=device) if seeds else None
-    for t, name, row, l2, seed in work:
-      state = optimizer.state[t]
-      if seed is None:                 # fp32: flat, one graph for every shape
-        _run(_adamw_fp32_kernel, device, t.view(-1), grads[name].reshape(-1), scale, state['exp_avg'].view(-1),
-             state['exp_avg_sq'].view(-1), scalars[row], l2)
-        continue
-      sizes, layout = _layout(*placement[name], device)
-      # views of the step's two tensors (one more graph than offset-0 tensors would compile,
-      # once; a clone per row would be two more launches per tensor every step)
-      _run(_adamw_kernel, device, t.view(sizes), grads[name].reshape(sizes), scale, state['exp_avg'].view(sizes),
-           state['exp_avg_sq'].view(sizes), scalars[row], layout, seeds[seed], l2)
+    # on CUDA one graph replay from the third step on (optim/graphed.py), else the calls
+    graphed.run(launch, [x for call in calls for x in call[:6] + (call[6] or (None, None))], [scale, scalars, seeds])

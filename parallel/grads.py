@@ -61,12 +61,35 @@ def square_sum(t):
   return t.detach().float().pow(2).sum()
 
 
+def square_sums(tensors, squares_of=square_sum, multi_tensor=None):
+  """The fp32 sum of squares of each of `tensors`: `squares_of` each, or (`multi_tensor`; by
+  default on CUDA) through torch's multi-tensor norm: fp32 accumulators, one launch per run of
+  tensors of a dtype, where one per tensor costs three launches and two fp32 temporaries (a
+  1.1B model's 201 bf16 gradients: 603 launches and ~8 ms of GPU time on an H100). Not on the
+  CPU, where it sums naively (1.6e-4 relative error on 4M fp32 elements); CUDA's tree sum
+  does not. The square of an fp32 norm is within an ulp or two of the sum of squares."""
+  if multi_tensor is None:
+    multi_tensor = bool(tensors) and tensors[0].device.type == 'cuda'
+  if not multi_tensor:
+    return [squares_of(t) for t in tensors]
+  by_dtype = {}
+  for i, t in enumerate(tensors):
+    by_dtype.setdefault(t.dtype, []).append(i)
+  out = [None] * len(tensors)
+  for indices in by_dtype.values():
+    norms = torch._foreach_norm([tensors[i].detach() for i in indices], 2, dtype=torch.float32)  # pylint: disable=protected-access
+    for i, norm in zip(indices, torch._foreach_mul(norms, norms)):  # pylint: disable=protected-access
+      out[i] = norm
+  return out
+
+
 def global_norm(tensors_by_name, mesh, extra_group=None, squares_of=square_sum):
   """L2 norm of the global model's tensors, each element counted once (`extra_group`: a
   group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP; `squares_of`: how a
-  tensor's fp32 sum of squares is taken)."""
+  tensor's fp32 sum of squares is taken, but on CUDA: square_sums)."""
   device = mesh.device
-  squares = [squares_of(t) for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh)]
+  squares = square_sums([t for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh)],
+                        squares_of)
   total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
   total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
   total = comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')

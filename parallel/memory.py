@@ -180,13 +180,14 @@ def update_temporaries(config, sizes, dp=1) -> int:
       the fused optimizers none, the others foreach over runs of at most
       bucket_size_collectives (optim/optimizers.chunks): 2 x the largest run
     the clip's norm: one tensor's fp32 square (of 16-bit gradients: and their fp32 copy); with
-      the one pass, compiled (nothing) for tensors of FUSED_FP32_MIN_NUMEL elements or more
+      the one pass, compiled (nothing) for tensors of FUSED_FP32_MIN_NUMEL elements or more; on
+      CUDA torch's multi-tensor norm (grads.square_sums: nothing)
   16-bit gradients (bf16SR) are stepped from an fp32 copy of all owned rows (4 bytes each).
   For 16-bit parameters without masters (bf16SR) under Adam(W) on CPU and CUDA
   (precision.FUSED_SR_DEVICES), optim/sr_update.py steps and rounds each tensor in place in one
   compiled pass from the 16-bit gradients, after a norm compiled on CPU (nothing; eager for
-  tensors under precision.FUSED_FP32_MIN_NUMEL elements) or eager on CUDA (one tensor's fp32
-  copy and its square). Elsewhere the step runs on fp32 working
+  tensors under precision.FUSED_FP32_MIN_NUMEL elements: one tensor's fp32 copy and its
+  square) or multi-tensor on CUDA (nothing). Elsewhere the step runs on fp32 working
   rows and moments (4 + 8 bytes per element, less the 4 of the bf16 moments freed as they
   widen), and then the larger of that plus the above, or that plus the
   rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
@@ -209,10 +210,11 @@ def update_temporaries(config, sizes, dp=1) -> int:
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
   # with the one pass, the norm is compiled on CPU but for tensors too small to pay a call
   small = max((v for v in owned if v < precision.FUSED_FP32_MIN_NUMEL), default=0)
-  norm = 4 * (small if fused else max(owned))
+  cuda = devices.kind(config.device) == 'cuda'
+  norm = 0 if cuda else 4 * (small if fused else max(owned))
   temporaries = max(optimizer, norm) + grads32
   if fused_sr(config):       # it reads the 16-bit gradients
-    temporaries = 2 * 4 * (small if devices.kind(config.device) == 'cpu' else max(owned))
+    temporaries = 0 if cuda else 2 * 4 * small
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
     moments = ADAM_STATES.get(config.model.optim.name, 2)
     items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded

@@ -19,7 +19,10 @@ of steps, the median of those, so a slow spell of a shared machine weighs on bot
 steps), and the fraction of it flatron reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
---profile prints flatron's step under torch.profiler, the ops by their own CPU time.
+--profile prints flatron's step under torch.profiler, the ops by their own CPU time; on a GPU
+HF's step too, and for each how long the GPU worked within it and its longest idle gaps.
+--nocuda_graph_update launches flatron's fused update call by call on a GPU instead of
+replaying it as one CUDA graph (optim/graphed.py): the A/B of that.
 --compile compiles both sides per block (flatron's model.compile, each HF decoder layer's
 torch.compile); the ceiling stays the eager GEMMs and attention.
 --device=cuda runs both sides on the GPU (HF's AdamW fused, as flatron's fp32-master recipes
@@ -42,7 +45,7 @@ import tools
 from configs import llama_tiny
 from data.loader import Loader
 from model import hf, transformer
-from optim import optimizers, update
+from optim import graphed, optimizers, update
 from parallel import device as devices, mesh as meshes, tensor, training
 
 FLAGS = flags.FLAGS
@@ -167,11 +170,39 @@ def ceiling_step_time(config, dtype, repeats=3, clock='wall', device=torch.devic
 
 
 
-def profile_step(params, updater, batch, config, step, mesh, ops, rows=15):
-  """flatron's step `step` under torch.profiler: the `rows` ops with the most self CPU time."""
-  with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-    training.train_step(params, updater, batch, config, step, mesh, ops)['loss'].item()
-  return prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=rows)
+def profile_step(step_fn, device, rows=15):
+  """step_fn() under torch.profiler: the `rows` ops with the most self CPU time, and on a GPU
+  how long it worked within the step (gpu_busy)."""
+  activities = [torch.profiler.ProfilerActivity.CPU]
+  if device.type == 'cuda':
+    activities.append(torch.profiler.ProfilerActivity.CUDA)
+  devices.synchronize(device)
+  with torch.profiler.profile(activities=activities) as prof:
+    step_fn()
+    devices.synchronize(device)
+  table = prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=rows)
+  return table + ('\n' + gpu_busy(prof.events()) if device.type == 'cuda' else '')
+
+
+def gpu_busy(events, gaps=5):
+  """The GPU's work (kernels, copies, fills; overlaps counted once) against the profiled span,
+  and its longest idle gaps: where a step waits on its host (launch overhead, syncs)."""
+  cpu = [e.time_range for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+  spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+  if not cpu or not spans:
+    return 'no GPU work recorded'
+  start, end = min(r.start for r in cpu), max(r.end for r in cpu)
+  busy, idle, at = 0, [], start
+  for a, b in spans:
+    if a > at:
+      idle.append((a - at, at - start))
+    busy += max(0, b - max(a, at))
+    at = max(at, b)
+  idle.append((max(0, end - at), at - start))
+  longest = ', '.join(f'{g / 1e3:.1f} ms at {t / 1e3:.0f} ms' for g, t in sorted(idle, reverse=True)[:gaps])
+  return (f'GPU busy {busy / 1e3:.1f} ms of {(end - start) / 1e3:.1f} ms ({busy / max(end - start, 1):.0%}); '
+          f'idle {sum(g for g, _ in idle) / 1e3:.1f} ms in {len(idle)} gaps, the longest: {longest}')
 
 
 def run(precision, steps, warmup, config=None, clock='wall', profile=False, compile_blocks=False, ceiling=None):
@@ -224,7 +255,12 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
   if ceilings:
     result['ceiling'] = sorted(ceilings)[(len(ceilings) - 1) // 2]     # the faster of two middles
   if profile:
-    result['profile'] = profile_step(params, updater, loader.global_batch(0), config, steps + warmup, mesh, ops)
+    batch, i, lr = loader.global_batch(0), steps + warmup, updater.lr(steps + warmup)
+    result['profile'] = profile_step(
+        lambda: training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item(), mesh.device)
+    if mesh.device.type == 'cuda':        # HF's too: where each side's GPU waits
+      result['hf_profile'] = profile_step(
+          lambda: hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr), mesh.device)
   return result
 
 
@@ -238,6 +274,8 @@ def define_flags():
   flags.DEFINE_bool('profile', False, 'Print one flatron step\'s ops by self CPU time per precision.')
   flags.DEFINE_bool('compile', False, 'Both sides regionally compiled: flatron\'s model.compile, HF\'s '
                     'decoder layers each torch.compile\'d (compiles fall in the warm-up).')
+  flags.DEFINE_bool('cuda_graph_update', True, 'On a GPU, flatron\'s fused update replayed as one CUDA graph '
+                    '(optim/graphed.py); off: launched call by call.')
   flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda', 'auto'], 'Where both sides train (auto: cuda if present).')
   flags.DEFINE_enum('model', 'bench32m', list(MODELS), 'The Llama shape (MODELS in tools/bench_hf.py).')
   flags.DEFINE_integer('seq_length', 0, 'Tokens per row (0: the model\'s in MODELS).')
@@ -249,6 +287,7 @@ def main(argv):
   tools.no_arguments(argv)
   torch.set_num_threads(FLAGS.threads)
   device = devices.resolve(FLAGS.device)
+  graphed.ENABLED = FLAGS.cuda_graph_update
   if device.type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     peak, source = devices.peak_flops(device)
@@ -285,6 +324,8 @@ def main(argv):
           f"{r['flatron'] * ceiling / tokens:.0%} | {peak_memory / 2**20:,.0f} |", flush=True)
     if 'profile' in r:
       print(f'flatron {precision} step, ops by self CPU time:\n{r["profile"]}', flush=True)
+    if 'hf_profile' in r:
+      print(f'HF {precision} step, ops by self CPU time:\n{r["hf_profile"]}', flush=True)
     del r
     if device.type == 'cuda':
       torch.cuda.empty_cache()

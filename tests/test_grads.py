@@ -1,0 +1,36 @@
+"""parallel/grads.py: the per-tensor sums of squares behind the global norm."""
+import pytest
+import torch
+
+from parallel import grads
+
+
+def _tensors():
+  g = torch.Generator().manual_seed(0)
+  return [torch.randn(300, 7, generator=g).to(torch.bfloat16), torch.randn(50, generator=g),
+          torch.randn(2, 3, 4, generator=g).to(torch.bfloat16), torch.zeros(5), torch.randn(1, generator=g) * 1e3]
+
+
+def test_multi_tensor_square_sums_are_each_tensors_sum_of_squares_in_order():
+  tensors = _tensors()
+  got = grads.square_sums(tensors, multi_tensor=True)      # CUDA's path, mixed dtypes in one list
+  want = grads.square_sums(tensors, multi_tensor=False)
+  assert [s.dtype for s in got] == [torch.float32] * len(tensors)
+  torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-6, atol=0)
+  exact = torch.stack([t.double().square().sum() for t in tensors]).float()
+  torch.testing.assert_close(torch.stack(want), exact, rtol=1e-6, atol=0)
+
+
+def test_square_sums_on_the_cpu_use_squares_of_each_tensor():
+  seen = []
+  out = grads.square_sums(_tensors(), squares_of=lambda t: seen.append(t.shape) or t.float().square().sum())
+  assert seen == [t.shape for t in _tensors()] and len(out) == 5
+  assert grads.square_sums([]) == []
+
+
+@pytest.mark.parametrize('multi_tensor', [False, True])
+def test_square_sums_of_gradients_that_require_grad_are_detached(multi_tensor):
+  t = torch.randn(10, requires_grad=True)
+  (s,) = grads.square_sums([t], multi_tensor=multi_tensor)
+  assert not s.requires_grad
+  torch.testing.assert_close(s, t.detach().square().sum())
