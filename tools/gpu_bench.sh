@@ -4,6 +4,8 @@
 #   bash tools/gpu_bench.sh            # writes $OUT/gpu_bench.log (OUT defaults to runs/gpu_bench)
 # 1. the fused update replayed as one CUDA graph (optim/graphed.py) against launched call by
 #    call: 6 bf16SR steps of llama_tiny each way, parameters and moments compared bit for bit;
+#    and train.py's bitwise resume through it: 20 steps straight, 10 + a resume to 20, and 20
+#    with an async checkpoint saved every step, the losses compared;
 # 2. tools/bench_hf.py against transformers: TinyLlama-1.1B's shape (bf16: graph on, with each
 #    side's profile and GPU idle time, then graph off) and llama_50m's, eager and compiled per block;
 # 3. the loop itself on CUDA (train.py, llama_tiny, bf16SR and mixed_precision, 30 steps each);
@@ -61,6 +63,23 @@ print(f'measured: graph replay vs call by call, 6 bf16SR steps of llama_tiny ({f
       f'{graphs} graph held): {differ} of {sum(a.numel() for a in s0.values())} bf16 parameter and moment '
       f'values differ; losses {l0[-1]:.6f} / {l1[-1]:.6f}; equal: {l0 == l1}')
 EOF
+
+T="python3 train.py --config=configs/llama_tiny.py --config.device=cuda --config.precision.type=bf16SR
+   --config.trainer.max_steps=20 --config.trainer.log_every_n_steps=1 --config.exp_manager.create_checkpoint_callback=True
+   --config.exp_manager.resume_if_exists=True --config.exp_manager.resume_ignore_no_checkpoint=True"
+R=/tmp/gpu_bench_resume
+rm -rf $R
+stage 60 $T --workdir=$R/straight
+stage 60 $T --workdir=$R/resumed --config.trainer.exit_interval=10
+stage 60 $T --workdir=$R/resumed
+stage 60 $T --workdir=$R/async --config.exp_manager.async_checkpointing=True \
+  --config.exp_manager.checkpoint_callback_params.every_n_train_steps=1
+stage 30 python3 -c "
+import json
+L = lambda w: [json.loads(l)['loss'] for l in open(f'$R/{w}/metrics.jsonl') if '\"loss\"' in l]
+s, r, a = L('straight'), L('resumed'), L('async')
+print('measured: bf16SR losses over', len(s), 'steps: resumed at 10 == straight:', r == s,
+      '| an async checkpoint every step == straight:', a == s)"
 
 B="python3 -m tools.bench_hf --device=cuda --threads=$THREADS"
 stage 150 $B --model=tinyllama_1b --precisions=bf16 --steps=5 --warmup=2 --profile
