@@ -304,8 +304,8 @@ def adamw_step(optimizer, rows, grads, placement=None, keys=None, scale=None):
                   state['exp_avg_sq'].view(sizes), row, l2, None if seed is None else (layout, seed)))
 
   def launch(scale, scalars, seeds):
-    # views of the step's two tensors (one more graph than offset-0 tensors would compile,
-    # once; a clone per row would be two more launches per tensor every step)
+    # scalars[row] and seeds[...] are views of the step's two tensors (one more graph than
+    # offset-0 tensors would compile, once; a clone per row: two more launches per tensor)
     for p, g, m, v, row, l2, keyed in calls:
       if keyed is None:
         _run(_adamw_fp32_kernel, device, p, g, scale, m, v, scalars[row], l2)

@@ -271,7 +271,8 @@ def define_flags():
   flags.DEFINE_integer('threads', 2, 'torch threads.')
   flags.DEFINE_enum('clock', 'wall', list(CLOCKS), 'wall: seconds; cpu: this process\'s CPU seconds '
                     '(a machine shared with other jobs).')
-  flags.DEFINE_bool('profile', False, 'Print one flatron step\'s ops by self CPU time per precision.')
+  flags.DEFINE_bool('profile', False, 'Print one flatron step\'s ops by self CPU time per precision (on a GPU '
+                    'HF\'s too, and each step\'s GPU busy and idle time).')
   flags.DEFINE_bool('compile', False, 'Both sides regionally compiled: flatron\'s model.compile, HF\'s '
                     'decoder layers each torch.compile\'d (compiles fall in the warm-up).')
   flags.DEFINE_bool('cuda_graph_update', True, 'On a GPU, flatron\'s fused update replayed as one CUDA graph '
