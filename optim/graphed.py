@@ -12,9 +12,11 @@ kernels on the same memory, so the same bits, for one launch.
 A graph is keyed by every tensor its calls read or write (address, shape, strides, dtype) and
 by the inputs' shapes, so anything moved (state reloaded into new tensors, a new parameter
 group) is a new key: launched directly once, captured the next time. Off the GPU (CPU, XLA),
-while something else captures, or with ENABLED off, the calls just run.
+while something else captures, with ENABLED off, or after a capture failed (a warning), the
+calls just run.
 """
 import collections
+import logging
 
 import torch
 
@@ -39,7 +41,16 @@ class _Graphs:
       if key not in self.seen:    # warm-up: compiles and autotuning happen outside any capture
         _remember(self.seen, key, None)
         return launch(*inputs)
-      entry = _capture(launch, inputs)
+      try:
+        entry = _capture(launch, inputs)
+      except Exception as e:  # pylint: disable=broad-except
+        # a capture records launches without running them, so nothing was written: the calls
+        # run directly, now and in every later step of this process
+        logging.warning('CUDA graph capture of the update failed (%s: %s); launching it call by call',
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else '')
+        global ENABLED  # pylint: disable=global-statement
+        ENABLED = False
+        return launch(*inputs)
       _remember(self.graphs, key, entry)
     graph, buffers = entry
     for buffer, value in zip(buffers, inputs):

@@ -80,3 +80,19 @@ def test_off_the_calls_always_run_directly(captures, monkeypatch):
 
 def test_on_the_cpu_nothing_is_captured():
   assert not graphed.usable([torch.ones(2), None]) and not graphed.usable([None])
+
+
+def test_a_failed_capture_warns_and_the_calls_run_directly_from_then_on(captures, monkeypatch, caplog):
+  monkeypatch.setattr(graphed, 'ENABLED', True)          # restored after: the failure turns it off
+
+  def fail(launch, inputs):
+    raise RuntimeError('operation not permitted when stream is capturing')
+
+  monkeypatch.setattr(graphed, '_capture', fail)
+  param = torch.zeros(2)
+  launch, calls = _axpy(param)
+  for _ in range(4):
+    graphed.run(launch, [param], [torch.ones(2), None])
+  assert len(calls) == 4 and param.tolist() == [8.0, 8.0]
+  assert 'capture of the update failed (RuntimeError: operation not permitted' in caplog.text
+  assert not graphed.ENABLED and not captures
