@@ -32,7 +32,8 @@ class _Graphs:
 
   def run(self, launch, fixed, inputs):
     """launch(*inputs), where `launch` reads and writes only the tensors in `fixed` (and values
-    that `fixed` holds too) and `inputs` (tensors, or None)."""
+    that `fixed` holds too; an iterable, read only where a graph may be used) and `inputs`
+    (tensors, or None)."""
     if not usable(inputs):
       return launch(*inputs)
     key = (_describe(fixed), tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))

@@ -223,8 +223,9 @@ def square_sum(t) -> torch.Tensor:
   gradients: 0.55 against 2.4 ms). Its loop sums in another order than eager's, so its bits
   are its own (norms are not layout-invariant bit for bit anyway: shards are summed in other
   orders)."""
-  # on CUDA inductor's dynamic-shape reduction was slow: 874 ms of GPU time per step for a
-  # 1.1B model's 201 gradients on an H100 (torch 2.11), where eager's passes take milliseconds
+  # CPU only: on CUDA inductor's dynamic-shape reduction was slow (874 ms of GPU time per step
+  # for a 1.1B model's 201 gradients on an H100, torch 2.11); grads.square_sums takes torch's
+  # multi-tensor norm there
   if t.device.type != 'cpu' or t.numel() < precision.FUSED_FP32_MIN_NUMEL:
     return grads.square_sum(t)
   with _compile_settings(t.device):
@@ -317,4 +318,5 @@ def adamw_step(optimizer, rows, grads, placement=None, keys=None, scale=None):
     scalars = torch.tensor(scalars, dtype=torch.float32, device=device)
     seeds = torch.tensor(seeds, dtype=torch.int32, device=device) if seeds else None
     # on CUDA one graph replay from the third step on (optim/graphed.py), else the calls
-    graphed.run(launch, [x for call in calls for x in call[:6] + (call[6] or (None, None))], [scale, scalars, seeds])
+    fixed = (x for call in calls for x in call[:6] + (call[6] or (None, None)))    # read on CUDA only
+    graphed.run(launch, fixed, [scale, scalars, seeds])

@@ -202,7 +202,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
   if not owned:
     return 0
   fused = fused_fp32_names(config, sizes)
-  if devices.kind(config.device) != 'cuda':
+  cuda = devices.kind(config.device) == 'cuda'
+  if not cuda:
     optimizer = 2 * 4 * max((math.ceil(v / shards) for n, v in sizes.items() if n in trained and n not in fused),
                             default=0)
   else:
@@ -210,7 +211,6 @@ def update_temporaries(config, sizes, dp=1) -> int:
   grads32 = 4 * sum(owned) if recipe.grad_acc_dtype.itemsize != 4 else 0
   # with the one pass, the norm is compiled on CPU but for tensors too small to pay a call
   small = max((v for v in owned if v < precision.FUSED_FP32_MIN_NUMEL), default=0)
-  cuda = devices.kind(config.device) == 'cuda'
   norm = 0 if cuda else 4 * (small if fused else max(owned))
   temporaries = max(optimizer, norm) + grads32
   if fused_sr(config):       # it reads the 16-bit gradients

@@ -33,8 +33,8 @@ def host_available_bytes():
 
 def fitting_layouts(config, world_size, budget, check) -> list:
   """(description, bytes per rank) of every valid tp x pp (x ZeRO-1) layout of `world_size`
-  processes (at the configured context_parallel_size) whose estimate fits `budget`, smallest first. `check(config, world_size)` lists a
-  config's problems (configs/validate.py)."""
+  processes (at the configured context_parallel_size) whose estimate fits `budget`, smallest
+  first. `check(config, world_size)` lists a config's problems (configs/validate.py)."""
   out, cp = [], config.distributed_strategy.get('context_parallel_size', 1)   # kept as configured
   replicas = world_size // cp if world_size % cp == 0 else 0
   for tp in (n for n in range(1, replicas + 1) if replicas % n == 0):
