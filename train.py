@@ -199,8 +199,8 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
                    memory.human_bytes(updater.state_bytes()))
       if config.model.compile:
         stats = compiled.stats()
-        logging.info('model.compile: the first step compiled %d graph(s) in %.1f s; the first logged step time '
-                     'includes it', stats['graphs'], stats['compile_s'])
+        logging.info('model.compile: the first step compiled %d graph(s) (%d graph break(s)) in %.1f s; the first '
+                     'logged step time includes it', stats['graphs'], stats['graph_breaks'], stats['compile_s'])
     before, consumed_samples = consumed_samples, consumed_samples + config.data.global_batch_size
     reporter.add(step, out, consumed_samples)    # reads the step before this one
     stopped = None if last else checkpoints.stop_reason(step + 1)

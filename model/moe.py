@@ -44,8 +44,10 @@ METRICS = ('lm_loss', 'moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'm
 
 
 def enabled(cfg) -> bool:
+  # no truth test of the ConfigDict: its __len__ sorts its keys, which breaks model.compile's
+  # block graph in two (dynamo cannot trace the sort)
   moe = cfg.get('moe')
-  return bool(moe) and moe.num_experts > 0
+  return moe is not None and moe.get('num_experts', 0) > 0
 
 
 def is_moe_layer(cfg, i) -> bool:

@@ -129,9 +129,12 @@ def layer_fn(model_cfg, device, wrap=None):
 
 
 def stats() -> dict:
-  """graphs: dynamo graphs compiled in this process (all blocks, train and eval); compile_s:
-  seconds dynamo and inductor spent compiling them, forward and backward graphs."""
+  """graphs: dynamo graphs compiled in this process (all blocks, train and eval); graph_breaks:
+  where dynamo split a function into more graphs (each one a boundary inductor cannot fuse
+  across; keyed dropout's eager mask is one by design); compile_s: seconds dynamo and inductor
+  spent compiling them, forward and backward graphs."""
   if 'torch._dynamo' not in sys.modules:
-    return {'graphs': 0, 'compile_s': 0.0}
-  from torch._dynamo.utils import compilation_time_metrics  # pylint: disable=import-outside-toplevel
-  return {'graphs': _graphs(), 'compile_s': sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}
+    return {'graphs': 0, 'graph_breaks': 0, 'compile_s': 0.0}
+  from torch._dynamo.utils import compilation_time_metrics, counters  # pylint: disable=import-outside-toplevel
+  return {'graphs': _graphs(), 'graph_breaks': sum(counters['graph_break'].values()),
+          'compile_s': sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}

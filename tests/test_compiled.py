@@ -46,6 +46,19 @@ def test_compiled_steps_equal_eager_and_compile_once():
   assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
 
 
+def test_a_block_without_dropout_is_one_graph():
+  # a graph break splits the block where inductor cannot fuse across (a ConfigDict's truth test
+  # in moe.enabled once split every block in two)
+  c = tiny(True)
+  c.model.hidden_dropout = c.model.ffn_dropout = c.model.attention_dropout = 0.0
+  c.model.activations_checkpoint_granularity = None
+  before = compiled.stats()
+  train(c, steps=1)
+  after = compiled.stats()
+  assert after['graph_breaks'] == before['graph_breaks'], (before, after)
+  assert after['graphs'] > before['graphs']
+
+
 @pytest.mark.parametrize('key, value, message', [
     ('distributed_strategy.tensor_model_parallel_size', 2, 'tensor_model_parallel_size=2'),
     ('device', 'xla', 'device=xla'),

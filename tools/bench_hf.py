@@ -115,7 +115,7 @@ def hf_step(model, optimizer, micro_batches, precision, clip, lr):
   total, device = 0.0, model.device
   for mb in micro_batches:
     with torch.autocast(device.type, torch.bfloat16, enabled=precision == 'mixed'):
-      logits = model(input_ids=mb['tokens'].to(device)).logits
+      logits = model(input_ids=mb['tokens'].to(device), use_cache=False).logits   # training: no KV cache
     loss = F.cross_entropy(logits.float().flatten(0, 1), mb['labels'].to(device).flatten()) / len(micro_batches)
     loss.backward()
     total += loss.item()
