@@ -113,7 +113,6 @@ def run(config, workdir=None):
     logging.warning('config: %s', warning)
   for key, value, effect in xla.configure(config, devices.kind(config.device)):   # before the XLA runtime starts
     logging.info('%s=%s: %s', key, value, effect)
-  kept = config.keep_freed_host_memory and devices.keep_freed_host_memory()   # before the big allocations
   mesh = meshes.init(config)
   lead = mesh.rank == 0                    # the one rank that writes files (and prints, by default)
   logs.configure_logging(mesh.rank, int(os.environ.get('LOCAL_RANK', '0')),
@@ -125,9 +124,6 @@ def run(config, workdir=None):
     sizes = training.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp)
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
-    if config.keep_freed_host_memory:
-      logging.info('keep_freed_host_memory: %s', 'glibc malloc keeps freed memory for the next step (no mmap, no trim)'
-                   if kept else 'the C library is not glibc; its own allocator settings stay')
     comm.on_every_rank(lambda: memory_check.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
     comm.on_every_rank(lambda: check_tokenizer(config), mesh.host_group, 'loading the tokenizer')

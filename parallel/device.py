@@ -1,10 +1,8 @@
-"""The device layer: which device, which collective backend, the peak FLOP/s for MFU, and
-how the host's C library hands out memory (keep_freed_host_memory).
+"""The device layer: which device, which collective backend, and the peak FLOP/s for MFU.
 
 cpu (gloo), cuda (nccl) and xla (torch-xla: Trainium, TPU; parallel/xla.py) share one path;
 torch_xla is imported only when the device is an XLA one.
 """
-import ctypes
 import time
 
 import torch
@@ -57,37 +55,6 @@ def synchronize(device: torch.device):
   elif device.type == 'xla':
     xla.step_boundary()
     xla.wait()
-
-
-# glibc's mallopt parameters (malloc.h), and its largest mmap threshold on 64-bit hosts
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD_MAX = 32 << 20
-
-
-def keep_freed_host_memory() -> bool:
-  """Make glibc's malloc keep what a step frees for the next step; True where it took.
-
-  glibc maps a large block with its own mmap and unmaps it on free (above a threshold that
-  starts at 128 KiB and follows freed blocks up to 32 MiB), and gives the heap's free top back
-  to the kernel once it passes twice that. A training step frees its activations and
-  gradients and allocates them again the next step, so each step faulted them in again, page
-  by page, zeroed by the kernel: ~1.35M minor faults over bench_hf's compiled bf16 run of the
-  32M model. Here the threshold is its maximum from the start and the top is never trimmed:
-  blocks under 32 MiB come from the heap and stay there for the next step (0.56M faults, both
-  sides' steps faster: docs/performance.md). Blocks above it are still mapped and unmapped,
-  as glibc does by default: kept in the heap they made it grow by several times their size
-  before its free blocks were reused (posix_memalign asks for more than the size freed).
-  The cost: resident memory stays at its high-water mark between steps, as a GPU's caching
-  allocator does. Process-wide: call it once at start-up (train.py does, unless
-  keep_freed_host_memory=False). Where the C library is not glibc (mallopt missing or
-  refusing) nothing changes and this returns False.
-  """
-  try:
-    mallopt = ctypes.CDLL(None).mallopt
-  except (OSError, AttributeError):
-    return False
-  mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-  return mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
 
 
 def step_boundary(device: torch.device):

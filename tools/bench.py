@@ -59,8 +59,6 @@ class Run:
   @classmethod
   def build(cls, config, count):
     validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
-    if config.keep_freed_host_memory:        # as train.py does
-      devices.keep_freed_host_memory()
     mesh = meshes.init(config)
     params = training.init_params(config, mesh)
     loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
