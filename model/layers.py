@@ -67,6 +67,7 @@ class Ops:
   recompute_mlp: Callable = no_recompute        # around the whole MLP
   recompute_norm: Callable = no_recompute       # around each of a block's two norms
   recompute_activation: Callable = no_recompute  # around act(gate) * up
+  final_norm: Callable = None          # the model's last norm, norm's signature; None = norm (model.compile compiles it)
   # Mixture of experts (model/moe.py): tokens sorted by expert through the experts this rank
   # holds (expert parallelism: dispatched over the ep group), and the pass's routing records.
   expert_ffn: Callable = None          # (x_th, counts per expert, gate_up, down) -> y_th; None = local

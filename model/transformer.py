@@ -287,7 +287,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   aux_sum = collector and collector.finish(ops.moe_tally, last and objective is not None and objective.adds_aux)
   if not last:
     return x_bsh
-  x_bsh = ops.full_input(layers.norm(params, 'norm', x_bsh, cfg))
+  x_bsh = ops.full_input((ops.final_norm or layers.norm)(params, 'norm', x_bsh, cfg))
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
   chunk = cfg.fusions.get('chunked_cross_entropy', 0)
   if objective is not None and chunk:     # the objective's losses run the head chunk by chunk

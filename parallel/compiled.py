@@ -1,12 +1,13 @@
 """model.compile: regional torch.compile, one transformer block at a time (torchtitan's choice).
 
-One compiled function serves every layer (one more the per-token cross-entropy, `loss_ops`).
-Its arguments are the layer's parameters renamed to layer 0 (`layers.7.mlp.up_proj.weight` ->
-`layers.0.mlp.up_proj.weight`), the block's input and the shared rope/mask tensors; the layer
-index inside the dropout key travels as a tensor. Layers share shapes, so dynamo traces once
-(once more for evaluation, under no_grad) and every other call only checks guards: the graph
-count does not grow with layers or steps. Layers that differ (LoRA on some layers only, sliding
-vs full attention masks) get a graph each, through guards.
+One compiled function serves every layer (two more: the last norm and the per-token
+cross-entropy, `loss_ops`). Its arguments are the layer's parameters renamed to layer 0
+(`layers.7.mlp.up_proj.weight` -> `layers.0.mlp.up_proj.weight`), the block's input and the
+shared rope/mask tensors; the layer index inside the dropout key travels as a tensor. Layers
+share shapes, so dynamo traces once (once more for evaluation, under no_grad) and every other
+call only checks guards: the graph count does not grow with layers or steps. Layers that
+differ (LoRA on some layers only, sliding vs full attention masks) get a graph each, through
+guards.
 
 What runs inside the graph and what does not:
   * activation recompute: the checkpoint wraps the compiled block (full), or runs inside it
@@ -32,7 +33,7 @@ import torch
 
 from model import cross_entropy, layers, transformer
 
-_state = {'fn': None, 'cross_entropy': None, 'loss_ops': {}}
+_state = {'fn': None, 'cross_entropy': None, 'norm': None, 'loss_ops': {}}
 # dynamo's timers of a frame's compile, and of the backward graph's (compiled at the first backward)
 COMPILE_TIMERS = ('_compile.compile_inner', 'backward._backward_impl')
 
@@ -97,17 +98,27 @@ class Blocks:
                      sample_ids_b)
 
 
+def _final_norm(params, prefix, x_bsh, cfg):
+  """layers.norm compiled, given only its own parameters (not the whole dict to guard on)."""
+  own = {n: params[n] for n in (prefix + '.weight', prefix + '.bias') if n in params}
+  return _state['norm'](own, prefix, x_bsh, cfg)
+
+
 def loss_ops(model_cfg, ops):
-  """`ops` with the per-token cross-entropy compiled where model.compile is on and it is the
-  local one (a vocab-parallel one has collectives; TP is refused above anyway)."""
+  """`ops` with the model's last norm and the per-token cross-entropy compiled where
+  model.compile is on and the cross-entropy is the local one (a vocab-parallel one has
+  collectives; TP is refused above anyway). Eager, the last norm's RMSNorm is five passes each
+  way over the micro batch's activations (~8 ms a step of bench_hf's 32M model)."""
   if not model_cfg.get('compile') or ops.cross_entropy is not layers.LOCAL_OPS.cross_entropy:
     return ops
   if _state['cross_entropy'] is None:
     _state['cross_entropy'] = torch.compile(cross_entropy.traced, dynamic=False)
+    _state['norm'] = torch.compile(layers.norm, dynamic=False)
   # the same Ops object each step: the compiled blocks take it as an argument
   cached = _state['loss_ops'].get(id(ops))
   if cached is None or cached[0] is not ops:
-    cached = _state['loss_ops'][id(ops)] = ops, dataclasses.replace(ops, cross_entropy=_state['cross_entropy'])
+    cached = _state['loss_ops'][id(ops)] = ops, dataclasses.replace(ops, cross_entropy=_state['cross_entropy'],
+                                                                     final_norm=_final_norm)
   return cached[1]
 
 
