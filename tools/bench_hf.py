@@ -16,7 +16,7 @@ gradients + optimizer state each side holds and the peak memory (both sides toge
 process's RSS, on a GPU its peak allocated), then the ceiling: the step's GEMMs and attention
 alone (forward and backward, timed one by one, each the best of 3; once after each timed pair
 of steps, the median of those, so a slow spell of a shared machine weighs on both as on the
-steps), and the fraction of it flatron reaches.
+steps), and the fraction of it each side reaches.
 --clock=cpu times steps in this process's CPU seconds (all its threads) instead of wall seconds:
 on a machine shared with other jobs, waiting for a core does not count against either side.
 --profile prints flatron's step under torch.profiler, the ops by their own CPU time; on a GPU
@@ -301,8 +301,8 @@ def main(argv):
           f'steps timed in {FLAGS.clock} seconds', flush=True)
   print(f'model {FLAGS.model}; {"compiled per block" if FLAGS.compile else "eager"}')
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
-        ' ceiling tok/s (GEMM + attention) | flatron / ceiling | peak memory MiB |')
-  print('|---|---|---|---|---|---|---|---|---|---|---|')
+        ' ceiling tok/s (GEMM + attention) | flatron / ceiling | HF / ceiling | peak memory MiB |')
+  print('|---|---|---|---|---|---|---|---|---|---|---|---|')
   for precision in FLAGS.precisions:
     config = bench_config(precision, FLAGS.model, FLAGS.seq_length, FLAGS.micro_batch_size,
                           FLAGS.global_batch_size, device.type)
@@ -322,7 +322,8 @@ def main(argv):
           f"{100 * r['hf'] * flops / peak:.1f}% | {100 * r['flatron'] * flops / peak:.1f}% | "
           f"{r['hf_bytes'] / 2**20:.0f} | {r['flatron_bytes'] / 2**20:.0f} | "
           f"{tokens / ceiling:,.0f} (GEMMs {gemm * 1e3:.0f} ms, attention {attention * 1e3:.0f} ms) | "
-          f"{r['flatron'] * ceiling / tokens:.0%} | {peak_memory / 2**20:,.0f} |", flush=True)
+          f"{r['flatron'] * ceiling / tokens:.0%} | {r['hf'] * ceiling / tokens:.0%} | {peak_memory / 2**20:,.0f} |",
+          flush=True)
     if 'profile' in r:
       print(f'flatron {precision} step, ops by self CPU time:\n{r["profile"]}', flush=True)
     if 'hf_profile' in r:
