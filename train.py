@@ -113,6 +113,7 @@ def run(config, workdir=None):
     logging.warning('config: %s', warning)
   for key, value, effect in xla.configure(config, devices.kind(config.device)):   # before the XLA runtime starts
     logging.info('%s=%s: %s', key, value, effect)
+  host_malloc = devices.configure_host_malloc(config)     # before anything big is allocated
   mesh = meshes.init(config)
   lead = mesh.rank == 0                    # the one rank that writes files (and prints, by default)
   logs.configure_logging(mesh.rank, int(os.environ.get('LOCAL_RANK', '0')),
@@ -130,6 +131,8 @@ def run(config, workdir=None):
     ops = tensor.config_ops(config, mesh)
     peak = devices.peak_flops(mesh.device)
     logging.info('MFU peak: %.3e FLOP/s per process (%s)', *peak)
+    if host_malloc:
+      logging.info('host malloc: %s (keep_freed_host_memory)', host_malloc)
 
     # --- data: each DP rank reads its slice of every global batch
     # (an empty test split fails here, naming data.splits_string or data.test_dir)

@@ -25,6 +25,7 @@ def get_config(arg=None):
   c.aync_exec_max_inflight_requests = 0   # (sic: NxD's spelling)
   c.neuron_rt_exec_timeout = 0
   c.neuron_experimental_compress_rg = False
+  c.keep_freed_host_memory = True     # CPU: glibc malloc keeps freed blocks for the next step instead of handing them back (parallel/device.py): steps stop faulting their activations in again; resident memory stays at its peak
   c.bucket_size_collectives = 32.0   # MiB: DP gradient all-reduce and ZeRO-1's collectives go through flat buffers of this size
 
   c.trainer = config_dict.ConfigDict()

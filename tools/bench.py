@@ -59,6 +59,7 @@ class Run:
   @classmethod
   def build(cls, config, count):
     validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
+    devices.configure_host_malloc(config)        # as train.py does
     mesh = meshes.init(config)
     params = training.init_params(config, mesh)
     loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)

@@ -25,6 +25,9 @@ HF's step too, and for each how long the GPU worked within it and its longest id
 replaying it as one CUDA graph (optim/graphed.py): the A/B of that.
 --compile compiles both sides per block (flatron's model.compile, each HF decoder layer's
 torch.compile); the ceiling stays the eager GEMMs and attention.
+--nokeep_freed_host_memory leaves glibc's malloc as it comes (train.py's keep_freed_host_memory
+is on by default on the CPU, and so is this, for both sides: one process): both sides then
+fault the blocks they freed in again every step.
 --device=cuda runs both sides on the GPU (HF's AdamW fused, as flatron's fp32-master recipes
 step there; fp32 matmuls in fp32, TF32 off on both); MFU is then against the card's datasheet
 bf16 dense peak (parallel/device.py), which the line above the table names beside a measured
@@ -277,6 +280,8 @@ def define_flags():
                     'decoder layers each torch.compile\'d (compiles fall in the warm-up).')
   flags.DEFINE_bool('cuda_graph_update', True, 'On a GPU, flatron\'s fused update replayed as one CUDA graph '
                     '(optim/graphed.py); off: launched call by call.')
+  flags.DEFINE_bool('keep_freed_host_memory', True, 'CPU: glibc malloc keeps freed blocks for the next step, '
+                    'for both sides (train.py\'s keep_freed_host_memory, parallel/device.py); off: glibc as it comes.')
   flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda', 'auto'], 'Where both sides train (auto: cuda if present).')
   flags.DEFINE_enum('model', 'bench32m', list(MODELS), 'The Llama shape (MODELS in tools/bench_hf.py).')
   flags.DEFINE_integer('seq_length', 0, 'Tokens per row (0: the model\'s in MODELS).')
@@ -289,6 +294,8 @@ def main(argv):
   torch.set_num_threads(FLAGS.threads)
   device = devices.resolve(FLAGS.device)
   graphed.ENABLED = FLAGS.cuda_graph_update
+  malloc = (devices.keep_freed_host_memory() if FLAGS.keep_freed_host_memory and device.type == 'cpu'
+            else 'as the C library has it')
   if device.type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     peak, source = devices.peak_flops(device)
@@ -299,7 +306,8 @@ def main(argv):
     peak = devices.measured_matmul_flops(device, n=2048)
     print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s; '
           f'steps timed in {FLAGS.clock} seconds', flush=True)
-  print(f'model {FLAGS.model}; {"compiled per block" if FLAGS.compile else "eager"}')
+  print(f'model {FLAGS.model}; {"compiled per block" if FLAGS.compile else "eager"}'
+        + (f'; host malloc: {malloc}' if device.type == 'cpu' else ''))
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
         ' ceiling tok/s (GEMM + attention) | flatron / ceiling | HF / ceiling | peak memory MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|---|')
