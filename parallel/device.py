@@ -62,7 +62,7 @@ def synchronize(device: torch.device):
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-# blocks up to the first come from the heap; glibc before 2.35 refuses more than the second
+# blocks up to the first come from the heap; the second where a glibc refuses that (its old cap)
 _KEPT_MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 # the environment's say over glibc's malloc, which keep_freed_host_memory then leaves alone
 MALLOC_ENV = ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TOP_PAD_')
