@@ -76,7 +76,7 @@ def keep_freed_host_memory() -> str:
   back to the kernel once it passes twice that threshold. A training step frees its
   activations and allocates them again the next step, so every step faulted them in again,
   page by page, zeroed by the kernel: ~54k faults (~210 MB) a step of bench_hf's compiled bf16
-  32M model, ~78k in mixed precision, 5-15% of the step (docs/performance.md). Here blocks up
+  32M model, ~78k in mixed precision, 0-15% of the step (docs/performance.md). Here blocks up
   to 1 GiB come from the heap and its top is never trimmed, so the next step reuses them: no
   faults after the first steps. The cost: resident memory stays at its high-water mark, as a
   GPU's caching allocator holds its pool. Process-wide: call it once at start-up (train.py does
