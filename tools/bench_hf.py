@@ -294,8 +294,7 @@ def main(argv):
   torch.set_num_threads(FLAGS.threads)
   device = devices.resolve(FLAGS.device)
   graphed.ENABLED = FLAGS.cuda_graph_update
-  malloc = (devices.keep_freed_host_memory() if FLAGS.keep_freed_host_memory and device.type == 'cpu'
-            else 'as the C library has it')
+  malloc = FLAGS.keep_freed_host_memory and device.type == 'cpu' and devices.keep_freed_host_memory()
   if device.type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     peak, source = devices.peak_flops(device)
@@ -307,7 +306,7 @@ def main(argv):
     print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s; '
           f'steps timed in {FLAGS.clock} seconds', flush=True)
   print(f'model {FLAGS.model}; {"compiled per block" if FLAGS.compile else "eager"}'
-        + (f'; host malloc: {malloc}' if device.type == 'cpu' else ''))
+        + (f'; host malloc: {malloc or "as the C library has it"}' if device.type == 'cpu' else ''))
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
         ' ceiling tok/s (GEMM + attention) | flatron / ceiling | HF / ceiling | peak memory MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|---|')
