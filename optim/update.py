@@ -78,6 +78,7 @@ class Updater:
                    for n in self.trainable}
     self.optimizer = optimizers.make_optimizer(self.master, config.model.optim, self.bucket_bytes)
     self.fused = self._fusable()      # fixed by the optimizer, recipe, device and sizes: once
+    self.narrowed_in_pass = self._narrowed_in_pass()
 
   def _owned(self, name):
     return self.params[name].detach()[self.rows[name].rows]
@@ -168,8 +169,10 @@ class Updater:
     # Rows (and, widened for this step, moments) go back to the parameter dtype, all rounded
     # in one pass. Without ZeRO-1 an fp32 master is the parameter itself: no copy back.
     # Rounded to nearest, masters are rounded by the copy into the parameter (copy_ casts as
-    # .to does, the same bits), not into a copy of their own first.
-    rows = [(n, m, ()) for n, m in self.master.items() if m.dtype != self.params[n].dtype]
+    # .to does, the same bits), not into a copy of their own first; the fused pass made that
+    # copy already for narrowed_in_pass.
+    written = self.narrowed_in_pass & fused
+    rows = [(n, m, ()) for n, m in self.master.items() if m.dtype != self.params[n].dtype and n not in written]
     moments = [(n, self.optimizer.state[self.master[n]][key], (key,)) for n in narrow
                for key in self._shaped_state(self.master[n])]
     if self.recipe.stochastic_rounding:
@@ -204,13 +207,22 @@ class Updater:
     return frozenset(n for n, m in self.master.items()
                      if (fp32 and large(n) if m.dtype == torch.float32 else sr))
 
+  def _narrowed_in_pass(self):
+    """Fused names whose fp32 master the pass itself rounds to nearest into the parameter (its
+    own storage, the copy _update would make): masters of 16-bit parameters without ZeRO-1, where
+    a rank owns every row; with ZeRO-1 the gather writes the rows and zeroes the others."""
+    whole = {n for (_, parts, _), names in self.domains.items() if parts == 1 for n in names}
+    return frozenset(n for n in self.fused if n in whole and not self.recipe.stochastic_rounding
+                     and self.has_master_copy(n) and self.params[n].is_contiguous())
+
   def _fused_step(self, names, owned, step, scale):
     """Rows (and moments) of `names` stepped in one pass each from the unscaled gradients
     `owned` times `scale` (the clip coefficient; None: 1); bf16 rows and moments rounded bit for
-    bit keyed as _round_all keys them."""
+    bit keyed as _round_all keys them; masters in narrowed_in_pass written to their parameters."""
     sr_update.adamw_step(self.optimizer, {n: self.master[n] for n in names}, owned,
                          {n: self._owned_box(n) for n in names},
-                         {n: (self.config.seed, 'sr', step, n) for n in names}, scale=scale)
+                         {n: (self.config.seed, 'sr', step, n) for n in names}, scale=scale,
+                         narrow={n: self.params[n].detach() for n in names & self.narrowed_in_pass})
 
   def _widen(self, skip=()):
     """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their

@@ -272,6 +272,7 @@ def test_the_probe_finds_compiled_equal_to_eager_on_the_cpu():
   assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu')) == (0, 1 << 22)
   assert sr_update.differing_bits(sr_update._adamw_kernel, torch.device('cpu')) == (0, 3 << 22)
   assert sr_update.differing_bits(sr_update._adamw_fp32_kernel, torch.device('cpu')) == (0, 3 << 22)
+  assert sr_update.differing_bits(sr_update._adamw_master_kernel, torch.device('cpu')) == (0, 4 << 22)
 
 
 def test_eager_sqrt_is_correctly_rounded_as_compiled_kernels_sqrt_is():

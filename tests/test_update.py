@@ -104,6 +104,10 @@ def test_fp32_rows_step_in_one_pass_as_torchs_adamw_does_to_fp32_rounding(monkey
     params, _, updater, _ = _stepped(precision_type=precision_type)
     large = {n for n, p in params.items() if p.numel() >= 2048}
     assert large and updater._fusable() == large != set(params)
+    # mixed_precision: the pass writes the bf16 parameter too, rounded to nearest as the copy is
+    assert updater.narrowed_in_pass == (large if precision_type == 'mixed_precision' else frozenset())
+    for name in updater.narrowed_in_pass:
+      assert torch.equal(params[name].detach(), updater.master[name].to(params[name].dtype)), name
     monkeypatch.setattr(update.sr_update, 'fusable', lambda *args, **kwargs: False)
     reference, _, unfused, _ = _stepped(precision_type=precision_type)
     assert unfused._fusable() == frozenset()
