@@ -23,10 +23,11 @@ from checkpoint import manager as managers, session, store, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
+from estimates import memory, memory_check, summary as summaries
 from model import lora, objectives, transformer
 from optim import update
-from parallel import comm, grads, memory, memory_check, mesh as meshes, passes, reference as references, tensor
-from parallel import compiled, device as devices, summary as summaries, training, xla
+from parallel import comm, grads, mesh as meshes, passes, reference as references, tensor
+from parallel import compiled, device as devices, training, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
                                           lock_config=True)

@@ -8,6 +8,8 @@ time. `configs/validate.py` checks the whole tree before anything is built.
 """
 from ml_collections import config_dict
 
+from model import defaults
+
 placeholder = config_dict.placeholder
 
 
@@ -43,7 +45,7 @@ def get_config(arg=None):
   trainer.nonfinite_policy = 'error'       # error | skip: on a NaN/inf loss or grad norm, stop or skip the update
   trainer.max_consecutive_skips = 10       # skip: stop with an error after this many skipped steps in a row
   trainer.memory_check = True              # refuse at start-up when the memory estimate exceeds the rank's memory
-  trainer.plan_cluster = 'auto'            # whose predicted step time the start-up summary prints (parallel/clusters.py: h100, trn1.32xlarge, local...); auto: local on CPU, by GPU name on CUDA, none on XLA; none = off
+  trainer.plan_cluster = 'auto'            # whose predicted step time the start-up summary prints (estimates/clusters.py: h100, trn1.32xlarge, local...); auto: local on CPU, by GPU name on CUDA, none on XLA; none = off
 
   c.exp_manager = config_dict.ConfigDict()
   exp_manager = c.exp_manager
@@ -107,77 +109,7 @@ def get_config(arg=None):
   data.tokenizer.vocab_file = placeholder(str)  # gpt2: vocab.json or encoder.json
   data.tokenizer.merge_file = placeholder(str)  # gpt2: merges.txt or vocab.bpe
 
-  c.model = config_dict.ConfigDict()
-  model = c.model
-  model.architecture = 'llama'             # llama | gpt | mistral | qwen2 | gemma3 (a label: the keys below decide the block;
-                                           # HF export names this family where the keys allow)
-  model.objective = 'next_token'           # what the loss is (model/objectives.py): next_token | dpo | orpo
-  model.model_config = placeholder(str)    # model_source=hf: an HF config.json (or its directory); its
-                                           # architecture keys replace the ones below at start-up
-  model.model_config_overrides = ()        # model_source=hf: model keys kept as set here over config.json's (NxD: num_layers...)
-  model.num_layers = 2                     # transformer blocks L
-  model.hidden_size = 64                   # model width h
-  model.ffn_hidden_size = 172              # MLP inner width f
-  model.num_attention_heads = 4            # query heads a
-  model.num_kv_heads = 0                   # key/value heads g (GQA); 0 = num_attention_heads
-  model.head_dim = 0                       # per-head width; 0 = hidden_size / num_attention_heads
-  model.vocab_size = 256                   # tokenizer vocabulary V (the embedding is padded, see below)
-  model.make_vocab_size_divisible_by = 128  # pad V up to a multiple of this x TP (Megatron)
-  model.max_position_embeddings = 128      # longest sequence (learned positions need it)
-  model.position_embedding_type = 'rope'   # rope | learned_absolute
-  model.rotary_percentage = 1.0            # fraction of each head's dims that RoPE rotates
-  model.rope_theta = 10000.0               # RoPE base
-  model.rope_scaling = config_dict.ConfigDict()   # RoPE frequency scaling for long context (HF's rope_scaling)
-  model.rope_scaling.type = 'none'         # none | linear | dynamic (NTK, past max_position_embeddings) | llama3 (Llama 3.1 / 3.2)
-  model.rope_scaling.factor = 1.0          # linear / dynamic / llama3: how much longer than the original context
-  model.rope_scaling.low_freq_factor = 1.0     # llama3: wavelengths above original / low_freq_factor are divided by factor
-  model.rope_scaling.high_freq_factor = 4.0    # llama3: wavelengths below original / high_freq_factor are kept
-  model.rope_scaling.original_max_position_embeddings = 8192  # llama3: the context the model was pretrained at
-  model.rope_local_theta = 0.0             # RoPE base of sliding-window layers (Gemma 3: 1e4); 0 = rope_theta (and its scaling)
-  model.sliding_window = 0                 # sliding_attention layers see the last this-many positions (Mistral, Gemma 3); 0 = off
-  model.layer_types = ()                   # per layer: full_attention | sliding_attention; () = all sliding if sliding_window, else all full
-  model.normalization = 'rmsnorm'          # rmsnorm | layernorm
-  model.layernorm_epsilon = 1e-5           # norm epsilon
-  model.rmsnorm_unit_offset = False        # Gemma: RMSNorm scales by (1 + w), w starting at 0
-  model.qk_norm = False                    # Gemma 3: RMSNorm over each query / key head before RoPE
-  model.sandwich_norm = False              # Gemma: attention and MLP outputs normed before the residual add
-  model.scale_embeddings = False           # Gemma: embeddings multiplied by sqrt(hidden_size)
-  model.query_pre_attn_scalar = 0          # Gemma: scores scaled by 1/sqrt(this); 0 = head_dim
-  model.activation = 'swiglu'              # swiglu | geglu (Gemma: tanh GELU gate) | gelu
-  model.has_bias = False                   # biases in every linear layer
-  model.qkv_bias = False                   # biases on q, k, v only (Qwen2)
-  model.share_embeddings_and_output_weights = False  # tie the LM head to the input embedding
-  model.hidden_dropout = 0.0               # dropout on attention / MLP outputs before the residual add
-  model.attention_dropout = 0.0            # dropout on attention probabilities
-  model.ffn_dropout = 0.0                  # dropout on the MLP's inner activation
-  model.apply_query_key_layer_scaling = False  # Megatron: scale scores by 1/layer before fp32 softmax
-  model.init_method_std = 0.02             # std of the normal init of weights and embeddings
-  model.use_scaled_init_method = True      # output projections get std / sqrt(2 L)
-  model.activations_checkpoint_granularity = placeholder(str)  # None | selective | full
-  model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp, norm, activation)
-  model.compile = False                    # torch.compile each transformer block (one graph serves every layer; not with TP or XLA)
-  model.moe = moe = config_dict.ConfigDict()   # mixture of experts (model/moe.py; NxD's keys + Qwen2-MoE's shared expert)
-  moe.num_experts = 0                      # E experts per MoE layer; 0 = dense feed-forward everywhere
-  moe.frequency = 1                        # layer i is MoE when (i + 1) % frequency == 0 (HF decoder_sparse_step)
-  moe.top_k = 2                            # experts per token
-  moe.routing_algorithm = 'top_k'          # top_k (sinkhorn is refused: not implemented)
-  moe.router_activation = 'softmax'        # softmax | sigmoid: the router's affinities (top-k of them; the aux loss sums them)
-  moe.normalize_top_k_affinities = True    # top-k weights renormalized to sum 1 (Mixtral; Qwen2-MoE's norm_topk_prob)
-  moe.capacity_factor = 2.0                # dropless=False: each expert keeps ceil(cf * s * top_k / E) tokens per sequence
-  moe.dropless = False                     # True: no token is ever dropped
-  moe.output_router_logits = True          # add router_aux_loss_coef x the load-balancing loss (HF's) to the loss
-  moe.router_aux_loss_coef = 0.02          # weight of the load-balancing loss
-  moe.router_z_loss_coef = 0.0             # weight of the router z-loss (ST-MoE); 0 = off
-  moe.dropout = 0.0                        # NxD's expert dropout: only 0 (refused otherwise)
-  moe.sinkhorn_iterations = 30             # NxD's sinkhorn settings: read only with routing_algorithm=sinkhorn (refused)
-  moe.sinkhorn_tol = placeholder(float)
-  moe.ffn_hidden_size = 0                  # each expert's inner width; 0 = model.ffn_hidden_size (Qwen2-MoE: moe_intermediate_size)
-  moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
-  model.fusions = config_dict.ConfigDict()
-  model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
-  model.fusions.ring_attention = False     # attention of context parallelism: K/V blocks around the cp ranks (parallel/ring_attention.py)
-  model.fusions.chunked_cross_entropy = 0  # LM head + loss over chunks of this many tokens (model/chunked_ce.py): one
-                                           # chunk's logits at a time, not the micro batch's; 0 = off
+  c.model = model = defaults.model_section()   # the model's keys, with their meaning: model/defaults.py
 
   model.optim = config_dict.ConfigDict()
   optim = model.optim
@@ -218,26 +150,7 @@ def get_config(arg=None):
   orpo.nll_reduction = 'pair'             # pair: mean over pairs of each chosen response's mean token NLL (NxD Training, the paper) | token: mean over the global batch's chosen tokens (trl)
   orpo.max_prompt_length = 64             # a pair that does not fit a row has its prompt cut to this many tokens first
   orpo.truncation_mode = 'keep_end'       # keep_end | keep_start: which end of a cut prompt is kept (trl's)
-  c.model_alignment_strategy.peft = peft = config_dict.ConfigDict()   # LoRA (model/lora.py); off while lora_rank = 0
-  peft.lora_rank = 0                      # r: adapter rank; 0 = no LoRA (full fine-tuning)
-  # alpha, rsLoRA, dropout, bias and target_modules: None = unset, i.e. the loaded adapter's (load_lora_from_ckpt), else
-  # the default in the comment; a value set here that differs from the loaded adapter's is an error.
-  peft.lora_alpha = placeholder(float)    # scaling alpha / r (alpha / sqrt(r) with use_rslora); unset: 16
-  peft.use_rslora = placeholder(bool)     # rank-stabilized scaling alpha / sqrt(r); unset: False
-  peft.lora_dropout = placeholder(float)  # dropout on the adapter's input (keyed like every dropout); unset: 0
-  peft.lora_bias = placeholder(str)       # none | all | lora_only: which biases train with the adapters (peft's `bias`); unset: none
-  peft.target_modules = placeholder(object)  # unset: ('qkv_proj',). Among qkv_proj, o_proj, gate_up_proj, down_proj or peft's q/k/v/o/gate/up/down_proj (or all-linear); module paths ending in one; or one regular expression (a string) matched against model.layers.N.<...>.<proj>, as peft does
-  peft.layers_to_transform = ()           # layer indices to adapt (peft's); () = all
-  peft.rank_pattern = ()                  # ((pattern, r), ...): per-module ranks, peft's rank_pattern (the first pattern matching the end of the module path wins)
-  peft.alpha_pattern = ()                 # ((pattern, alpha), ...): per-module alphas, peft's alpha_pattern
-  peft.save_lora_base = False             # checkpoints also hold the frozen base (else adapters + their optimizer state only)
-  peft.merge_lora = False                 # checkpoints hold the merged model W + scale B A (a full model; no adapters to resume)
-  peft.load_lora_from_ckpt = False        # start the adapters from lora_save_dir/lora_load_tag (a flatron step or a peft dir)
-  peft.lora_save_dir = placeholder(str)   # with load_lora_from_ckpt: where the adapter checkpoint is
-  peft.lora_load_tag = placeholder(str)   # with load_lora_from_ckpt: its sub-directory (e.g. step_00000100), optional
-  # The model reads its LoRA settings from its own section: model.peft *is* this section (one
-  # object, so --config.model_alignment_strategy.peft.lora_rank=8 is seen by the model code).
-  c.model.peft = peft
+  c.model_alignment_strategy.peft = c.model.peft   # LoRA (model/lora.py): one object, keys in model/defaults.py
 
   c.precision = config_dict.ConfigDict()
   precision = c.precision

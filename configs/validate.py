@@ -8,9 +8,11 @@ one fixed order. What only train.py reads (the top-level keys, trainer's knobs) 
 from checkpoint import steps as checkpoint_steps
 from config_checks import one_of, positive
 from data import loader
+from estimates import clusters
 from model import checks as model_checks, lora, moe, objectives
+from numerics import precision
 from optim import optimizers, schedules
-from parallel import clusters, compiled, context, grad_buffer, mesh as meshes, pipeline, precision, remat, tensor
+from parallel import compiled, context, grad_buffer, mesh as meshes, pipeline, remat, tensor
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')

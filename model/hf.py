@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import moe, transformer
+from model import defaults, moe, transformer
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf, config_to_hf  # pylint: disable=unused-import
 
 CONFIG_FILE = 'config.json'
@@ -73,10 +73,9 @@ def _weight_map(path):
 
 def read_config(path, base_model=None):
   """The model section for an HF `config.json` (or a directory holding one); `base_model`
-  supplies the keys HF does not set (default: configs/base.py's model section)."""
-  if base_model is None:     # imported here: model/ depends on no config module
-    from configs import base as base_config  # pylint: disable=import-outside-toplevel
-    base_model = base_config.get_config().model
+  supplies the keys HF does not set (default: model/defaults.py's model section)."""
+  if base_model is None:
+    base_model = defaults.model_section()
   config_path = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (an HF model directory needs one)')
@@ -174,7 +173,7 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
 def load_hf(path, base_model=None, dtype=torch.float32):
   """(model config section, params) from an HF model directory; vocab rows zero-padded as ours.
 
-  `base_model` supplies the keys HF does not set (see config_from_hf; default: configs/base.py's
+  `base_model` supplies the keys HF does not set (see config_from_hf; default: model/defaults.py's
   model section). dtype=None keeps each tensor's stored dtype.
   """
   model_cfg = read_config(path, base_model)

@@ -10,7 +10,7 @@ casts kept in vector registers by optim/inductor_bitcast.py) and 6x cheaper than
 pipeline on the 32M bench.
 
 The math is torch.optim.AdamW's (Adam's) single-tensor step, op for op in fp32, and the
-rounding is parallel/stochastic_rounding.py's: each output element i gets stochastic_round with
+rounding is numerics/stochastic_rounding.py's: each output element i gets stochastic_round with
 noise_at(global index of i, key_seed(key)), keyed (seed, 'sr', step, name[, moment]) as in
 optim/update.py's unfused path. Every kernel here is also a plain function: where compiling is
 not possible (a device type not in COMPILED_DEVICES, XLA, no C++ compiler) the same function
@@ -27,8 +27,9 @@ import logging
 
 import torch
 
+from numerics import precision, stochastic_rounding
 from optim import graphed, inductor_bitcast
-from parallel import grads, precision, stochastic_rounding
+from parallel import grads
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
 COMPILED_DEVICES = precision.FUSED_SR_DEVICES

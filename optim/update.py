@@ -23,8 +23,9 @@ import typing
 
 import torch
 
+from numerics import precision, stochastic_rounding
 from optim import optimizers, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grads as grad_ops, precision, stochastic_rounding, zero
+from parallel import comm, experts, grad_buffer, grads as grad_ops, zero
 
 
 class Rows(typing.NamedTuple):

@@ -12,7 +12,8 @@ import dataclasses
 import torch
 
 from model import layers, moe, objectives, transformer
-from parallel import comm, compiled, context, pipeline, pipeline_schedule, precision, remat
+from numerics import precision
+from parallel import comm, compiled, context, pipeline, pipeline_schedule, remat
 
 
 def to_device(batch, device):

@@ -34,7 +34,7 @@ Megatron's steps (one compute in 1F1B, an F+B pair in steady interleaved steps) 
 ranks in step when a backward costs more than a forward: where the textbook bubble formula
 holds, the simulated bubble equals it for backward/forward cost ratios 1 to 3 (tests).
 
-parallel/schedule_sim.py runs all ranks' lists under blocking batched semantics and checks all
+estimates/schedule_sim.py runs all ranks' lists under blocking batched semantics and checks all
 of the above without knowing how the lists were made.
 """
 import dataclasses

@@ -15,7 +15,12 @@ import numpy as np
 import torch
 
 from model import lora, objectives
-from parallel import comm, memory, passes, precision
+from numerics import precision
+from parallel import comm, passes
+
+
+def _mib(nbytes):
+  return f'{nbytes / 2**20:.1f} MiB'
 
 
 def setup(config, mesh, ops, policy, loaders, starting_model, starting_adapters):
@@ -28,12 +33,12 @@ def setup(config, mesh, ops, policy, loaders, starting_model, starting_adapters)
   if not config.model_alignment_strategy.dpo.precompute_ref_log_probs:
     if copy is not None:
       logging.info('DPO reference: a frozen copy of the starting %s, %s on this rank', part,
-                   memory.human_bytes(sum(p.numel() * p.element_size() for p in copy.values())))
+                   _mib(sum(p.numel() * p.element_size() for p in copy.values())))
     return copy
   for loader in loaders:
     loader.ref_logps = precompute(loader, params(policy, copy), config, mesh, ops)
     logging.info('DPO reference: log-probs of %d %s pairs precomputed (%s)', len(loader.ref_logps), loader.split,
-                 memory.human_bytes(loader.ref_logps.numel() * loader.ref_logps.element_size()))
+                 _mib(loader.ref_logps.numel() * loader.ref_logps.element_size()))
   return None
 
 

@@ -9,7 +9,7 @@
 
 All go through torch.utils.checkpoint (non-reentrant). Dropout masks are keyed by sample
 index, so the recomputed forward draws exactly the masks of the first one and gradients are
-bitwise those of no recompute. What each mode keeps per layer: parallel/memory.py.
+bitwise those of no recompute. What each mode keeps per layer: estimates/memory.py.
 """
 import dataclasses
 from typing import Callable

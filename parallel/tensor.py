@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from model import layers, lora, transformer
-from parallel import comm, context, experts, precision
+from numerics import precision
+from parallel import comm, context, experts
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 ROW_PARALLEL = ('o_proj', 'down_proj')

@@ -10,7 +10,8 @@ import math
 import torch
 
 from model import transformer
-from parallel import grads, passes, pipeline, precision, tensor
+from numerics import precision
+from parallel import grads, passes, pipeline, tensor
 
 
 def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None, defer_param_gather=False):

@@ -3,4 +3,4 @@ written by `python -m tools.plan --calibrate`): every test, and every process it
 the uncalibrated `local` defaults, as CI does."""
 import os
 
-os.environ['FLATRON_CLUSTER_FILE'] = os.devnull      # not a regular file: parallel/clusters.py's defaults
+os.environ['FLATRON_CLUSTER_FILE'] = os.devnull      # not a regular file: estimates/clusters.py's defaults

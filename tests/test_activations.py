@@ -1,7 +1,7 @@
-"""parallel/activations.py: the activation formula in closed form (its measurement is pinned
+"""estimates/activations.py: the activation formula in closed form (its measurement is pinned
 in tests/test_remat.py)."""
 from configs import llama7b
-from parallel import activations
+from estimates import activations
 
 
 def test_full_recompute_keeps_only_layer_inputs():

@@ -1,10 +1,10 @@
-"""parallel/collective_cost.py: the alpha-beta collectives, which links a group uses, and the
+"""estimates/collective_cost.py: the alpha-beta collectives, which links a group uses, and the
 measured curves of `local`."""
 import dataclasses
 
 import pytest
 
-from parallel import clusters, collective_cost
+from estimates import clusters, collective_cost
 
 H100 = clusters.CLUSTERS['h100']
 

@@ -132,7 +132,8 @@ def test_a_cp_rank_applies_its_positions_of_the_whole_rows_dropout_mask():
 
 def _activation_bytes_at_cp2():
   from tests import test_remat  # pylint: disable=import-outside-toplevel
-  from parallel import activations, mesh as meshes  # pylint: disable=import-outside-toplevel
+  from estimates import activations  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes
   mesh, out = None, []
   for shape in ('llama_gqa', 'gpt_b1'):
     for mode in test_remat.MODES:
@@ -155,7 +156,7 @@ def test_activation_bytes_per_rank_at_cp2_equal_the_formula():
 
 
 def test_the_estimate_divides_activations_and_logits_by_cp():
-  from parallel import memory  # pylint: disable=import-outside-toplevel
+  from estimates import memory  # pylint: disable=import-outside-toplevel
   c = llama_tiny.get_config('test')
   c.data.seq_length = 64
   one = memory.estimate(c)
@@ -182,7 +183,7 @@ def test_a_checkpoint_saved_at_cp2_with_zero1_resumes_at_cp1(tmp_path):
 
 
 def test_dry_run_shows_the_cp_layout_and_the_divided_activations():
-  from parallel import summary  # pylint: disable=import-outside-toplevel
+  from estimates import summary  # pylint: disable=import-outside-toplevel
   c = llama_tiny.get_config('test')
   c.data.seq_length = 64
   one = summary.dry_run(c, 1, validate.check)

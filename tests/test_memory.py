@@ -5,9 +5,11 @@ import pytest
 
 from configs import base, llama7b, llama_tiny
 from data.loader import Loader
+from estimates import memory
 from model import transformer
+from numerics import precision
 from optim import optimizers, update
-from parallel import memory, mesh as meshes, passes, precision, tensor, training
+from parallel import mesh as meshes, passes, tensor, training
 
 
 def test_static_bytes_follow_the_parameter_count():
@@ -130,7 +132,7 @@ def test_logits_term_is_the_fp32_log_probs_and_their_gradient():
 
 
 def test_startup_summary_names_the_peak_phase():
-  from parallel import summary  # pylint: disable=import-outside-toplevel
+  from estimates import summary  # pylint: disable=import-outside-toplevel
   c = llama_tiny.get_config()
   mesh = meshes.Mesh()
   sizes = training.local_sizes(c, mesh)

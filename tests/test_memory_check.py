@@ -1,6 +1,6 @@
-"""parallel/memory_check.py: the layouts that fit a budget, what a rank may use."""
+"""estimates/memory_check.py: the layouts that fit a budget, what a rank may use."""
 from configs import llama7b
-from parallel import memory_check
+from estimates import memory_check
 
 
 def test_fitting_layouts_are_valid_fit_the_budget_and_come_smallest_first():

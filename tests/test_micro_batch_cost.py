@@ -1,4 +1,4 @@
-"""One micro batch's costs (parallel/micro_batch_cost.py): a layer's forward and backward, the
+"""One micro batch's costs (estimates/micro_batch_cost.py): a layer's forward and backward, the
 TP collectives outside the layers, the head; how TP, SP, recompute and the device move them.
 How they add up to a step is tests/test_step_time.py's."""
 import dataclasses
@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from configs import llama3_8b
-from parallel import clusters, micro_batch_cost
+from estimates import clusters, micro_batch_cost
 
 H100 = clusters.CLUSTERS['h100']
 

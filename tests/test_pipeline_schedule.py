@@ -4,7 +4,8 @@ import collections
 
 import pytest
 
-from parallel import pipeline_schedule as ps, schedule_sim
+from estimates import schedule_sim
+from parallel import pipeline_schedule as ps
 from parallel.pipeline_schedule import Comm, Compute, P2P, ScheduleError
 
 

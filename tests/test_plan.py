@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from configs import llama_tiny, validate
-from parallel import clusters, memory
+from estimates import clusters, memory
 from tests import procs
 from tools import plan, plan_published
 
@@ -120,7 +120,7 @@ def test_an_nxd_yaml_needs_its_config_json():
                                                 ('hf_llama3_70B_CP_config.yaml', 'llama3_70b_config.json', 'cp')])
 def test_the_documented_cp_and_ep_examples_resolve_and_predict(recipe, model, axis):
   from configs import nxd_yaml  # pylint: disable=import-outside-toplevel
-  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  from estimates import step_time  # pylint: disable=import-outside-toplevel
   fixtures = os.path.join(procs.ROOT, 'tests', 'fixtures', 'nxd_yaml')
   config = nxd_yaml.get_config(os.path.join(fixtures, '2.26', recipe))
   config.model.model_config = os.path.join(fixtures, model)

@@ -1,4 +1,4 @@
-"""Precision recipes (parallel/precision.py): each named one, manual built from its knobs,
+"""Precision recipes (numerics/precision.py): each named one, manual built from its knobs,
 check()'s messages, autocast only in the autocast recipe (stochastic rounding, the module's
 other half: tests/test_stochastic_rounding.py)."""
 import dataclasses
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from configs import base
-from parallel import precision
+from numerics import precision
 
 
 def _cfg(**kw):

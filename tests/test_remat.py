@@ -1,12 +1,13 @@
 """Activation recompute: gradients bitwise those of no recompute (dropout on, one device and
 TP2+SP), the right parts run again in backward, and the bytes each mode keeps per layer,
-measured with saved-tensor hooks, equal parallel/activations.py's formula exactly."""
+measured with saved-tensor hooks, equal estimates/activations.py's formula exactly."""
 import pytest
 import torch
 
 from configs import base, llama_tiny
+from estimates import activations
 from model import layers, transformer
-from parallel import activations, mesh as meshes, remat, tensor
+from parallel import mesh as meshes, remat, tensor
 from tests import world
 
 MODES = {                      # name -> (granularity, recompute parts)

@@ -1,8 +1,9 @@
-"""parallel/schedule_sim.py: bubble and memory of the schedules vs. the formulas, and the
+"""estimates/schedule_sim.py: bubble and memory of the schedules vs. the formulas, and the
 simulator catching deadlocks, mismatched transfers, early computes and wrong peers."""
 import pytest
 
-from parallel import pipeline_schedule as ps, schedule_sim
+from estimates import schedule_sim
+from parallel import pipeline_schedule as ps
 from parallel.pipeline_schedule import Comm, P2P, ScheduleError
 from tests.test_pipeline_schedule import GRID, check_structure, short
 

@@ -31,7 +31,7 @@ def _run(workdir, layout, exit_interval=0, dropout=0.0):
   and this rank's parameter boxes (as parity.train_on_rank). layout['fused_fp32_from']: the
   size from which fp32 rows take the one-pass Adam step (precision.FUSED_FP32_MIN_NUMEL)."""
   import train  # pylint: disable=import-outside-toplevel
-  from parallel import precision  # pylint: disable=import-outside-toplevel
+  from numerics import precision  # pylint: disable=import-outside-toplevel
   layout = dict(layout)
   precision.FUSED_FP32_MIN_NUMEL = layout.pop('fused_fp32_from', precision.FUSED_FP32_MIN_NUMEL)
   config = checkpointed(layout, exit_interval=exit_interval, dropout=dropout)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from numerics import stochastic_rounding
 from optim import sr_update
-from parallel import grads as grad_ops, stochastic_rounding
+from parallel import grads as grad_ops
 
 
 def bits(t):

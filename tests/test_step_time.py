@@ -6,8 +6,8 @@ import json
 import pytest
 
 from configs import llama3_8b, llama_tiny
+from estimates import clusters, collective_cost, micro_batch_cost, schedule_sim, step_time
 from model import transformer
-from parallel import clusters, collective_cost, micro_batch_cost, schedule_sim, step_time
 
 H100 = clusters.CLUSTERS['h100']
 
@@ -147,7 +147,8 @@ def test_local_entry_round_trips(tmp_path, caplog):
 
 def test_the_startup_summary_prints_this_model():
   import torch  # pylint: disable=import-outside-toplevel
-  from parallel import mesh as meshes, summary  # pylint: disable=import-outside-toplevel
+  from estimates import summary  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes
   c = _config(tensor_model_parallel_size=8)
   c.trainer.plan_cluster = 'h100'
   mesh = meshes.Mesh(tp=8, device=torch.device('cpu'))
@@ -160,7 +161,8 @@ def test_the_startup_summary_prints_this_model():
 @pytest.mark.parametrize('axis', ['cp', 'ep'])
 def test_the_startup_summary_predicts_cp_and_ep(axis):
   import torch  # pylint: disable=import-outside-toplevel
-  from parallel import mesh as meshes, summary  # pylint: disable=import-outside-toplevel
+  from estimates import summary  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes
   c = _config(context_parallel_size=2) if axis == 'cp' else _moe(2)
   c.trainer.plan_cluster = 'h100'
   mesh = meshes.Mesh(dp=8 if axis == 'cp' else 16, cp=2 if axis == 'cp' else 1, device=torch.device('cpu'))
@@ -172,7 +174,7 @@ def test_the_startup_summary_predicts_cp_and_ep(axis):
 
 def test_dry_run_of_an_ep_run_splits_the_experts_and_predicts():
   from configs import mixtral_tiny, validate  # pylint: disable=import-outside-toplevel
-  from parallel import summary  # pylint: disable=import-outside-toplevel
+  from estimates import summary  # pylint: disable=import-outside-toplevel
   c = mixtral_tiny.get_config()
   c.trainer.plan_cluster = 'h100'
   text = {}

@@ -1,4 +1,4 @@
-"""Stochastic rounding fp32 -> bf16 (parallel/stochastic_rounding.py; the recipes: tests/test_precision.py):
+"""Stochastic rounding fp32 -> bf16 (numerics/stochastic_rounding.py; the recipes: tests/test_precision.py):
 always a bf16 neighbour, unbiased, keyed; exact values and specials pass, no overflow past bf16 max; the
 keyed noise (lowbias32 of the global index) is uniform and rounds a box alike on every layout."""
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from parallel import stochastic_rounding
+from numerics import stochastic_rounding
+from numerics.stochastic_rounding import (add_stochastic, keyed_noise, stochastic_round,
+                                          stochastic_round_at, stochastic_round_keyed)
 import rng
-from parallel.stochastic_rounding import (add_stochastic, keyed_noise, stochastic_round,
-                                stochastic_round_at, stochastic_round_keyed)
 
 BF16_ULP_AT_ONE = 2.0**-7            # 7 stored mantissa bits: the spacing of bf16 in [1, 2)
 

@@ -1,11 +1,11 @@
-"""parallel/summary.py's planner cluster for the start-up summary (the summary's text itself is
+"""estimates/summary.py's planner cluster for the start-up summary (the summary's text itself is
 checked where each feature adds to it: tests/test_step_time.py, test_memory.py, test_context.py)."""
 import dataclasses
 
 import torch
 
 from configs import llama_tiny
-from parallel import clusters, summary
+from estimates import clusters, summary
 
 
 def test_a_cpu_process_is_its_threads_worth_of_local_devices(tmp_path, monkeypatch):

@@ -10,10 +10,11 @@ import torch
 import train
 from configs import llama_tiny
 from data.loader import Loader
-from optim import update
+from estimates import memory_check
 from model import transformer
 from model.layers import LOCAL_OPS
-from parallel import grads, memory_check, mesh as meshes, training
+from optim import update
+from parallel import grads, mesh as meshes, training
 from tests import procs, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,8 +2,9 @@
 import torch
 
 from data.loader import Loader
+from numerics import precision
 from optim import update
-from parallel import mesh as meshes, precision, tensor, training
+from parallel import mesh as meshes, tensor, training
 from tests import parity
 
 

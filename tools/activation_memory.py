@@ -1,5 +1,5 @@
 """Activation bytes kept for backward per layer and rank: measured with saved-tensor hooks
-against parallel/activations.py's formula, for every recompute mode on one rank, TP2 and TP2+SP,
+against estimates/activations.py's formula, for every recompute mode on one rank, TP2 and TP2+SP,
 on both attention paths, at the config's micro batch and sequence length.
 
     python -m tools.activation_memory --config=configs/llama_tiny.py
@@ -20,9 +20,10 @@ from ml_collections import config_flags
 import torch
 import torch.multiprocessing as mp
 
-import tools
+from estimates import activations
 from model import transformer
-from parallel import activations, mesh as meshes
+from parallel import mesh as meshes
+import tools
 
 FLAGS = flags.FLAGS
 

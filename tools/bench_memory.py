@@ -1,4 +1,4 @@
-"""Memory per rank, measured against parallel/memory.py's estimate, phase by phase.
+"""Memory per rank, measured against estimates/memory.py's estimate, phase by phase.
 
     python -m tools.bench_memory --quick          # llama_tiny, every layout, fp32 (< 2 minutes)
     python -m tools.bench_memory                  # llama_tiny, llama_50m, 207m x layouts x recipes
@@ -159,7 +159,8 @@ def worker(row, out_path):
   from configs import validate  # pylint: disable=import-outside-toplevel
   from data.loader import Loader  # pylint: disable=import-outside-toplevel
   from optim import update  # pylint: disable=import-outside-toplevel
-  from parallel import memory, mesh as meshes, passes, tensor, training  # pylint: disable=import-outside-toplevel
+  from estimates import memory  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, passes, tensor, training
   torch.set_num_threads(1)
   config = _config(row)
   validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))

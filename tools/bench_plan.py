@@ -18,9 +18,9 @@ import os
 
 from absl import app, flags
 
-import tools
 from configs import cli
-from parallel import clusters, step_time
+from estimates import clusters, step_time
+import tools
 from tools import bench_layouts, plan_calibrate
 
 FLAGS = flags.FLAGS

@@ -1,5 +1,5 @@
 """Plan a run before paying for it: every valid layout of a config on a cluster, ranked by the
-predicted tokens/s (parallel/step_time.py), with memory per device (parallel/memory.py), and
+predicted tokens/s (estimates/step_time.py), with memory per device (estimates/memory.py), and
 why the rest do not fit (docs/planning.md).
 
     python -m tools.plan --config=configs/llama3_8b.py --cluster=h100 --nodes=2
@@ -21,10 +21,10 @@ import re
 from absl import app, flags
 from ml_collections import config_flags
 
-import tools
 from configs import from_files, validate
+from estimates import clusters, memory, step_time
 from model import moe, transformer
-from parallel import clusters, memory, step_time
+import tools
 
 RECOMPUTE = {'none': (None, ()), 'selective': ('selective', ('attention',)),
              'selective+mlp': ('selective', ('attention', 'mlp')), 'full': ('full', ())}

@@ -1,5 +1,5 @@
 """`python -m tools.plan --calibrate`: measure this machine and write the planner's `local`
-entry (parallel/clusters.py reads it from FLATRON_CLUSTER_FILE or ~/.cache/flatron/local_cluster.json:
+entry (estimates/clusters.py reads it from FLATRON_CLUSTER_FILE or ~/.cache/flatron/local_cluster.json:
 outside the repository, as it describes one machine).
 
 A local "device" is one process with one thread (what tools/bench_layouts.py's layouts run),
@@ -10,7 +10,7 @@ of calls (_mean); the framework's overhead (overhead_figures) and the rates the 
 elementwise passes and the head's softmax reach (elementwise_figures), from real train_steps;
 then gloo between the 2 processes: all-reduce, all-gather, reduce-scatter and a send/recv pair
 at 8 bytes, 512 KiB and 16 MiB, means of 30 back-to-back calls, kept per operation as measured
-curves (op_times: what parallel/step_time.py reads for a pair of local ranks) and fitted to
+curves (op_times: what estimates/step_time.py reads for a pair of local ranks) and fitted to
 one alpha-beta line (intra/inter bandwidth and latency). One node: intra = inter. Last, the two
 processes run real tp2 steps (tp_wait_figures): what a blocking TP collective waits for the
 other rank beyond its back-to-back time (sync_wait).
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from parallel import clusters, memory, memory_check
+from estimates import clusters, memory, memory_check
 
 
 def _mean(fn, seconds=2.0):
@@ -137,7 +137,7 @@ def elementwise_figures(cluster) -> dict:
   3 micro batches: the difference leaves out what a step pays once (the embedding's and head's
   gradients zeroed and updated), which would otherwise be charged to every micro batch."""
   from model import transformer  # pylint: disable=import-outside-toplevel
-  from parallel import micro_batch_cost, step_time  # pylint: disable=import-outside-toplevel
+  from estimates import micro_batch_cost, step_time  # pylint: disable=import-outside-toplevel
   bare = dataclasses.replace(cluster, ew_bw=float('inf'), logit_s=1e-300)
   rows, rest = [], []
   for vocab in (512, 8192):
@@ -170,7 +170,7 @@ def tp_wait_figures(cluster, rank) -> dict:
   bench_layouts' small shape (4 layers: the layers' collectives, not the head's, dominate) at 1
   and 3 micro batches, both processes of this world running them: what a micro batch takes
   beyond `cluster`'s prediction of it, over its blocking TP collectives."""
-  from parallel import step_time  # pylint: disable=import-outside-toplevel
+  from estimates import step_time  # pylint: disable=import-outside-toplevel
   beyond, calls = [], []
   with mock.patch.dict(os.environ, WORLD_SIZE='2', RANK=str(rank), LOCAL_RANK=str(rank)):   # a tp2 world
     for micro in (1, 3):

@@ -16,9 +16,9 @@ import os
 
 from absl import app
 
-import tools
 from configs import gpt_345m, llama3_70b, llama3_8b, nxd_yaml
-from parallel import clusters, step_time
+from estimates import clusters, step_time
+import tools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NXD = os.path.join(ROOT, 'tests', 'fixtures', 'nxd_yaml', '2.26')

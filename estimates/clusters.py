@@ -1,4 +1,4 @@
-"""The machines the planner (tools/plan.py, parallel/step_time.py) knows: per device its peak
+"""The machines the planner (tools/plan.py, estimates/step_time.py) knows: per device its peak
 FLOP/s per dtype, memory and memory bandwidth; per node its device count and the intra- and
 inter-node links, as alpha (latency, s) and beta (bandwidth per device, bytes/s one way).
 
@@ -46,7 +46,7 @@ class Cluster:
   sync_wait: float = 0.0            # s a blocking TP collective waits for the other ranks beyond
                                     # its back-to-back time (they arrive after jittering compute)
   # {collective: [[n bytes, seconds], ...]} measured between 2 ranks of a node (n as
-  # parallel/step_time.py's formula for it reads it): gloo's all-reduce and p2p differ ~10x in
+  # estimates/step_time.py's formula for it reads it): gloo's all-reduce and p2p differ ~10x in
   # latency here, and no one alpha-beta line fits its all-reduce; None: the figures above
   op_times: dict = None
 
@@ -138,5 +138,5 @@ def get(name: str) -> Cluster:
     return local()
   if name not in CLUSTERS:
     raise ValueError(f'--cluster={name}: no such cluster; known: {", ".join(names())} '
-                     '(add one to parallel/clusters.py with its sources)')
+                     '(add one to estimates/clusters.py with its sources)')
   return CLUSTERS[name]

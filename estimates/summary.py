@@ -1,5 +1,5 @@
 """The start-up summary: the layout, parameter counts, FLOPs per token, the batch, the memory
-estimate per rank and bytes per parameter, the predicted step time (parallel/step_time.py, the
+estimate per rank and bytes per parameter, the predicted step time (estimates/step_time.py, the
 model tools/plan.py searches with), and what LoRA trains. One text for the training log and
 --dry_run.
 """
@@ -7,8 +7,9 @@ import dataclasses
 
 import torch
 
+from estimates import clusters, memory, memory_check, step_time
 from model import lora, transformer
-from parallel import clusters, device as devices, memory, memory_check, mesh as meshes, step_time, tensor, training
+from parallel import device as devices, mesh as meshes, tensor, training
 
 
 def startup(config, mesh, sizes, est) -> str:
@@ -71,7 +72,7 @@ def plan_cluster(config, device):
 
 
 def step_line(config, mesh) -> str:
-  """The predicted step time of this layout (parallel/step_time.py, the planner's model)."""
+  """The predicted step time of this layout (estimates/step_time.py, the planner's model)."""
   cluster = plan_cluster(config, mesh.device)
   if cluster is None:
     return ('step time (predicted): no cluster for this device; set trainer.plan_cluster '

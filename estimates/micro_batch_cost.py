@@ -1,11 +1,11 @@
-"""What one micro batch costs on one rank of a cluster (parallel/clusters.py), per layer, around
-the layers and at the head: the pieces parallel/step_time.py assembles into a step.
+"""What one micro batch costs on one rank of a cluster (estimates/clusters.py), per layer, around
+the layers and at the head: the pieces estimates/step_time.py assembles into a step.
 
 A layer's forward and backward are GEMMs at matmul_eff of the compute dtype's peak + attention
 at attn_eff + elementwise bytes / memory bandwidth + the TP/SP collectives (blocking: on the
 critical path, except on XLA, where the backward's overlap the weight-gradient GEMMs); outside
 the layers, the embedding's, the head input's and the loss's TP collectives; at the head, its
-GEMM and the softmax over fp32 logits. Collectives cost what parallel/collective_cost.py says.
+GEMM and the softmax over fp32 logits. Collectives cost what estimates/collective_cost.py says.
 
 On `local` (tools/plan_calibrate.py measures it) the elementwise work runs at the rate the code's
 passes reached (ew_bw) and the head's softmax at logit_s per logit, the framework's measured
@@ -24,9 +24,9 @@ all-to-alls of the routed tokens per layer (dispatch and combine, forward and ba
 overlapped; expert gradients reduce over the dp / ep ranks holding the same experts, dense
 ones over dp x cp.
 """
+from estimates.collective_cost import collective
 from model import layers, moe, transformer
-from parallel import precision
-from parallel.collective_cost import collective
+from numerics import precision
 
 
 def compute_dtype(config) -> str:

@@ -1,9 +1,9 @@
-"""Predicted step time of a config's layout on a cluster (parallel/clusters.py): what
+"""Predicted step time of a config's layout on a cluster (estimates/clusters.py): what
 tools/plan.py searches with, and what the start-up summary and --dry_run print.
 
 One optimizer step on one rank of the slowest pipeline stage (the last: it holds the head) is
 
-  pipeline makespan  the schedule simulator (parallel/schedule_sim.py) over per-micro-batch
+  pipeline makespan  the schedule simulator (estimates/schedule_sim.py) over per-micro-batch
                      forward and backward costs, each = GEMMs at matmul_eff of the compute
                      dtype's peak + attention at attn_eff + elementwise bytes / memory bandwidth
                      + the TP/SP collectives, in the layers and around them (embedding, head
@@ -17,21 +17,23 @@ One optimizer step on one rank of the slowest pipeline stage (the last: it holds
   + optimizer        bytes of parameters, gradients, masters and moments read and written /
                      memory bandwidth, over the rows this rank owns
 
-Collectives cost what parallel/collective_cost.py says: alpha-beta rings over their group's
+Collectives cost what estimates/collective_cost.py says: alpha-beta rings over their group's
 links, or on `local` each operation's measured curve.
 
 The per-micro-batch costs (each layer's, the collectives outside the layers, the head's; the
 `local` cluster's measured rates and overheads; context and expert parallelism) are
-parallel/micro_batch_cost.py's.
+estimates/micro_batch_cost.py's.
 """
 import dataclasses
 import functools
 import math
 
+from estimates import schedule_sim
+from estimates.collective_cost import all_gather, collective, link, reduce_scatter
+from estimates.micro_batch_cost import compute_dtype, edge_comm, head_cost, layer_cost
 from model import moe, transformer
-from parallel import grad_buffer, precision, schedule_sim
-from parallel.collective_cost import all_gather, collective, link, reduce_scatter
-from parallel.micro_batch_cost import compute_dtype, edge_comm, head_cost, layer_cost
+from numerics import precision
+from parallel import grad_buffer
 
 BACKENDS = {'cpu': 'gloo', 'cuda': 'nccl', 'xla': 'xla'}
 

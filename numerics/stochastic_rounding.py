@@ -1,4 +1,4 @@
-"""Stochastic rounding fp32 -> bf16 (the rounding of parallel/precision.py's SR recipes).
+"""Stochastic rounding fp32 -> bf16 (the rounding of numerics/precision.py's SR recipes).
 
 SR adds uniform 16-bit noise to the low half of the fp32 bit pattern and truncates it:
 the result is one of the two bf16 values bracketing x, the upper with probability

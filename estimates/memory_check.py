@@ -1,13 +1,13 @@
 """Whether a run fits: what a rank may use (device memory, or the host's RAM over its local
-ranks), the layouts of a world size whose estimate (parallel/memory.py) fits it, and the
+ranks), the layouts of a world size whose estimate (estimates/memory.py) fits it, and the
 refusal before allocating when this one does not (trainer.memory_check)."""
 import copy
 import os
 
 import torch
 
+from estimates import memory
 from model import transformer
-from parallel import memory
 
 
 def available_bytes(device, local_ranks=1):

@@ -1,11 +1,13 @@
 """Memory estimate per rank, by component and phase, printed before training so a layout that
-cannot fit fails early (the activation formula is parallel/activations.py)."""
+cannot fit fails early (the activation formula is estimates/activations.py)."""
 import math
 
 import torch
 
+from estimates import activations
 from model import lora, moe, objectives, transformer
-from parallel import activations, comm, device as devices, grad_buffer, precision
+from numerics import precision
+from parallel import comm, device as devices, grad_buffer
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
                'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1}

@@ -1,5 +1,5 @@
-"""What a collective costs on a cluster's links (parallel/clusters.py): the alpha-beta rings
-parallel/step_time.py charges every TP, SP, CP, EP, PP and DP exchange with.
+"""What a collective costs on a cluster's links (estimates/clusters.py): the alpha-beta rings
+estimates/step_time.py charges every TP, SP, CP, EP, PP and DP exchange with.
 
 A group of g ranks `stride` apart (rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp +
 tp_rank) stays in a node when g * stride fits it; else its bandwidth is the node's inter-node

@@ -23,7 +23,7 @@ weights at `param.float() + update`, with master weights at the copy master -> p
 Round-to-nearest there loses every update smaller than half a bf16 ulp (2^-8 at 1.0), so
 long runs stall; stochastic rounding (SR) keeps each update in expectation.
 
-SR itself (keyed, layout-invariant noise) is parallel/stochastic_rounding.py.
+SR itself (keyed, layout-invariant noise) is numerics/stochastic_rounding.py.
 """
 import contextlib
 import dataclasses
