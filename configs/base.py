@@ -4,7 +4,9 @@ Model configs start from `base.get_config()` and change what they need. Sections
 NxD Training's YAML (`trainer`, `exp_manager`, `distributed_strategy`, `data`, `model`,
 `precision`) so its users find keys where they expect them. Optional keys are typed
 placeholders: `--config.data.tokenizer.model=/path/tok.model` works, a typo fails at parse
-time. `configs/validate.py` checks the whole tree before anything is built.
+time. `configs/validate.py` checks the whole tree before anything is built. The `model` section's
+keys (and the LoRA keys of `model_alignment_strategy.peft`) are defined beside the model, in
+model/defaults.py, so model/ reads its defaults without importing configs/.
 """
 from ml_collections import config_dict
 

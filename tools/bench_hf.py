@@ -1,6 +1,6 @@
 """flatron against Hugging Face on the same model, side by side in one process, and the ceiling.
 
-    python -m tools.bench_hf                        # the 32M Llama of issue 18, fp32 / mixed / bf16
+    python -m tools.bench_hf                        # a 32M Llama, fp32 / mixed / bf16
     python -m tools.bench_hf --precisions=fp32 --steps=3
     python -m tools.bench_hf --precisions=bf16 --clock=cpu --profile   # a shared machine; where time goes
     python -m tools.bench_hf --device=cuda --model=tinyllama_1b --compile  # a GPU: 1.1B, both compiled
@@ -58,7 +58,7 @@ CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
 
 # name -> (layers, hidden, ffn, heads, KV heads, vocab, seq, micro batch, global batch)
 MODELS = {
-    'bench32m': (8, 512, 1408, 8, 4, 8192, 256, 8, 8),           # issue 18's 32M Llama (CPU)
+    'bench32m': (8, 512, 1408, 8, 4, 8192, 256, 8, 8),           # a 32M Llama (the CPU benchmark)
     'llama_50m': (8, 512, 1408, 8, 4, 32000, 2048, 8, 16),       # configs/llama_50m.py's shape
     'tinyllama_1b': (22, 2048, 5632, 32, 4, 32000, 2048, 4, 16),  # TinyLlama-1.1B's shape
     # next to no arithmetic: each side's host time per step (Python, dispatch, autograd), which

@@ -45,12 +45,12 @@ SMALL = ['--config.model.num_layers=4', '--config.model.hidden_size=256', '--con
          '--config.model.num_attention_heads=8', '--config.model.num_kv_heads=4', '--config.model.vocab_size=4096',
          '--config.model.max_position_embeddings=256', '--config.data.seq_length=256',
          '--config.data.micro_batch_size=2', '--config.data.global_batch_size=16']
-# issue 33's 207M shape (12 x 1024): where ZeRO-1's memory and speed are judged.
+# The 207M shape (12 x 1024): where ZeRO-1's memory and speed are judged.
 SHAPE_207M = ['--config.model.num_layers=12', '--config.model.hidden_size=1024', '--config.model.ffn_hidden_size=2816',
               '--config.model.num_attention_heads=16', '--config.model.num_kv_heads=8', '--config.model.vocab_size=32000',
               '--config.model.max_position_embeddings=128', '--config.data.seq_length=128',
               '--config.data.micro_batch_size=1', '--config.data.global_batch_size=4']
-# Long context on a tiny model (issue 30): one sequence of 16k tokens, where activations dominate.
+# Long context on a tiny model: one sequence of 16k tokens, where activations dominate.
 LONG_16K = ['--config.model.num_layers=2', '--config.model.hidden_size=128', '--config.model.ffn_hidden_size=344',
             '--config.model.num_attention_heads=4', '--config.model.num_kv_heads=2', '--config.model.vocab_size=512',
             '--config.model.max_position_embeddings=16384', '--config.data.seq_length=16384',

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's CUDA figures in one run on a one-GPU machine, most important first, each stage
+# The CUDA figures of docs/performance.md in one run on a one-GPU machine, most important first, each stage
 # under its own time limit so one slow or failing stage leaves the rest:
 #   bash tools/gpu_bench.sh            # writes $OUT/gpu_bench.log (OUT defaults to runs/gpu_bench)
 # 1. the fused update replayed as one CUDA graph (optim/graphed.py) against launched call by
