@@ -1,13 +1,18 @@
 """tools/bench.py reports figures that agree with each other and with the FLOPs formula; every
-tool imports beside train.py (and the others) without defining a flag."""
+tool imports beside train.py (and the others) without defining a flag; SIGTERM ends a tool through
+its `finally`, so the children it started end with it."""
 import importlib
 import os
+import signal
+import subprocess
+import sys
 
 from absl import flags
 import pytest
 
 from configs import llama_tiny
 from model import transformer
+from tests import procs
 from tools import bench
 
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
@@ -50,3 +55,34 @@ def test_importing_the_tools_defines_no_flags():
   assert set(flags.FLAGS) == before
   assert all(hasattr(m, 'define_flags') for m in modules)       # what `python -m tools.X` calls first
 
+
+
+# A tool that ran its children in their own process group, as bench_layouts and bench_memory do.
+_TOOL_WITH_A_CHILD = '''
+import os, signal, subprocess, sys
+import tools
+tools.exit_on_sigterm()
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)
+try:
+  print(child.pid, flush=True)
+  child.wait()
+finally:
+  if child.poll() is None:
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+'''
+
+
+def test_a_tool_stopped_by_sigterm_kills_its_children():
+  with procs.started([sys.executable, '-c', _TOOL_WITH_A_CHILD], stdout=subprocess.PIPE, text=True) as tool:
+    child = int(tool.stdout.readline())
+    try:
+      tool.send_signal(signal.SIGTERM)
+      assert tool.wait(timeout=60) == 128 + signal.SIGTERM
+      with pytest.raises(ProcessLookupError):      # killed and reaped by the tool's finally
+        os.kill(child, 0)
+    finally:
+      try:
+        os.killpg(child, signal.SIGKILL)
+      except ProcessLookupError:
+        pass

@@ -6,6 +6,7 @@ Every tool defines its absl flags in `define_flags()`, called only under
 flag and none clashes with train.py's or another tool's. What tests and other tools call takes
 plain arguments and never reads FLAGS.
 """
+import signal
 import sys
 
 from absl import flags
@@ -21,6 +22,13 @@ def fail(message):
 def no_arguments(argv):
   if len(argv) > 1:
     fail(f'unexpected arguments {" ".join(argv[1:])}: this tool takes flags only (--help lists them)')
+
+
+def exit_on_sigterm():
+  """SIGTERM (`timeout`, a scheduler, `kill`) ends the tool as Ctrl-C does, through its `finally`
+  blocks: a tool whose children run in their own process group kills them there, so none
+  outlives it (Python's default SIGTERM exits without running them)."""
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def define_list_of(name, default, choices, help_text):

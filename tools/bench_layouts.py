@@ -90,6 +90,7 @@ def define_flags():
 
 def main(argv):
   tools.no_arguments(argv)
+  tools.exit_on_sigterm()
   shape, micro = SHAPES[FLAGS.shape]
   bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + shape
   bench = ['-m', 'tools.bench']

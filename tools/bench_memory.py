@@ -285,6 +285,7 @@ def define_flags():
 
 def main(argv):
   tools.no_arguments(argv)
+  tools.exit_on_sigterm()
   f = flags.FLAGS
   models, recipes = (['llama_tiny'], ['fp32']) if f.quick else (f.models, f.recipes)
   print('MiB above each rank\'s baseline (RSS before any model tensor); estimate = memory.estimate\'s peak phase; '
