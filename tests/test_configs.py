@@ -1,11 +1,11 @@
-"""Model configs, presets and the up-front validation."""
+"""Model configs, presets, the base config and the up-front validation."""
 import importlib
 import os
 
 import pytest
 
 from configs import base, cli, validate
-from model import transformer
+from model import defaults, transformer
 from optim import schedules
 
 PUBLISHED = {'llama7b': 6_738_415_616, 'llama3_8b': 8_030_261_248, 'llama3_70b': 70_553_706_496}
@@ -32,6 +32,15 @@ SMOKE = tuple(name for name in ALL if offers(name, 'smoke'))
 @pytest.mark.parametrize('name', sorted(PUBLISHED))
 def test_parameter_count_equals_published_size(name):
   assert transformer.count_params(load(name).model) == PUBLISHED[name]
+
+
+def test_the_model_section_is_the_models_defaults_and_shares_its_lora_keys():
+  config = base.get_config()
+  model = config.model.to_dict()
+  assert model.pop('optim') is not None                       # the optimizer's keys, added by configs/base.py
+  assert model == defaults.model_section().to_dict()
+  config.model_alignment_strategy.peft.lora_rank = 8           # NxD's path for LoRA is what the model reads
+  assert config.model.peft.lora_rank == 8
 
 
 def test_gpt_345m_count_and_features():
