@@ -133,7 +133,7 @@ def test_a_cp_rank_applies_its_positions_of_the_whole_rows_dropout_mask():
 def _activation_bytes_at_cp2():
   from tests import test_remat  # pylint: disable=import-outside-toplevel
   from estimates import activations  # pylint: disable=import-outside-toplevel
-  from parallel import mesh as meshes
+  from parallel import mesh as meshes  # pylint: disable=import-outside-toplevel
   mesh, out = None, []
   for shape in ('llama_gqa', 'gpt_b1'):
     for mode in test_remat.MODES:
