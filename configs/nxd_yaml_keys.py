@@ -74,7 +74,10 @@ RULES = {
     'trainer.num_nodes': _na(TORCHRUN),
     'trainer.val_check_interval': Rule('trainer.val_check_interval', convert=_batches),
     'trainer.limit_val_batches': Rule('trainer.limit_val_batches', convert=_batches),
-    'trainer.limit_test_batches': Rule('trainer.limit_test_batches', convert=_batches),
+    # NxD Training's training script runs no test loop, so its files' limit_test_batches does nothing there;
+    # here it would start one (and ask for test data), so it is reported, and the run keeps flatron's 0
+    'trainer.limit_test_batches': _na('NxD Training runs no test loop; flatron\'s own test pass after training is '
+                                      '--config.trainer.limit_test_batches'),
     'exp_manager.exp_log_dir': Rule('exp_manager.explicit_log_dir', exported=False),      # the settings page's name for it
     'exp_manager.checkpoint_callback_params.model_parallel_size': _na('checkpoints load at any tp x pp'),
     'exp_manager.log_gradient_norm': _na('grad_norm is on every logged step', True, False),

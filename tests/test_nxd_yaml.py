@@ -12,7 +12,8 @@ import numpy as np
 
 import pytest
 
-from configs import base, from_files, llama3_8b, llama7b, llama_tiny, nxd_yaml, nxd_yaml_keys, smollm2_lora, smollm2_sft
+from configs import (base, from_files, llama3_8b, llama7b, llama_tiny, nxd_yaml, nxd_yaml_keys, smollm2_lora, smollm2_sft,
+                     validate)
 from model import hf
 from tests import procs
 
@@ -157,6 +158,14 @@ def test_neuron_runtime_keys_are_reported_as_not_applicable_on_a_cpu_run(tmp_pat
   assert set(reasons) == {'compiler_flags', 'compiler_cache_url', 'neuron_rt_exec_timeout'}
   assert 'NEURON_CC_FLAGS' in reasons['compiler_flags'] and 'cpu' in reasons['neuron_rt_exec_timeout']
   assert mapped.config.bucket_size_collectives == 1024 and mapped.config.neuron_rt_exec_timeout == 100
+
+
+def test_limit_test_batches_is_reported_not_run_as_nxd_runs_no_test_loop():
+  mapped = nxd_yaml.load(current('megatron_llama2_7B_SFT_config.yaml'))       # trainer.limit_test_batches: 1
+  reasons = {k: why for k, _, why in mapped.not_honoured}
+  assert 'no test loop' in reasons['trainer.limit_test_batches']
+  assert mapped.config.trainer.limit_test_batches == 0
+  assert not [p for p in validate.check(mapped.config) if 'limit_test_batches' in p]
 
 
 def test_an_unknown_tokenizer_key_is_named_too(tmp_path):
