@@ -78,7 +78,14 @@ def step_line(config, mesh) -> str:
     return ('step time (predicted): no cluster for this device; set trainer.plan_cluster '
             f'(one of {", ".join(clusters.names())})')
   p = step_time.predict(config, cluster, mesh.world_size)
-  return f'step time (predicted on {mesh.world_size} x {cluster.name}): {p.line()} | python -m tools.plan ranks the other layouts'
+  return f'step time (predicted on {on_cluster(cluster, mesh.world_size)}): {p.line()} | python -m tools.plan ranks the other layouts'
+
+
+def on_cluster(cluster, world_size) -> str:
+  """'1,024 devices, 32 trn1.32xlarge nodes': a cluster entry is a node type, so its count is nodes."""
+  nodes = -(-world_size // cluster.devices_per_node)
+  return (f'{world_size:,} device{"s" if world_size != 1 else ""}, '
+          f'{nodes:,} {cluster.name} node{"s" if nodes != 1 else ""}')
 
 
 def _lora_line(config, sizes, est, n_total) -> str:

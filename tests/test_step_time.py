@@ -152,10 +152,18 @@ def test_the_startup_summary_prints_this_model():
   c = _config(tensor_model_parallel_size=8)
   c.trainer.plan_cluster = 'h100'
   mesh = meshes.Mesh(tp=8, device=torch.device('cpu'))
-  assert summary.step_line(c, mesh) == (f'step time (predicted on 8 x h100): {step_time.predict(c, H100, 8).line()} '
+  assert summary.step_line(c, mesh) == (f'step time (predicted on 8 devices, 1 h100 node): {step_time.predict(c, H100, 8).line()} '
                                         '| python -m tools.plan ranks the other layouts')
   c.trainer.plan_cluster = 'none'
   assert 'set trainer.plan_cluster' in summary.step_line(c, mesh)
+
+
+def test_the_summary_counts_nodes_as_nodes():
+  from estimates import summary  # pylint: disable=import-outside-toplevel
+  trn1 = clusters.CLUSTERS['trn1.32xlarge']
+  assert summary.on_cluster(trn1, 1024) == '1,024 devices, 32 trn1.32xlarge nodes'
+  assert summary.on_cluster(trn1, 16) == '16 devices, 1 trn1.32xlarge node'
+  assert summary.on_cluster(H100, 1) == '1 device, 1 h100 node'
 
 
 @pytest.mark.parametrize('axis', ['cp', 'ep'])
@@ -168,7 +176,7 @@ def test_the_startup_summary_predicts_cp_and_ep(axis):
   mesh = meshes.Mesh(dp=8 if axis == 'cp' else 16, cp=2 if axis == 'cp' else 1, device=torch.device('cpu'))
   p = step_time.predict(c, H100, 16)
   assert p.terms[f'{axis}_comm'] > 0
-  assert summary.step_line(c, mesh) == (f'step time (predicted on 16 x h100): {p.line()} '
+  assert summary.step_line(c, mesh) == (f'step time (predicted on 16 devices, 2 h100 nodes): {p.line()} '
                                         '| python -m tools.plan ranks the other layouts')
 
 
@@ -186,7 +194,7 @@ def test_dry_run_of_an_ep_run_splits_the_experts_and_predicts():
   assert on_rank[1] - on_rank[2] == experts // 2
   assert 'ep=2 (experts over dp)' in text[2] and 'ep=' not in text[1].split('\n')[0]
   c.distributed_strategy.expert_model_parallel_size = 2
-  assert f'step time (predicted on 2 x h100): {step_time.predict(c, H100, 2).line()}' in text[2]
+  assert f'step time (predicted on 2 devices, 1 h100 node): {step_time.predict(c, H100, 2).line()}' in text[2]
 
 
 def test_measured_overheads_and_elementwise_rates_add_what_they_say():
