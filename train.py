@@ -99,7 +99,10 @@ def dry_run(config):
                                   * d.context_parallel_size))
   for note in from_files.resolve(config, world_size) + config_validation.warnings(config):
     print(note)
-  print(summaries.dry_run(config, world_size, config_validation.check))
+  text, refusal = summaries.dry_run_report(config, world_size, config_validation.check)
+  print(text)
+  if refusal:     # judged on the cluster trainer.plan_cluster names: the run would not fit there
+    raise MemoryError(refusal)
 
 
 def run(config, workdir=None):

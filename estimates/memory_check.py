@@ -1,12 +1,13 @@
 """Whether a run fits: what a rank may use (device memory, or the host's RAM over its local
-ranks), the layouts of a world size whose estimate (estimates/memory.py) fits it, and the
-refusal before allocating when this one does not (trainer.memory_check)."""
+ranks; for a dry run, the device of the cluster trainer.plan_cluster names), the layouts of a
+world size whose estimate (estimates/memory.py) fits it, and the refusal before allocating when
+this one does not (trainer.memory_check)."""
 import copy
 import os
 
 import torch
 
-from estimates import memory
+from estimates import clusters, memory
 from model import transformer
 
 
@@ -19,6 +20,16 @@ def available_bytes(device, local_ranks=1):
   if available is None:
     return None, 'unknown'
   return available // local_ranks, f'available host RAM / {local_ranks} local rank(s)'
+
+
+def target_bytes(config):
+  """(bytes one device has, what it is) on the cluster trainer.plan_cluster names, or None when it
+  names none (auto, none): what a dry run judges a run planned for that cluster against."""
+  name = config.trainer.get('plan_cluster', 'auto')
+  if name in ('auto', 'none'):
+    return None
+  cluster = clusters.get(name)
+  return cluster.memory_bytes, f'a {cluster.name} device'
 
 
 def host_available_bytes():
@@ -56,11 +67,12 @@ def fitting_layouts(config, world_size, budget, check) -> list:
   return sorted(out, key=lambda item: item[1])
 
 
-def check_fits(config, mesh, est, check):
+def check_fits(config, mesh, est, check, target=None):
   """Refuse before allocating when the estimate `est` per rank exceeds what the rank has
-  (trainer.memory_check), naming both figures and the layouts that would fit."""
+  (trainer.memory_check), naming both figures and the layouts that would fit. `target`:
+  (bytes, what) to judge against instead of this machine (target_bytes)."""
   local_ranks = int(os.environ.get('LOCAL_WORLD_SIZE', '1'))
-  budget, source = available_bytes(mesh.device, local_ranks)
+  budget, source = target or available_bytes(mesh.device, local_ranks)
   if not config.trainer.memory_check or budget is None or est['total'] <= budget:
     return
   fits = fitting_layouts(config, mesh.world_size, budget, check)

@@ -107,19 +107,34 @@ def _lora_line(config, sizes, est, n_total) -> str:
 
 
 def dry_run(config, world_size, check) -> str:
-  """What --dry_run prints after the config resolved and validated: the config, and rank 0's
-  start-up summary at `world_size` processes with the memory estimate and whether it fits
-  this machine (`check`: configs.validate.check, for the layouts that would)."""
+  """What --dry_run prints after the config resolved and validated (dry_run_report's text)."""
+  return dry_run_report(config, world_size, check)[0]
+
+
+def dry_run_report(config, world_size, check):
+  """(text, refusal): the config and rank 0's start-up summary at `world_size` processes with the
+  memory estimate and whether it fits: a device of the cluster trainer.plan_cluster names, else
+  this machine (`check`: configs.validate.check, for the layouts that would). `refusal` is the
+  error when the run does not fit the named cluster's device (None otherwise: this machine is
+  only reported on, as a run planned elsewhere may well not fit it)."""
   d = config.distributed_strategy
   tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
   mesh = meshes.Mesh(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
                      ep=d.get('expert_model_parallel_size', 1), device=torch.device(devices.kind(config.device)))
   sizes = training.local_sizes(config, mesh)
   est = memory.estimate(config, sizes, mesh.dp)
+  target, refusal = memory_check.target_bytes(config), None
   try:
-    memory_check.check_fits(config, mesh, est, check)
-    fits = f'memory: fits a {mesh.device.type} rank of this machine (or the check is off)'
+    memory_check.check_fits(config, mesh, est, check, target)
+    if target is None:
+      fits = f'memory: fits a {mesh.device.type} rank of this machine (or the check is off)'
+    else:
+      need, (budget, what) = est['total'], target
+      fits = (f'memory: {"fits" if need <= budget else "does not fit"} {what}: {memory.human_bytes(need)} of '
+              f'{memory.human_bytes(budget)}' + ('' if need <= budget else ' (trainer.memory_check=False: not refused)'))
   except MemoryError as e:
-    fits = f'memory: would be refused here: {e}'
-  return '\n'.join(['resolved flatron config:', config.to_yaml().rstrip(), '', startup(config, mesh, sizes, est), fits,
+    refusal = f'does not fit {target[1]}: {e}' if target else None
+    fits = f'memory: {refusal}' if target else f'memory: would be refused here: {e}'
+  text = '\n'.join(['resolved flatron config:', config.to_yaml().rstrip(), '', startup(config, mesh, sizes, est), fits,
                     'dry run: nothing was allocated and the workdir was not touched'])
+  return text, refusal

@@ -18,3 +18,31 @@ def test_a_cpu_process_is_its_threads_worth_of_local_devices(tmp_path, monkeypat
   got = summary.plan_cluster(llama_tiny.get_config(), torch.device('cpu'))
   assert got == dataclasses.replace(entry, peak={'fp32': 4e11, 'bf16': 2e10}, mem_bw=1.6e11, ew_bw=4e10,
                                     logit_s=2e-9)
+
+
+def test_a_dry_run_judges_the_device_of_the_cluster_plan_cluster_names():
+  from configs import llama3_70b, validate  # pylint: disable=import-outside-toplevel
+  c = llama3_70b.get_config()
+  d = c.distributed_strategy
+  d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.sequence_parallel = 32, 8, True
+  c.data.global_batch_size, c.model.activations_checkpoint_granularity = 256, 'full'
+  c.trainer.plan_cluster = 'trn1.32xlarge'
+  text, refusal = summary.dry_run_report(c, 512, validate.check)
+  assert refusal is None
+  assert 'memory: fits a trn1.32xlarge device: ' in text and ' of 16.0 GiB' in text
+  assert '512 devices, 16 trn1.32xlarge nodes' in text
+
+  d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.sequence_parallel = 4, 1, True
+  text, refusal = summary.dry_run_report(c, 4, validate.check)
+  assert refusal.startswith('does not fit a trn1.32xlarge device: this run needs an estimated ')
+  assert 'but a rank has 16.0 GiB (a trn1.32xlarge device)' in refusal and 'no layout of 4 process(es) fits' in refusal
+  assert f'memory: {refusal}' in text
+
+  c.trainer.memory_check = False
+  text, refusal = summary.dry_run_report(c, 4, validate.check)
+  assert refusal is None and 'memory: does not fit a trn1.32xlarge device: ' in text and 'not refused' in text
+  c.trainer.memory_check = True
+
+  c.trainer.plan_cluster = 'none'        # no target: this machine is reported on, never a refusal
+  text, refusal = summary.dry_run_report(c, 4, validate.check)
+  assert refusal is None and 'memory: would be refused here: ' in text

@@ -197,6 +197,16 @@ def test_cli_overrides_and_parse_time_errors(tmp_path):
   assert 'Traceback' not in bad.stderr and bad.returncode == 2
 
 
+def test_a_dry_run_that_does_not_fit_its_named_cluster_exits_2_naming_both_figures():
+  layout = ['--config.distributed_strategy.tensor_model_parallel_size=4', '--config.distributed_strategy.sequence_parallel=True']
+  out = procs.run([sys.executable, 'train.py', '--config=configs/llama3_70b.py', '--dry_run', *layout,
+                   '--config.trainer.plan_cluster=trn1.32xlarge'], timeout=240, env=dict(os.environ, WORLD_SIZE='4'))
+  assert out.returncode == 2 and 'Traceback' not in out.stderr, out.stderr[-3000:]
+  assert 'error: does not fit a trn1.32xlarge device: this run needs an estimated' in out.stderr
+  assert 'but a rank has 16.0 GiB (a trn1.32xlarge device)' in out.stderr
+  assert 'memory/rank (estimate)' in out.stdout            # the summary is printed first
+
+
 @pytest.mark.parametrize('args,message', [
     (['--config=configs/llama_tiny.py:test', '--config.model.hiden_size=3'],
      'error: --config.model.hiden_size: no such key; did you mean model.hidden_size?'),
