@@ -4,7 +4,8 @@ import copy
 
 import torch
 
-from model import layers, transformer
+from model import layers, lora, transformer
+from numerics import precision
 from parallel import context, mesh as meshes, remat, tensor
 
 
@@ -18,10 +19,14 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
 
     norms (2)      rmsnorm 2 ((4 + w) Nh/σ + 4 N/σ)   x in fp32, 1/rms (fp32), x/rms
                    layernorm 2 w (Nh + 2 N)/σ          x, mean, 1/std
-    linear inputs  2 w Nh         the norm outputs; under SP all-gathered, so not /t (*)
+    linear inputs  2 w Nh/σ'      the norm outputs: under SP the column linears keep the rank's
+                                  shard and gather it again in backward (parallel/sequence.py),
+                                  σ' = t; the whole gathered input (σ' = 1) where something else
+                                  reads it too: autocast, LoRA adapters (counted whole here)
     attention      SDPA      w N (a' + 2g') d  q, k, v    + 4 b a' s  logsumexp (fp32)
                              + w N a' d  output  [+ w N a' d  o_proj's copy of it when q is
-                             contiguous [b,a,s,d], i.e. after RoPE: SDPA keeps q's layout]
+                             contiguous [b,a,s,d], i.e. after RoPE: SDPA keeps q's layout;
+                             with one head per rank the [b,s,a d] view needs no copy]
                    explicit  w 3 N a' d  q, k, v repeated to a' heads + 4 b a' s^2 softmax
                              (fp32) [+ w b a' s^2  the probs matmul's input: dropped, or a
                              16-bit copy] + s^2 causal mask + w N a' d  o_proj input
@@ -48,9 +53,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   (f = 2.6875 h). Korthikanti's GPT block is 34 sbh + 5 a s^2 b; ours with the GPT options
   (layernorm, gelu, explicit attention, dropout) is 34 sbh + 7 a s^2 b + s^2 + 8 sb in
   16-bit: the same 34, plus an fp32 softmax, a per-layer causal mask, layernorm statistics.
-  Under TP both are sbh (10 + 24/t) + ... Under SP Korthikanti's is (34/t) sbh + ..., ours
-  sbh (4 + 30/t) + ...: our column linears keep the all-gathered input, Megatron's keep the
-  shard and gather it again in backward.
+  Under TP both are sbh (10 + 24/t) + ...; under SP both (34/t) sbh + ...: the column linears
+  keep the shard and gather it again in backward, as Megatron's do.
   """
   m, a = config.model, config.data
   cp = config.distributed_strategy.get('context_parallel_size', 1)
@@ -60,6 +64,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   ffn = m.ffn_hidden_size // tp
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   local = n // tp if sp else n                 # residual-stream tokens on this rank
+  # tokens of each linear input kept: the shard under SP, unless autocast or an adapter also reads it
+  gathered = local if sp and not precision.recipe(config.precision).autocast and lora.settings(m) is None else n
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
   if granularity == 'full':
@@ -76,14 +82,14 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
     norm = w * (local * h + 2 * local)
   swiglu = m.activation in layers.GATED       # swiglu or geglu: gate, up, act(gate), product
 
-  attention = norm + w * n * h * (3 if copies else 1) + w * n * heads * d + hidden_mask
+  attention = norm + w * gathered * h * (3 if copies else 1) + w * n * heads * d + hidden_mask
   dropped = m.attention_dropout > 0
   if 'attention' in parts:
     attention += w * n * (heads + 2 * kv) * d
   elif cp > 1:                                 # the ring: q, k, v, its output, lse (fp32)
     attention += w * n * (2 * heads + 2 * kv) * d + 4 * b * heads * s
   elif m.fusions.flash_attention and not dropped:
-    copied = m.position_embedding_type == 'rope'
+    copied = m.position_embedding_type == 'rope' and heads > 1   # one head: the rearrange is a view
     attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
   else:
     probs = (4 + (w if dropped or w != 4 else 0)) * b * heads * s * s
@@ -94,7 +100,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
     mlp += w * local * h
   else:
     inner = (3 if 'activation' in parts else 4) if swiglu else 2     # 'activation' drops act(gate)
-    mlp += (w * n * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * inner
+    mlp += (w * gathered * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * inner
             + (n * ffn if m.ffn_dropout > 0 else 0))
   return attention + mlp
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from model import layers, lora, transformer
 from numerics import precision
-from parallel import comm, context, experts
+from parallel import comm, context, experts, sequence
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
 ROW_PARALLEL = ('o_proj', 'down_proj')
@@ -176,10 +176,14 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
   sp = sequence_parallel
   leave = _in_dtype((lambda x: comm.reduce_scatter_seq(x, group)) if sp else (lambda x: comm.reduce_from_group(x, group)),
                     reduce_dtype)
-  # entering a TP region: SP's all-gather (reduce-scatter in backward), else Megatron's f
-  # (all-reduce in backward)
-  enter = _in_dtype((lambda x: comm.gather_seq(x, group)) if sp else (lambda x: comm.copy_to_group(x, group)),
-                    reduce_dtype)
+  # entering a TP region: SP's all-gather (reduce-scatter in backward; the column linears keep
+  # the shard and gather it again: parallel/sequence.py), else Megatron's f (all-reduce in backward)
+  if sp:
+    build = sequence.gather_build(group, reduce_dtype)
+    enter = lambda x: sequence.gather(x, build)
+  else:
+    enter = _in_dtype(lambda x: comm.copy_to_group(x, group), reduce_dtype)
+  column = sequence.linear if sp else F.linear
 
   def row_linear(x, w, b=None, partial=None):
     out = leave(F.linear(x, w) if partial is None else F.linear(x, w) + partial)
@@ -191,10 +195,10 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
     return comm.own_chunk(mask_b_, group, -1 if kind == 'ffn' else 1)
 
   return context.with_ring(layers.Ops(
-      column_linear=F.linear,
+      column_linear=column,
       row_linear=row_linear,
       embed=lambda ids, table: vocab_parallel_embedding(ids, table, group),
-      lm_head=F.linear,
+      lm_head=column,
       cross_entropy=lambda logits, labels, v: vocab_parallel_cross_entropy(logits, labels, v, group),
       vocab_reduce=lambda x, op: comm.all_reduce_(x, group, op=VOCAB_REDUCE_OPS[op],
                                                   name=f'all_reduce(chunked cross-entropy {op})'),

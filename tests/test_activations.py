@@ -44,8 +44,12 @@ def test_gpt_block_in_16_bit_is_korthikanti_plus_fp32_softmax_and_mask():
   t = 4
   assert activations.activation_bytes_per_layer(c, 2, tp=t) == (
       10 * s * b * h + 24 * s * b * h // t + 7 * a * s * s * b // t + s * s + 8 * s * b)
-  # SP divides all but the two all-gathered linear inputs: 4 sbh (Megatron re-gathers them).
+  # SP divides it all, the linear inputs too (kept as the shard, gathered again in backward):
+  # Korthikanti's (34/t) sbh
   c.distributed_strategy.sequence_parallel = True
+  assert activations.activation_bytes_per_layer(c, 2, tp=t) == (
+      34 * s * b * h // t + 7 * a * s * s * b // t + s * s + 8 * s * b // t)
+  c.precision.type = 'autocast'                # autocast's linears keep what they cast: the gathered input
   assert activations.activation_bytes_per_layer(c, 2, tp=t) == (
       4 * s * b * h + 30 * s * b * h // t + 7 * a * s * s * b // t + s * s + 8 * s * b // t)
 

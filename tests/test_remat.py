@@ -1,6 +1,7 @@
 """Activation recompute: gradients bitwise those of no recompute (dropout on, one device and
 TP2+SP), the right parts run again in backward, and the bytes each mode keeps per layer,
-measured with saved-tensor hooks, equal estimates/activations.py's formula exactly."""
+measured with saved-tensor hooks, equal estimates/activations.py's formula exactly (one device,
+TP2 with and without SP, TP4 with SP)."""
 import pytest
 import torch
 
@@ -169,6 +170,19 @@ def test_measured_bytes_equal_the_formula_in_bf16():
 
 def test_measured_bytes_equal_the_formula_under_tp2_and_sp(two_ranks):
   assert [r['bytes'] for r in two_ranks] == [[], []]
+
+
+def _four_ranks():
+  """TP4 + SP: the column linears keep a quarter of the sequence (GQA's two KV heads copied to
+  two ranks each; the GPT block's layernorms, biases and learned positions)."""
+  c = config(tp=4, sp=True)
+  meshes.init(c)
+  cases = [case for shape in ('llama_gqa', 'gpt_b1') for case in every_case(shape, (True,), (0.1,))]
+  return byte_mismatches(cases, tp=4)
+
+
+def test_measured_bytes_equal_the_formula_under_tp4_and_sp():
+  assert world.run(_four_ranks, 4) == [[], [], [], []]
 
 
 def test_each_mode_keeps_less():

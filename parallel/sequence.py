@@ -1,0 +1,86 @@
+"""Sequence parallelism's column linears that keep the shard (Megatron-LM's
+LinearWithGradAccumulationAndAsyncCommunication, Korthikanti et al. 2022).
+
+Under SP the linear layers read the whole sequence: `gather` all-gathers the rank's shard of it.
+A plain F.linear would then save that gathered input, s b h per rank whatever the TP degree.
+`linear` saves nothing of it: its backward gathers the shard again (the same collective on
+the same values, so the same bits) and computes the input and weight gradients with the very
+GEMMs autograd's own linear backward runs (mm_mat1_backward / mm_mat2_backward's row-major
+cases), so every gradient is bitwise what it was. The linears that read one gathered input
+(q, k, v; gate, up) share one gather in the backward: the first to need it gathers, the
+others reuse it until the last is done.
+
+Where the gathered input is also read by something else (a LoRA adapter's A, the MoE router
+and experts, the chunked cross-entropy), that reader keeps it as before; under autocast the
+linears run as F.linear (autocast's casts are what its backward needs).
+"""
+import torch
+import torch.nn.functional as F
+
+from parallel import comm
+
+
+class _Regather:
+  """The gathered input, built again from the saved shard on first use in the backward and
+  shared by the linears that read it (freed with the last of them)."""
+
+  def __init__(self, build):
+    self.build, self.full = build, None
+
+  def __call__(self, shard):
+    if self.full is None:
+      with torch.no_grad():
+        self.full = self.build(shard)
+    return self.full
+
+
+def gather(x_shard, build):
+  """`build(x_shard)` (the all-gather of the sequence, with its dtype casts), tagged so that
+  `linear` can save the shard instead of the result."""
+  full = build(x_shard)
+  if torch.is_grad_enabled() and full.requires_grad:
+    full._flatron_shard = (x_shard.detach(), _Regather(build))   # pylint: disable=protected-access
+  return full
+
+
+class _KeepShardLinear(torch.autograd.Function):
+
+  @staticmethod
+  def forward(ctx, x, w, b, shard, regather):  # pylint: disable=arguments-differ
+    # the shard is saved as a tensor, so that recompute (torch.utils.checkpoint) drops and restores it
+    ctx.regather, ctx.x_shape, ctx.has_bias = regather, x.shape, b is not None
+    ctx.save_for_backward(w, shard)
+    return F.linear(x, w, b)
+
+  @staticmethod
+  def backward(ctx, grad):  # pylint: disable=arguments-differ
+    w, shard = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+      grad_x = g2.mm(w).view(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+      x = ctx.regather(shard)
+      grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+      grad_b = g2.sum(0)
+    return grad_x, grad_w, grad_b, None, None
+
+
+def linear(x, w, b=None):
+  """F.linear(x, w, b), saving the shard `x` was gathered from (when `gather` made it)."""
+  tagged = getattr(x, '_flatron_shard', None)
+  # [b, s, h] and contiguous (as gathered): F.linear's own path is then addmm / mm on its 2-D view
+  if tagged is None or torch.is_autocast_enabled(x.device.type) or x.dim() != 3 or not x.is_contiguous():
+    return F.linear(x, w, b)
+  return _KeepShardLinear.apply(x, w, b, *tagged)
+
+
+def gather_build(group, reduce_dtype):
+  """The SP all-gather of a shard as `gather` rebuilds it: in `reduce_dtype` when set (the
+  TP reductions' dtype), the result back in the shard's dtype."""
+  def build(x):
+    y = x if reduce_dtype is None or x.dtype == reduce_dtype else x.to(reduce_dtype)
+    full = comm.gather_seq(y, group)
+    return full if full.dtype == x.dtype else full.to(x.dtype)
+  return build
