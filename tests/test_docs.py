@@ -34,7 +34,7 @@ def _name(page):
 
 def _lines(page):
   with open(page, encoding='utf-8') as f:
-    return f.read().split('\n')
+    return f.read().splitlines()
 
 
 @pytest.mark.parametrize('page', PAGES, ids=_name)
