@@ -9,6 +9,7 @@ import os
 import sys
 
 import numpy as np
+import yaml
 
 import pytest
 
@@ -367,3 +368,46 @@ def test_hf_mixtral_trains_3_steps_at_ep2_with_size_overrides_only(tmp_path, nam
   assert any(s['moe_dropped_fraction'] > 0 for s in steps) == ('dropless' not in name)
   config = json.load(open(tmp_path / 'run' / 'config.json'))
   assert config['model']['moe']['num_experts'] == 8 and config['model']['moe']['dropless'] == ('dropless' in name)
+
+
+# Every dense release file at its own world size and layout, on its own cluster, with the
+# model's config.json from its public model card (HF files) or the vocabulary of the tokenizer it
+# names (Megatron files: Llama-2's 32,000; GPT-2's 50,257). The four Mixtral files are MoE's.
+MODEL_CARDS = {'hf_llama3.1_405B': 'llama3.1_405b', 'hf_llama3.1_70B': 'llama3.1_70b', 'hf_llama3.1_8B': 'llama3.1_8b',
+               'hf_llama3_70B': 'llama3_70b', 'hf_llama3_8B': 'llama3_8b', 'hf_llama_7B': 'llama2_7b'}
+DENSE = [name for name in RELEASE if 'mixtral' not in name]
+
+
+def _own_dry_run(name):
+  from estimates import summary  # pylint: disable=import-outside-toplevel
+  config = nxd_yaml.load(current(name)).config
+  with open(current(name), encoding='utf-8') as f:
+    trainer = yaml.safe_load(f)['trainer']
+  world_size = trainer['devices'] * trainer['num_nodes']
+  config.trainer.plan_cluster = 'trn2.48xlarge' if '_trn2' in name else 'trn1.32xlarge'
+  config.data.tokenizer.type = 'none'
+  card = next((v for k, v in MODEL_CARDS.items() if name.startswith(k + '_')), None)
+  if card:
+    config.model.model_config = os.path.join(FIXTURES, f'{card}_config.json')
+  else:
+    config.model.vocab_size = 50257 if 'gpt' in name else 32000
+  from_files.resolve(config, world_size)
+  return world_size, summary.dry_run_report(config, world_size, validate.check)
+
+
+def test_every_dense_release_file_fits_its_cluster_at_its_own_layout():
+  assert len(DENSE) == 18
+  for name in DENSE:
+    world_size, (text, refusal) = _own_dry_run(name)
+    assert refusal is None, (name, refusal)
+    fits = next(line for line in text.splitlines() if line.startswith('memory: '))
+    assert fits.startswith('memory: fits a trn'), (name, fits)
+    assert f'predicted on {world_size:,} devices' in text, name
+
+
+def test_the_70b_files_fit_a_trn1_and_a_trn2_device():
+  for name, limit in (('hf_llama3_70B_config.yaml', 16), ('hf_llama3_70B_trn2_config.yaml', 24)):
+    _, (text, _) = _own_dry_run(name)
+    fits = next(line for line in text.splitlines() if line.startswith('memory: '))
+    used = float(fits.split(': ')[2].split(' GiB of ')[0])
+    assert used <= limit and f'of {limit}.0 GiB' in fits, fits
