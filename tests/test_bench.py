@@ -62,7 +62,7 @@ _TOOL_WITH_A_CHILD = '''
 import os, signal, subprocess, sys
 import tools
 tools.exit_on_sigterm()
-child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)
+child = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], start_new_session=True)   # waits for a signal
 try:
   print(child.pid, flush=True)
   child.wait()
