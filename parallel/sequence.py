@@ -17,8 +17,6 @@ linears run as F.linear (autocast's casts are what its backward needs).
 import torch
 import torch.nn.functional as F
 
-from parallel import comm
-
 
 class _Regather:
   """The gathered input, built again from the saved shard on first use in the backward and
@@ -74,13 +72,3 @@ def linear(x, w, b=None):
   if tagged is None or torch.is_autocast_enabled(x.device.type) or x.dim() != 3 or not x.is_contiguous():
     return F.linear(x, w, b)
   return _KeepShardLinear.apply(x, w, b, *tagged)
-
-
-def gather_build(group, reduce_dtype):
-  """The SP all-gather of a shard as `gather` rebuilds it: in `reduce_dtype` when set (the
-  TP reductions' dtype), the result back in the shard's dtype."""
-  def build(x):
-    y = x if reduce_dtype is None or x.dtype == reduce_dtype else x.to(reduce_dtype)
-    full = comm.gather_seq(y, group)
-    return full if full.dtype == x.dtype else full.to(x.dtype)
-  return build

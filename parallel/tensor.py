@@ -179,7 +179,7 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
   # entering a TP region: SP's all-gather (reduce-scatter in backward; the column linears keep
   # the shard and gather it again: parallel/sequence.py), else Megatron's f (all-reduce in backward)
   if sp:
-    build = sequence.gather_build(group, reduce_dtype)
+    build = _in_dtype(lambda x: comm.gather_seq(x, group), reduce_dtype)   # run again, unchanged, in backward
     enter = lambda x: sequence.gather(x, build)
   else:
     enter = _in_dtype(lambda x: comm.copy_to_group(x, group), reduce_dtype)
