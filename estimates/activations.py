@@ -21,8 +21,8 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
                    layernorm 2 w (Nh + 2 N)/σ          x, mean, 1/std
     linear inputs  2 w Nh/σ'      the norm outputs: under SP the column linears keep the rank's
                                   shard and gather it again in backward (parallel/sequence.py),
-                                  σ' = t; the whole gathered input (σ' = 1) where something else
-                                  reads it too: autocast, LoRA adapters (counted whole here)
+                                  σ' = t (a LoRA adapter's A does the same); the whole gathered
+                                  input (σ' = 1) under autocast and with LoRA dropout
     attention      SDPA      w N (a' + 2g') d  q, k, v    + 4 b a' s  logsumexp (fp32)
                              + w N a' d  output  [+ w N a' d  o_proj's copy of it when q is
                              contiguous [b,a,s,d], i.e. after RoPE: SDPA keeps q's layout;
@@ -64,8 +64,10 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   ffn = m.ffn_hidden_size // tp
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   local = n // tp if sp else n                 # residual-stream tokens on this rank
-  # tokens of each linear input kept: the shard under SP, unless autocast or an adapter also reads it
-  gathered = local if sp and not precision.recipe(config.precision).autocast and lora.settings(m) is None else n
+  # tokens of each linear input kept: the shard under SP, unless autocast or LoRA dropout keeps it whole
+  peft = lora.settings(m)
+  whole = precision.recipe(config.precision).autocast or (peft is not None and lora.option(peft, 'lora_dropout') > 0)
+  gathered = local if sp and not whole else n
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
   if granularity == 'full':

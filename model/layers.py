@@ -182,7 +182,8 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
     width = cfg.ffn_hidden_size if name.endswith('down_proj') else cfg.num_attention_heads * head_dim(cfg)
     return dropout(x, p, key, sample_ids_b, x.shape[1:-1] + (width,), lambda m: ops.mask_for_slice(m, 'ffn'), ops)
 
-  extra = lora.delta(params, name, x_bs_, cfg, adapter_dropout)
+  first = ops.column_linear if parallel == 'column' else F.linear   # A reads what the base layer reads
+  extra = lora.delta(params, name, x_bs_, cfg, adapter_dropout, first)
   if parallel == 'column':
     out = ops.column_linear(x_bs_, w, b)
     return out if extra is None else out + extra

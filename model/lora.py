@@ -223,16 +223,17 @@ def trainable(cfg, names) -> list:
   return keep
 
 
-def delta(params, linear, x, cfg, dropout):
+def delta(params, linear, x, cfg, dropout, first_linear=F.linear):
   """The adapter's contribution to `linear`'s output for input `x` (None if not adapted):
-  scaling * B (A dropout(x)), in x's dtype. `dropout(x, site)` applies the keyed dropout."""
+  scaling * B (A dropout(x)), in x's dtype. `dropout(x, site)` applies the keyed dropout;
+  `first_linear` runs A (the base layer's own linear, so that under SP A keeps what it keeps)."""
   a = params.get(linear + '.lora_A.weight')
   if a is None:
     return None
   peft = cfg.peft
   x = dropout(x, option(peft, 'lora_dropout'))
   b = params[linear + '.lora_B.weight']
-  return F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling(peft, linear, rank=a.shape[0])
+  return F.linear(first_linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling(peft, linear, rank=a.shape[0])
 
 
 def merged(params, cfg) -> dict:

@@ -20,16 +20,20 @@ import torch.nn.functional as F
 
 class _Regather:
   """The gathered input, built again from the saved shard on first use in the backward and
-  shared by the linears that read it (freed with the last of them)."""
+  shared by the linears that read it: each reader counts itself in (forward) and out
+  (backward), and the last one out drops it, so one layer's input is held at a time."""
 
   def __init__(self, build):
-    self.build, self.full = build, None
+    self.build, self.full, self.readers = build, None, 0
 
-  def __call__(self, shard):
-    if self.full is None:
+  def take(self, shard):
+    full = self.full
+    if full is None:
       with torch.no_grad():
-        self.full = self.build(shard)
-    return self.full
+        full = self.build(shard)
+    self.readers -= 1
+    self.full = full if self.readers > 0 else None
+    return full
 
 
 def gather(x_shard, build):
@@ -48,6 +52,8 @@ class _KeepShardLinear(torch.autograd.Function):
     # the shard is saved as a tensor, so that recompute (torch.utils.checkpoint) drops and restores it
     ctx.regather, ctx.x_shape, ctx.has_bias = regather, x.shape, b is not None
     ctx.save_for_backward(w, shard)
+    if ctx.needs_input_grad[1]:     # a frozen weight (LoRA's base) needs no input in backward
+      regather.readers += 1
     return F.linear(x, w, b)
 
   @staticmethod
@@ -58,7 +64,7 @@ class _KeepShardLinear(torch.autograd.Function):
     if ctx.needs_input_grad[0]:
       grad_x = g2.mm(w).view(ctx.x_shape)
     if ctx.needs_input_grad[1]:
-      x = ctx.regather(shard)
+      x = ctx.regather.take(shard)
       grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
     if ctx.has_bias and ctx.needs_input_grad[2]:
       grad_b = g2.sum(0)
