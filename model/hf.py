@@ -3,10 +3,11 @@ config.json mapping is model/hf_config.py).
 
 Our parameter names are HF's minus the leading `model.`, and the weights share HF's [out, in]
 layout and rotate-half RoPE, so conversion is a rename plus (un)padding of the vocabulary
-rows. Gemma's (1 + w) norms are stored as HF stores them (w). MoE experts are stacked as
-transformers 5 holds them in memory ([E, 2f, h] gate_up_proj, [E, h, f] down_proj); files hold
-them per expert as save_pretrained writes them (Mixtral's block_sparse_moe.experts.N.w1/w3/w2,
-Qwen2-MoE's mlp.experts.N.gate/up/down_proj): import stacks, export splits, both exact.
+rows. Gemma's (1 + w) norms are stored as HF stores them (w). MoE experts are stacked per
+projection ([E, f, h] gate_proj and up_proj, [E, h, f] down_proj); files hold them per expert as
+save_pretrained writes them (Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen2-MoE's
+mlp.experts.N.gate/up/down_proj): import stacks, export splits, both exact. A file holding the
+stacks as transformers 5 holds them in memory ([E, 2f, h] gate_up_proj) is read too.
 """
 import json
 import os
@@ -100,15 +101,25 @@ def _file_name(name, model_cfg):
   return hf_name
 
 
+MIXTRAL_EXPERTS = {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2'}
+FUSED_HALVES = ('gate_proj', 'up_proj')      # transformers 5's gate_up_proj: gate rows, then up rows
+
+
 def _expert_pieces(name, model_cfg):
-  """Stacked expert tensor `name` as save_pretrained stores it: per expert, the HF tensors
-  concatenated on dim 0 (Mixtral w1 = gate, w3 = up, w2 = down; Qwen2-MoE gate/up/down_proj)."""
-  layer, gate_up = 'model.' + name.split('.mlp.')[0], name.endswith('gate_up_proj')
+  """Stacked expert tensor `name` as save_pretrained stores it: one HF tensor per expert
+  (Mixtral w1 = gate, w3 = up, w2 = down; Qwen2-MoE gate/up/down_proj)."""
+  layer, kind = 'model.' + name.split('.mlp.')[0], name.rsplit('.', 1)[-1]
   if _family(model_cfg) == 'mixtral':
-    base, parts = f'{layer}.block_sparse_moe.experts', ('w1', 'w3') if gate_up else ('w2',)
+    base, part = f'{layer}.block_sparse_moe.experts', MIXTRAL_EXPERTS[kind]
   else:
-    base, parts = f'{layer}.mlp.experts', ('gate_proj', 'up_proj') if gate_up else ('down_proj',)
-  return [[f'{base}.{e}.{p}.weight' for p in parts] for e in range(model_cfg.moe.num_experts)]
+    base, part = f'{layer}.mlp.experts', kind
+  return [[f'{base}.{e}.{part}.weight'] for e in range(model_cfg.moe.num_experts)]
+
+
+def _fused(name):
+  """(HF 5's in-memory gate_up_proj holding expert stack `name`, which half), else None."""
+  base, kind = name.rsplit('.', 1)
+  return (_to_hf_name(base + '.gate_up_proj'), FUSED_HALVES.index(kind)) if kind in FUSED_HALVES else None
 
 
 def _layout(name, model_cfg, files):
@@ -116,6 +127,9 @@ def _layout(name, model_cfg, files):
   stacked expert tensor stored whole, as transformers 5 holds it in memory)."""
   if not moe.is_expert_param(name) or _to_hf_name(name) in files:
     return [[_file_name(name, model_cfg)]]
+  fused = _fused(name)
+  if fused and fused[0] in files:
+    return [[fused[0]]]
   return _expert_pieces(name, model_cfg)
 
 
@@ -136,8 +150,10 @@ def _checked_names(path, model_cfg):
   for name, pieces in layouts.items():
     shape = specs[name].shape
     expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
-    if len(pieces) > 1 or moe.is_expert_param(name) and _to_hf_name(name) not in files:
-      expected = (shape[1] // len(pieces[0]),) + shape[2:]
+    if pieces[0][0].endswith('.gate_up_proj'):           # transformers 5's [E, 2f, h]
+      expected = (shape[0], 2 * shape[1]) + shape[2:]
+    elif moe.is_expert_param(name) and _to_hf_name(name) not in files:    # one tensor per expert
+      expected = shape[1:]
     for piece in pieces:
       for hf_name in piece:
         with safe_open(files[hf_name], framework='pt') as f:
@@ -161,7 +177,11 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
   out = {}
   for name, box in requests.items():
     pieces = where[name]
-    if len(pieces) == 1 and len(pieces[0]) == 1:
+    if pieces[0][0][1].endswith('.gate_up_proj'):
+      half, f = _fused(name)[1], transformer.param_specs(model_cfg, adapters=False)[name].shape[1]
+      rows = slice(box[1].start + half * f, box[1].stop + half * f)     # this half's rows of gate_up_proj
+      tensor = _read(*pieces[0][0], (box[0], rows) + tuple(box[2:]))
+    elif len(pieces) == 1 and len(pieces[0]) == 1:
       tensor = _read(*pieces[0][0], box)
     else:           # stacked experts from per-expert tensors: read this box's experts
       experts = range(box[0].start, box[0].stop)

@@ -70,7 +70,11 @@ class Ops:
   final_norm: Callable = None          # the model's last norm, norm's signature; None = norm (model.compile compiles it)
   # Mixture of experts (model/moe.py): tokens sorted by expert through the experts this rank
   # holds (expert parallelism: dispatched over the ep group), and the pass's routing records.
-  expert_ffn: Callable = None          # (x_th, counts per expert, gate_up, down) -> y_th; None = local
+  expert_ffn: Callable = None          # (x_th, counts per expert, gate, up, down) -> y_th; None = local
+  copy_to_tp: Callable = _identity     # x itself, its gradient summed over TP (Megatron's f): for
+                                       # tensors that scale or feed a rank's partial sums (MoE)
+  reduce_over_tp: Callable = _identity  # partial sums -> the output: all-reduce, or reduce-scatter to
+                                        # the sequence slice under SP (row_linear's reduction)
   moe: object = None                   # the stage's moe.Collector (set by transformer.stage)
   moe_tally: object = None             # dict: the pass's MoE metric sums (set by the caller)
   # Context parallelism (parallel/context.py): (batch, window) -> Attend, the attention of a

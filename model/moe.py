@@ -2,11 +2,22 @@
 
 Parameters are transformers' own (5.x layout), so HF import is a rename:
   layers.N.mlp.gate.weight                [E, h]       the router (a linear layer, no bias)
-  layers.N.mlp.experts.gate_up_proj       [E, 2f, h]   each expert's SwiGLU gate rows, then up rows
+  layers.N.mlp.experts.gate_proj          [E, f, h]    each expert's SwiGLU gate (HF 5 holds gate and
+  layers.N.mlp.experts.up_proj            [E, f, h]    up as one [E, 2f, h] gate_up_proj: model/hf.py)
   layers.N.mlp.experts.down_proj          [E, h, f]
   layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, layers.N.mlp.shared_expert_gate.weight [1, h]
                                                        Qwen2-MoE's always-on expert, scaled by sigmoid(gate x)
-Experts are stacked on dim 0, so expert parallelism shards dim 0 (one box per rank, like TP).
+Experts are stacked on dim 0, so expert parallelism shards dim 0 (one box per rank); tensor
+parallelism splits each expert as it splits the dense MLP (gate / up on f, down on its f
+input: parallel/tensor.py), so a rank holds 1/(tp ep) of the experts.
+
+Under TP every rank routes all of its tokens (the router is replicated) and runs its slice of
+each expert: the experts' outputs, weighted and summed per token, are partial sums that one
+reduction completes (all-reduce; reduce-scatter to the sequence slice under SP), as the dense
+MLP's down_proj. The weights multiply partial outputs, so their gradient is summed over TP
+(Ops.copy_to_tp); under SP, each rank's routing gradient comes from its own slice only
+(_own_gradient), so the gather's reduce-scatter and the router's SP gradient sum count every
+position once.
 
 Routing, per token: p = softmax(router logits) (fp32; router_activation=sigmoid: sigmoid, NxD's
 Megatron Mixtral files), the top_k experts by p, their weights
@@ -73,7 +84,8 @@ def specs(cfg, prefix, spec, std, out_std) -> dict:
   """ParamSpecs of layer `prefix`'s MoE feed-forward (`spec`: the ParamSpec class)."""
   h, e, f = cfg.hidden_size, cfg.moe.num_experts, expert_ffn_size(cfg)
   out = {prefix + '.gate.weight': spec((e, h), 'normal', std),
-         prefix + '.experts.gate_up_proj': spec((e, 2 * f, h), 'normal', std),
+         prefix + '.experts.gate_proj': spec((e, f, h), 'normal', std),
+         prefix + '.experts.up_proj': spec((e, f, h), 'normal', std),
          prefix + '.experts.down_proj': spec((e, h, f), 'normal', out_std)}
   shared = cfg.moe.shared_expert_intermediate_size
   if shared:
@@ -123,29 +135,30 @@ def route(logits_bse, cfg):
   return probs, weights, experts, kept
 
 
-def local_expert_ffn(x_th, counts, gate_up_efh, down_ehf):
+def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf):
   """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU:
-  one matmul pair per expert, no loop over tokens. The stacks are unbound once: indexing them
+  one matmul triple per expert, no loop over tokens. The stacks are unbound once: indexing them
   per expert would make each expert's backward write a whole-stack gradient (E^2 traffic)."""
   outs = []
-  for chunk, gate_up, down in zip(x_th.split(counts), gate_up_efh.unbind(0), down_ehf.unbind(0)):
+  for chunk, gate, up, down in zip(x_th.split(counts), gate_efh.unbind(0), up_efh.unbind(0), down_ehf.unbind(0)):
     if chunk.shape[0]:
-      gate, up = F.linear(chunk, gate_up).chunk(2, dim=-1)
-      outs.append(F.linear(F.silu(gate) * up, down))
+      outs.append(F.linear(F.silu(F.linear(chunk, gate)) * F.linear(chunk, up), down))
   return torch.cat(outs) if outs else x_th[:0]
 
 
 def mlp(params, prefix, x_bsh, cfg, ops, layer):
-  """The MoE feed-forward of layer `layer` on the whole sequence; records routing in ops.moe."""
+  """The MoE feed-forward of layer `layer` on the whole sequence (under SP: gathered; the
+  output is then this rank's slice); records routing in ops.moe."""
   moe = cfg.moe
   b, s, h = x_bsh.shape
-  logits = F.linear(x_bsh, params[prefix + '.gate.weight'])
+  sliced = ops.residual_slices > 1
+  own = (lambda t: _own_gradient(t, ops)) if sliced else (lambda t: t)
+  logits = own(F.linear(x_bsh, params[prefix + '.gate.weight']))
   probs, weights, experts, kept = route(logits, cfg)
   if ops.moe is not None:
-    if ops.residual_slices > 1:
-      logits, probs = _own_gradient(logits, ops), _own_gradient(probs, ops)
     ops.moe.record(layer, logits, probs, experts, kept)
-  flat_x = x_bsh.reshape(b * s, h)
+  # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP
+  flat_x = (x_bsh if sliced else ops.copy_to_tp(x_bsh)).reshape(b * s, h)
   token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(moe.top_k)
   expert, weight = experts.reshape(-1), weights.reshape(-1)
   keep = kept.reshape(-1).nonzero().squeeze(-1)
@@ -153,15 +166,18 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
   order = torch.sort(expert, stable=True).indices
   token, expert, weight = token[order], expert[order], weight[order]
   counts = torch.bincount(expert, minlength=moe.num_experts).tolist()
-  out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, params[prefix + '.experts.gate_up_proj'],
-                       params[prefix + '.experts.down_proj'])
+  e = prefix + '.experts.'
+  out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, params[e + 'gate_proj'], params[e + 'up_proj'],
+                                             params[e + 'down_proj'])
+  weight = ops.copy_to_tp(weight)      # it scales this rank's partial outputs: its gradient is partial
   combined = torch.zeros_like(flat_x).index_add_(0, token, (out * weight[:, None]).to(flat_x.dtype))
   if moe.shared_expert_intermediate_size:
     sp = prefix + '.shared_expert'
     shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
                       F.linear(flat_x, params[sp + '.up_proj.weight']), params[sp + '.down_proj.weight'])
-    combined = combined + torch.sigmoid(F.linear(flat_x, params[prefix + '.shared_expert_gate.weight'])) * shared
-  return combined.view(b, s, h)
+    scale = own(F.linear(x_bsh, params[prefix + '.shared_expert_gate.weight'])).reshape(b * s, 1)
+    combined = combined + ops.copy_to_tp(torch.sigmoid(scale)) * shared
+  return ops.reduce_over_tp(combined.view(b, s, h))
 
 
 def _own_gradient(x_bse, ops):

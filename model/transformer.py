@@ -328,13 +328,8 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
   h = ops.recompute_norm(layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'),
                          x_bsh, cfg)
-  if moe.is_moe_layer(cfg, i) and ops.residual_slices > 1:
-    # SP: route the whole sequence; keep this rank's slice with a plain slice, so each TP rank's
-    # (replicated) experts get its slice's gradient only and SP's gradient sums add up
-    h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h), cfg, ops, i)
-    h = ops.mask_for_slice(h, 'seq')
-  elif moe.is_moe_layer(cfg, i):      # the input is whole on every TP rank: the experts run on it as it is
-    h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', h, cfg, ops, i)
+  if moe.is_moe_layer(cfg, i):       # SP: routes the whole (gathered) sequence, returns this rank's slice
+    h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h) if ops.residual_slices > 1 else h, cfg, ops, i)
   else:
     h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
   if sandwich:

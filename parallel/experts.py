@@ -3,9 +3,9 @@ which ranks reduce (and ZeRO-shard) each parameter's gradients.
 
 With expert_model_parallel_size = e, the ep group's rank r holds experts [r E/e, (r+1) E/e) of
 every MoE layer: dim 0 of the stacked expert tensors (model/moe.py), a box like TP's, so
-checkpoints stay layout-free. Routers, shared experts and everything dense are whole on every
-rank. Under TP the experts are replicated (every TP rank runs all its tokens through them; the
-TP ranks' results are identical), not split Megatron's way.
+checkpoints stay layout-free. Routers are whole on every rank. Under TP each expert is split
+over the TP group as well (model/moe.py); the ep group joins ranks of one TP rank, so tokens go
+to the ranks holding the same TP slice of their experts.
 
 A MoE layer under EP: each rank routes its own sequences (capacity per sequence: the same
 drops at every layout), sorts its tokens by expert, then
@@ -51,8 +51,8 @@ def expert_ffn(group, ep):
   """Ops.expert_ffn over an ep group: tokens sorted by (global) expert go to the ranks holding
   their experts and come back in the same order."""
 
-  def ffn(x_th, counts, gate_up_efh, down_ehf):
-    local = gate_up_efh.shape[0]
+  def ffn(x_th, counts, gate_efh, up_efh, down_ehf):
+    local = gate_efh.shape[0]
     send_counts = torch.tensor(counts, dtype=torch.int64, device=x_th.device).view(ep, local)
     recv_counts = torch.empty_like(send_counts)
     comm.all_to_all_single(recv_counts.view(-1), send_counts.view(-1), [local] * ep, [local] * ep, group,
@@ -62,7 +62,7 @@ def expert_ffn(group, ep):
     # received rows are ordered (source rank, expert): regroup them by expert, stably
     expert_of = torch.arange(local, device=x_th.device).repeat(ep).repeat_interleave(recv_counts.view(-1))
     order = torch.sort(expert_of, stable=True).indices
-    y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_up_efh, down_ehf)
+    y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf)
     back = torch.zeros_like(y).index_copy(0, order, y)
     return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
 

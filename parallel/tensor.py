@@ -3,7 +3,8 @@ and the `Ops` that make the single-device model run on those boxes.
 
 Column-parallel (output rows split): q/k/v, gate/up, their biases, the vocab tables.
 Row-parallel (input columns split, output all-reduced or, under SP, reduce-scattered):
-o_proj, down_proj. Everything else is replicated. With tp > num_kv_heads each KV head is held
+o_proj, down_proj. MoE experts split the same way, each expert on its f (model/moe.py).
+Everything else is replicated. With tp > num_kv_heads each KV head is held
 by `kv_replicator` consecutive TP ranks (rank r holds KV head r // kv_replicator).
 """
 import dataclasses
@@ -11,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import layers, lora, transformer
+from model import layers, lora, moe, transformer
 from numerics import precision
 from parallel import comm, context, experts, sequence
 
@@ -31,6 +32,12 @@ def check(model_cfg, strategy, seq_length) -> list:
   if model_cfg.ffn_hidden_size % tp:
     problems.append(f'model.ffn_hidden_size={model_cfg.ffn_hidden_size} is not divisible by '
                     f'distributed_strategy.tensor_model_parallel_size={tp}')
+  if moe.enabled(model_cfg):
+    for key, size in (('ffn_hidden_size', moe.expert_ffn_size(model_cfg)),
+                      ('shared_expert_intermediate_size', model_cfg.moe.shared_expert_intermediate_size)):
+      if size % tp:
+        problems.append(f'model.moe.{key}={size} (the experts\' inner width) is not divisible by '
+                        f'distributed_strategy.tensor_model_parallel_size={tp}')
   if 0 < kv < tp:                  # kv <= 0 is model/checks.py's to report; both branches divide by it
     if kv * replicator != tp:
       problems.append(f'tensor_model_parallel_size={tp} > model.num_kv_heads={kv}: set '
@@ -62,8 +69,8 @@ def _split_dim(name):
   replicated), a row-parallel layer's A like its weight (B replicated)."""
   if name in VOCAB_TABLES:
     return 0
-  if '.shared_expert.' in name:        # MoE's shared expert: replicated like the experts (parallel/experts.py)
-    return None
+  if moe.is_expert_param(name):        # MoE's stacked experts [E, f, h] / [E, h, f]: split like the dense MLP
+    return 2 if name.endswith('down_proj') else 1
   module, split = _module(name), lora.split_name(name)
   if split:
     factor = split[1]
@@ -204,6 +211,8 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
                                                   name=f'all_reduce(chunked cross-entropy {op})'),
       vocab_rank=comm.group_rank(group),
       full_input=enter,
+      copy_to_tp=_in_dtype(lambda x: comm.copy_to_group(x, group), reduce_dtype),
+      reduce_over_tp=leave,
       slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
       residual_slices=mesh.tp if sp else 1,
       mask_for_slice=mask_for_slice,

@@ -1,6 +1,6 @@
-"""parallel/experts.py: expert parallelism trains like one device (fp32, 10 steps, capacity
-dropping and the auxiliary losses on), with ZeRO-1, TP and PP; the all-to-all round trip; a
-step saved at ep2 resumes at ep1."""
+"""parallel/experts.py: expert parallelism and experts split over TP train like one device
+(fp32, 10 steps, capacity dropping and the auxiliary losses on), with ZeRO-1, SP and PP; the
+all-to-all round trip; a step saved at ep2 resumes at ep1."""
 import os
 
 import pytest
@@ -14,6 +14,9 @@ LAYOUTS = {                        # name: (world size, parity_config kwargs)
     'ep2_zero1': (2, dict(moe=4, ep=2, zero1=True)),
     'dp4_ep2_zero1': (4, dict(moe=4, ep=2, zero1=True)),
     'ep2_dropless': (2, dict(moe=4, ep=2, capacity=0)),
+    'tp2': (2, dict(moe=4, tp=2)),                  # each expert split over TP (gate / up / down on f)
+    'tp2_sp': (2, dict(moe=4, tp=2, sp=True)),
+    'tp2_dropless': (2, dict(moe=4, tp=2, capacity=0)),
     'ep2_tp2': (4, dict(moe=4, ep=2, tp=2)),
     'ep2_tp2_sp': (4, dict(moe=4, ep=2, tp=2, sp=True)),
     'ep2_pp2': (4, dict(moe=4, ep=2, pp=2, aux=False)),
@@ -45,10 +48,10 @@ def _exchange(rank_inputs):
   rank = int(os.environ['RANK'])
   x = rank_inputs[rank].clone().requires_grad_()
   counts = [1, 2, 0, 3] if rank == 0 else [2, 1, 1, 2]    # 4 experts, 2 per rank
-  gate_up = torch.ones(2, 4, 2)       # [2 experts here, 2f, h]; rank r's experts scaled by 1 + r
+  gate = torch.ones(2, 2, 2)          # [2 experts here, f, h]; rank r's experts scaled by 1 + r
   down = torch.ones(2, 2, 2)
   ffn = experts.expert_ffn(mesh.ep_group, 2)
-  y = ffn(x, counts, gate_up * (1 + mesh.ep_rank), down * (1 + mesh.ep_rank))
+  y = ffn(x, counts, gate * (1 + mesh.ep_rank), gate * (1 + mesh.ep_rank), down * (1 + mesh.ep_rank))
   y.sum().backward()
   return y.detach(), x.grad
 
@@ -58,11 +61,10 @@ def test_all_to_all_round_trip_matches_local_experts():
   inputs = [torch.randn(6, 2, generator=torch.Generator().manual_seed(r)) for r in range(2)]
   results = world.run(_exchange, 2, inputs)
   from model import moe  # pylint: disable=import-outside-toplevel
-  gate_up = torch.cat([torch.ones(2, 4, 2), 2 * torch.ones(2, 4, 2)])
-  down = torch.cat([torch.ones(2, 2, 2), 2 * torch.ones(2, 2, 2)])
+  gate = down = torch.cat([torch.ones(2, 2, 2), 2 * torch.ones(2, 2, 2)])
   for r, counts in enumerate(([1, 2, 0, 3], [2, 1, 1, 2])):
     x = inputs[r].clone().requires_grad_()
-    expected = moe.local_expert_ffn(x, counts, gate_up, down)
+    expected = moe.local_expert_ffn(x, counts, gate, gate, down)
     expected.sum().backward()
     torch.testing.assert_close(results[r][0], expected.detach())
     torch.testing.assert_close(results[r][1], x.grad)

@@ -3,13 +3,14 @@ the load-balancing loss, every gradient), exact HF round trips, capacity droppin
 per-token reference, and the per-sequence aux loss's layout invariance."""
 import math
 import os
+import shutil
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip('transformers')
 
@@ -90,12 +91,43 @@ def test_logits_router_loss_and_gradients_equal_transformers(case, tmp_path):
     assert (collector[layer].reshape(router.shape) - router).abs().max().item() < TOL
   assert abs(ours.item() - theirs.item()) < TOL
   assert abs(ops.moe_tally['moe_aux_loss'].item() / SEQ - out.aux_loss.item()) < TOL
-  hf_params = dict(model.named_parameters())
-  assert {'model.' + n if n != 'lm_head.weight' else n for n in params} == set(hf_params)
+  hf_grads = _in_our_names({n: p.grad for n, p in model.named_parameters()})
+  assert set(params) == set(hf_grads)
   for name, p in params.items():
     grad = p.grad[:VOCAB] if name in hf.VOCAB_PARAMS else p.grad
-    expected = hf_params[name if name == 'lm_head.weight' else 'model.' + name].grad
-    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=lambda msg: f'{case} {name}: {msg}')
+    torch.testing.assert_close(grad, hf_grads[name], atol=1e-5, rtol=1e-4, msg=lambda msg: f'{case} {name}: {msg}')
+
+
+def _in_our_names(hf_tensors):
+  """transformers 5's in-memory tensors under our names: gate_up_proj [E, 2f, h] as our gate and
+  up stacks."""
+  out = {}
+  for name, t in hf_tensors.items():
+    name = name.removeprefix('model.')
+    if name.endswith('.gate_up_proj'):
+      base = name.removesuffix('gate_up_proj')
+      out[base + 'gate_proj'], out[base + 'up_proj'] = t.chunk(2, dim=1)
+    else:
+      out[name] = t
+  return out
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_a_file_holding_transformers_5s_fused_gate_up_proj_loads_the_same(case, tmp_path):
+  model, m, params = imported(case, tmp_path / 'in')
+  saved = load_file(tmp_path / 'in' / hf.WEIGHTS_FILE)      # one tensor per expert: the stacks instead
+  tensors = {n: t for n, t in saved.items() if '.experts.' not in n}
+  tensors.update({n: t.detach().contiguous() for n, t in model.state_dict().items() if '.experts.' in n})
+  assert any(n.endswith('gate_up_proj') for n in tensors)
+  os.makedirs(tmp_path / 'fused')
+  save_file(tensors, tmp_path / 'fused' / hf.WEIGHTS_FILE, metadata={'format': 'pt'})
+  shutil.copy(tmp_path / 'in' / 'config.json', tmp_path / 'fused')
+  _, again = hf.load_hf(str(tmp_path / 'fused'), BASE_MODEL)
+  assert again.keys() == params.keys() and all(torch.equal(params[n], again[n]) for n in params)
+  name = next(n for n in params if n.endswith('experts.up_proj'))
+  box = (slice(1, 2), slice(2, 5), slice(0, 3))        # one expert, some rows and columns of up
+  part = hf.read_boxes(str(tmp_path / 'fused'), m, {name: box})[name]
+  assert torch.equal(part, params[name][box])
 
 
 @pytest.mark.parametrize('case', CASES)
@@ -143,7 +175,8 @@ def test_capacity_drops_the_latest_tokens_of_each_sequence_like_a_per_token_refe
   g = torch.Generator().manual_seed(1)
   h, f, e, s = 16, 8, 4, 12
   x = torch.randn(3, s, h, generator=g)
-  params = {'l.gate.weight': torch.randn(e, h, generator=g), 'l.experts.gate_up_proj': torch.randn(e, 2 * f, h, generator=g),
+  params = {'l.gate.weight': torch.randn(e, h, generator=g), 'l.experts.gate_proj': torch.randn(e, f, h, generator=g),
+            'l.experts.up_proj': torch.randn(e, f, h, generator=g),
             'l.experts.down_proj': torch.randn(e, h, f, generator=g)}
   got = moe.mlp(params, 'l', x, cfg, layers.LOCAL_OPS, 0)
   cap = math.ceil(0.5 * s * 2 / e)
@@ -159,7 +192,7 @@ def test_capacity_drops_the_latest_tokens_of_each_sequence_like_a_per_token_refe
         used[ex] += 1
         if used[ex] > cap:
           continue
-        gate, up = (params['l.experts.gate_up_proj'][ex] @ x[b, t]).chunk(2)
+        gate, up = params['l.experts.gate_proj'][ex] @ x[b, t], params['l.experts.up_proj'][ex] @ x[b, t]
         expected[b, t] += weight * (params['l.experts.down_proj'][ex] @ (F.silu(gate) * up))
   torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
   dropless = moe.mlp(params, 'l', x, _capacity_cfg(0.5, dropless=True), layers.LOCAL_OPS, 0)
