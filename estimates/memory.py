@@ -46,9 +46,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
-  if sizes is None:         # MoE experts: replicated over TP, 1/ep of them per rank (parallel/experts.py)
+  if sizes is None:         # MoE experts: split over TP too, 1/ep of them per rank (parallel/experts.py)
     ep = d.get('expert_model_parallel_size', 1)
-    sizes = {n: math.prod(spec.shape) // ((pp * ep) if moe.is_expert_param(n) else (tp * pp))
+    sizes = {n: math.prod(spec.shape) // ((tp * pp * ep) if moe.is_expert_param(n) else (tp * pp))
              for n, spec in transformer.param_specs(m, tp).items()}
   n = param_counts(config, sizes)
   group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp

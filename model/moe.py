@@ -191,33 +191,55 @@ def _own_gradient(x_bse, ops):
   return fixed + mask * (x_bse - fixed)
 
 
+def carry_width(cfg) -> int:
+  """Per row, what a pipeline stage passes on for the auxiliary losses (Collector.carry)."""
+  return 2 * cfg.moe.num_experts + 1
+
+
 class Collector:
   """One stage's routing records for one micro batch: per-row sums for the auxiliary losses
-  and the metrics. Keyed by layer, so a recompute pass overwrites rather than adds."""
+  and the metrics. Keyed by layer, so a recompute pass overwrites rather than adds.
 
-  def __init__(self, cfg, row_weights_b):
-    self.cfg, self.w = cfg, row_weights_b.float()
+  Under pipeline parallelism the losses need every MoE layer's sums: each stage receives the
+  earlier stages' (`carried`, [b, carry_width]: top-k counts per expert, router
+  probabilities summed per expert, z summed; fp32), adds its own and passes them on with its
+  activations; the last stage computes the losses from the totals, and their gradient reaches
+  every stage's probabilities and z through the carried sums, as the activations' does."""
+
+  def __init__(self, cfg, row_weights_b, tokens, carried=None):
+    self.cfg, self.w, self.tokens, self.carried = cfg, row_weights_b.float(), tokens, carried
     self.layers = {}
 
   def record(self, layer, logits, probs, experts, kept):
     e = self.cfg.moe.num_experts
-    b, s, _ = probs.shape
     chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
     kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
     self.layers[layer] = {
-        'counts': chosen.sum(1).float().detach(), 'probs': probs.sum(1), 'tokens': s,
+        'counts': chosen.sum(1).float().detach(), 'probs': probs.sum(1),
         'z': torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
         'load': (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
         'dropped': (1 - kept.float().mean((1, 2))).detach()}
 
+  def sums(self):
+    """(counts [b, E], probs [b, E], z [b]): this stage's layers' sums plus the carried ones."""
+    e = self.cfg.moe.num_experts
+    carried = self.carried
+    counts, probs, z = (0, 0, 0) if carried is None else (carried[:, :e], carried[:, e:2 * e], carried[:, -1])
+    for r in self.layers.values():
+      counts, probs, z = counts + r['counts'], probs + r['probs'], z + r['z']
+    return counts, probs, z
+
+  def carry(self):
+    """What the next stage receives: the sums so far, [b, carry_width] fp32."""
+    counts, probs, z = self.sums()
+    return torch.cat([counts, probs, z[:, None]], dim=-1)
+
   def losses(self):
-    """(aux [b], z [b]) per row over the recorded layers."""
-    recs = list(self.layers.values())
-    n = sum(r['tokens'] for r in recs)
-    counts, probs = sum(r['counts'] for r in recs), sum(r['probs'] for r in recs)
+    """(aux [b], z [b]) per row over every MoE layer (recorded here or carried)."""
+    n = len(moe_layers(self.cfg)) * self.tokens
+    counts, probs, z = self.sums()
     aux = self.cfg.moe.num_experts * ((counts / n) * (probs / n)).sum(-1)
-    z = sum(r['z'] for r in recs) / n
-    return aux, z
+    return aux, z / n
 
   def loss_sum(self):
     """The auxiliary losses' share of the objective's loss sum (weighted rows)."""
@@ -228,17 +250,19 @@ class Collector:
       total = total + moe.router_aux_loss_coef * aux
     return (total * self.w).sum()
 
-  def finish(self, tally, adds_to_loss):
-    """After the stage's layers: the metric sums added into `tally` (a dict, or None), and the
-    auxiliary losses' share of the loss sum when `adds_to_loss` (None when nothing adds)."""
-    all_layers = all(i in self.layers for i in moe_layers(self.cfg))
+  def finish(self, tally, last, objective_adds):
+    """After the stage's layers: the metric sums added into `tally` (a dict, or None), and, on
+    the `last` stage when `objective_adds` them, the auxiliary losses' share of the loss sum
+    (None when nothing adds)."""
+    # carried sums reach the last stage with every layer's; without, one stage must hold them all
+    all_layers = last if self.carried is not None else all(i in self.layers for i in moe_layers(self.cfg))
     if tally is not None:
       for name, value in self.metric_sums(all_layers).items():
         tally[name] = tally.get(name, 0) + value
-    if not (adds_to_loss and adds_loss(self.cfg)):
+    if not (last and objective_adds and adds_loss(self.cfg)):
       return None
     if not all_layers:
-      raise ValueError('model.moe auxiliary losses need every MoE layer on the last stage (pp=1)')
+      raise ValueError('model.moe auxiliary losses need every MoE layer\'s sums on the last stage (pass moe_carry)')
     return self.loss_sum()
 
   def metric_sums(self, all_layers) -> dict:
@@ -307,9 +331,4 @@ def check_layout(model, strategy, device='auto') -> list:
   if device == 'xla':
     problems.append('model.moe.num_experts > 0 with device=xla: routing sizes are data-dependent (a graph per '
                     'batch under torch-xla); use cuda or cpu')
-  pp = strategy.pipeline_model_parallel_size
-  if pp > 1 and adds_loss(model):
-    problems.append(f'model.moe: the load-balancing / z losses combine every MoE layer of a sequence (HF\'s '
-                    f'formula) and need them on one stage; pipeline_model_parallel_size={pp}: set '
-                    'model.moe.output_router_logits=False and router_z_loss_coef=0, or pp=1')
   return problems

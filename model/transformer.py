@@ -244,7 +244,7 @@ def decode(params, tokens_bs, cfg, cache=None):
 
 
 def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=None, last=True,
-          dropout_key: Optional[tuple] = None, layer_fn=None, objective=objectives.NEXT_TOKEN):
+          dropout_key: Optional[tuple] = None, layer_fn=None, objective=objectives.NEXT_TOKEN, moe_carry=None):
   """A contiguous piece of the model: [embedding] -> layers [lo, hi) -> [norm, head, loss].
 
   The embedding runs when `x_bsh` is None (the first pipeline stage); otherwise `x_bsh` is the
@@ -253,6 +253,8 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   segment_ids (per-document masking), sample_ids (keys dropout) and kv_cache (generation: a
   pair (cache of the earlier positions or None, an empty KVCache each layer fills)). `dropout_key`, e.g.
   (seed, 'dropout'), enables dropout; `layer_fn(fn, *args)` wraps each block (recompute).
+  `moe_carry`: under pipeline parallelism, the MoE losses' sums of the earlier stages (zeros on
+  the first; moe.Collector); a stage that is not the last then returns (hidden, its carry).
   """
   tokens_bs = batch['tokens']
   b, s = tokens_bs.shape
@@ -279,14 +281,14 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   if moe.enabled(cfg):
     count_rows = objective is not None and objective.row_count
     weights = objective.row_count(batch) if count_rows else torch.ones(b, device=tokens_bs.device)
-    collector = moe.Collector(cfg, weights)
+    collector = moe.Collector(cfg, weights, s, moe_carry)
     ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
     x_bsh = layer_fn(block, params, i, x_bsh, rope.get(kinds[i]), masks[kinds[i]], cfg, ops, key, sample_ids_b, kv)
-  aux_sum = collector and collector.finish(ops.moe_tally, last and objective is not None and objective.adds_aux)
+  aux_sum = collector and collector.finish(ops.moe_tally, last, objective is not None and objective.adds_aux)
   if not last:
-    return x_bsh
+    return x_bsh if moe_carry is None else (x_bsh, collector.carry())
   x_bsh = ops.full_input((ops.final_norm or layers.norm)(params, 'norm', x_bsh, cfg))
   head = params['embed_tokens.weight' if cfg.share_embeddings_and_output_weights else 'lm_head.weight']
   chunk = cfg.fusions.get('chunked_cross_entropy', 0)

@@ -54,8 +54,17 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   layer_fn = compiled.layer_fn(m, mesh.device, layer_fn) or (lambda fn, *args: fn(*args))
   ops = compiled.loss_ops(m, ops)
 
+  b = config.data.micro_batch_size
+  act_shape = (b, config.data.seq_length // mesh.cp // ops.residual_slices, m.hidden_size)
+  # MoE across stages: the auxiliary losses' sums travel with the activations (moe.Collector)
+  carry_shape = (b, moe.carry_width(m)) if mesh.pp > 1 and moe.enabled(m) else None
+
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank
+    carry = None
+    if carry_shape is not None:
+      x, carry = (None, torch.zeros(carry_shape, device=mesh.device)) if x is None else \
+          pipeline.unpack(x, act_shape, carry_shape)
     run_layer = layer_fn
     if wait_params is not None:
       lo, hi = bounds[vs]
@@ -64,10 +73,12 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
       run_layer = _waiting(layer_fn, wait_params, hi)
     with precision.compute_context(recipe, mesh.device.type):
       out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x, last=vs == last,
-                              layer_fn=run_layer, dropout_key=dropout_key, objective=objective)
-    return out if vs != last else on_last(i, out)
+                              layer_fn=run_layer, dropout_key=dropout_key, objective=objective, moe_carry=carry)
+    if vs == last:
+      return on_last(i, out)
+    return out if carry is None else pipeline.pack(*out)
 
-  shape = (config.data.micro_batch_size, config.data.seq_length // mesh.cp // ops.residual_slices, m.hidden_size)
+  shape = act_shape if carry_shape is None else (pipeline.message_numel(act_shape, carry_shape, recipe.param_dtype),)
   if training:
     schedule = pipeline_schedule.make_schedule(mesh.pp, len(batches), vp, mesh.pp_rank)
     pipeline.run_schedule(schedule, stage_fn, mesh, vp, shape, recipe.param_dtype,

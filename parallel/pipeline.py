@@ -5,6 +5,8 @@ rank holds layer 17); no tracing, no module wrappers. With v virtual chunks, ran
 virtual stages r, r + p, ..., the schedules in `pipeline_schedule` say in which order it
 runs forwards, backwards and point-to-point exchanges, and `run_schedule` executes them.
 """
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -83,6 +85,39 @@ def owned_names(model_cfg, mesh, bounds, vp):
     if keep:
       names.append(name)
   return names
+
+
+# --- a stage's message: its activations, and what else the next stage needs ---------------
+
+
+def message_numel(shape, carry_shape, dtype):
+  """Elements of a message holding activations of `shape` and an fp32 carry of `carry_shape`
+  in `dtype` (pack)."""
+  return math.prod(shape) + math.prod(carry_shape) * (1 if dtype == torch.float32 else 2)
+
+
+def pack(x, carry):
+  """One flat tensor of x's dtype holding x and `carry` (fp32, e.g. MoE's loss sums). In a
+  16-bit message the carry goes as two halves, hi + lo, so it crosses with ~16 significant
+  bits rather than 8; its gradient comes back in the message's dtype, as the activations'."""
+  if x.dtype == torch.float32:
+    parts = [carry]
+  else:
+    hi = carry.to(x.dtype)
+    parts = [hi, (carry - hi.float()).to(x.dtype)]
+  return torch.cat([x.reshape(-1)] + [p.reshape(-1) for p in parts])
+
+
+def unpack(message, shape, carry_shape):
+  """(activations, fp32 carry): `pack`'s inverse, differentiable (views and casts)."""
+  n, k = math.prod(shape), math.prod(carry_shape)
+  carry = message[n:n + k].float()
+  if message.dtype != torch.float32:
+    carry = carry + message[n + k:n + 2 * k].float()
+  return message[:n].view(shape), carry.view(carry_shape)
+
+
+# --- the schedule's executor ---------------------------------------------------------------
 
 
 def _peer(mesh, pp_rank):

@@ -19,8 +19,12 @@ LAYOUTS = {                        # name: (world size, parity_config kwargs)
     'tp2_dropless': (2, dict(moe=4, tp=2, capacity=0)),
     'ep2_tp2': (4, dict(moe=4, ep=2, tp=2)),
     'ep2_tp2_sp': (4, dict(moe=4, ep=2, tp=2, sp=True)),
-    'ep2_pp2': (4, dict(moe=4, ep=2, pp=2, aux=False)),
-    'ep2_pp2_vp2': (4, dict(moe=4, ep=2, pp=2, vp=2, layers=4, aux=False)),     # interleaved 1F1B
+    # the auxiliary losses through the pipeline: their sums travel with the activations
+    'pp2': (2, dict(moe=4, pp=2)),
+    'pp2_vp2': (2, dict(moe=4, pp=2, vp=2, layers=4)),                            # interleaved 1F1B
+    'pp2_tp2': (4, dict(moe=4, pp=2, tp=2)),
+    'ep2_pp2_zero1': (4, dict(moe=4, ep=2, pp=2, zero1=True)),
+    'ep2_pp2_vp2': (4, dict(moe=4, ep=2, pp=2, vp=2, layers=4)),
     # LoRA on every linear of the attention (MoE layers take none; experts frozen), and SFT's
     # packed rows with masked prompts (tests/test_train.py's records), each at ep2 x zero1
     'ep2_lora': (2, dict(moe=4, ep=2, zero1=True, lora=4)),

@@ -154,7 +154,7 @@ def test_aux_loss_with_a_mask_equals_load_balancing_loss_func():
   cfg = base_config.get_config().model
   cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.dropless, cfg.num_layers = 6, 2, True, 3
   logits = [torch.randn(2, 10, 6, generator=g) for _ in range(3)]
-  c = moe.Collector(cfg, torch.ones(2))
+  c = moe.Collector(cfg, torch.ones(2), tokens=10)
   for i, lg in enumerate(logits):
     probs, _, experts, kept = moe.route(lg, cfg)
     c.record(i, lg, probs, experts, kept)

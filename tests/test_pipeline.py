@@ -109,3 +109,21 @@ def test_deallocate_pipeline_outputs_frees_every_sent_output_and_changes_no_valu
     for (a, _), (b, _) in zip(kept, freed):
       for name, value in a.items():
         np.testing.assert_array_equal(b[name], value, err_msg=f'{name} {layout}')
+
+
+def test_a_message_carries_activations_and_an_fp32_carry_both_ways():
+  """pack / unpack: fp32 exactly; in bf16 the carry as hi + lo (~16 significant bits, not 8);
+  the gradients of both come back through the one message."""
+  g = torch.Generator().manual_seed(0)
+  x, carry = torch.randn(2, 3, 4, generator=g), torch.rand(2, 9, generator=g) * 1e4
+  for dtype, carry_rtol in ((torch.float32, 0.0), (torch.bfloat16, 2.0 ** -15)):
+    xs, cs = x.to(dtype).detach().requires_grad_(), carry.clone().requires_grad_()
+    message = pipeline.pack(xs, cs)
+    assert message.dtype == dtype and message.numel() == pipeline.message_numel(x.shape, carry.shape, dtype)
+    received = message.detach().requires_grad_()
+    x2, c2 = pipeline.unpack(received, x.shape, carry.shape)
+    assert torch.equal(x2, xs) and c2.dtype == torch.float32
+    assert ((c2 - carry).abs() <= carry_rtol * carry).all(), dtype
+    (x2.float().sum() * 3 + (c2 * 2).sum()).backward()
+    message.backward(received.grad)
+    assert torch.equal(xs.grad, torch.full_like(xs, 3)) and torch.equal(cs.grad, torch.full_like(cs, 2))
