@@ -30,6 +30,13 @@ RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20,
                  'inductor': 72 * 2**20}     # + torch._inductor and its compiled kernels (fused bf16SR, model.compile)
 
 
+def even_share(elements, tp, pp, ep=1) -> dict:
+  """name -> elements a rank holds of `elements` (name -> the global count, at the TP-padded
+  vocabulary): 1/(tp pp) of each, and of MoE's experts 1/(tp pp ep) (split over TP like the
+  dense MLP, 1/ep of them per rank: parallel/experts.py)."""
+  return {n: v // (tp * pp * (ep if moe.is_expert_param(n) else 1)) for n, v in elements.items()}
+
+
 def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   """Bytes per rank holding parameters of `sizes` (name -> elements; default: an even share
   of the model), by component and by phase. Components: params, grads (gradient_bytes),
@@ -46,10 +53,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   m, d = config.model, config.distributed_strategy
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
-  if sizes is None:         # MoE experts: split over TP too, 1/ep of them per rank (parallel/experts.py)
-    ep = d.get('expert_model_parallel_size', 1)
-    sizes = {n: math.prod(spec.shape) // ((tp * pp * ep) if moe.is_expert_param(n) else (tp * pp))
-             for n, spec in transformer.param_specs(m, tp).items()}
+  if sizes is None:
+    sizes = even_share({n: math.prod(spec.shape) for n, spec in transformer.param_specs(m, tp).items()},
+                       tp, pp, d.get('expert_model_parallel_size', 1))
   n = param_counts(config, sizes)
   group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp
   shards = group if d.zero1 and group > 1 else 1

@@ -18,9 +18,9 @@ that attention as the ring does (fp32 matmuls at the fp32 peak plus its score bl
 the memory bandwidth, where cp = 1 has a fused kernel at attn_eff), and adds the ring's
 exchange: cp steps per layer, each step's K/V send overlapped with the current block's compute
 (max of the two), backward the K/V and the fp32 dK/dV again; weight gradients reduce over
-dp x cp. Expert parallelism (ep) runs each MoE layer's top_k experts per
-token (plus the router) on the whole sequence (experts are replicated over TP), with 4
-all-to-alls of the routed tokens per layer (dispatch and combine, forward and backward), not
+dp x cp. A MoE layer runs each token's top_k experts, split over TP like the dense MLP (and
+the whole router on every TP rank), with the dense MLP's TP collectives; expert parallelism
+(ep) adds 4 all-to-alls of the routed tokens per layer (dispatch and combine, forward and backward), not
 overlapped; expert gradients reduce over the dp / ep ranks holding the same experts, dense
 ones over dp x cp.
 """
@@ -65,7 +65,7 @@ def elementwise_bytes(config, tp, cp=1, is_moe=False) -> tuple:
   n, h, hd = a.micro_batch_size * a.seq_length // cp, m.hidden_size, transformer.head_dim(m)
   heads, kv = m.num_attention_heads, transformer.kv_heads(m)
   ffn_act = (m.moe.top_k * moe.expert_ffn_size(m) + m.moe.shared_expert_intermediate_size if is_moe
-             else m.ffn_hidden_size / tp)
+             else m.ffn_hidden_size) / tp
   w = 4 if compute_dtype(config) == 'fp32' else 2
   local = n // tp if tp > 1 and d.sequence_parallel else n
   return (w * (local * h * (2 + 6) + 2 * n * (heads + kv) * hd / tp) + 8 * local * h,
@@ -92,9 +92,9 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   attn_flops = 2 * b * s * s * heads * hd / tp / cp   # QK^T and PV (2 x 2 b s^2 a d), causal: half; cp: a share
   attn_lin = 2 * n * (h * (heads + 2 * kv) * hd + heads * hd * h) / tp
   mlp_lin = 2 * n * (3 if gated else 2) * h * f / tp
-  if is_moe:       # experts replicated over TP: the whole sequence's routed tokens on each TP rank
+  if is_moe:       # every TP rank routes all tokens (the router is whole) through its slice of the experts
     e, k, fe, shared = m.moe.num_experts, m.moe.top_k, moe.expert_ffn_size(m), m.moe.shared_expert_intermediate_size
-    mlp_lin = 2 * n * (e * h + k * 3 * h * fe + (3 * h * shared + h if shared else 0))
+    mlp_lin = 2 * n * (e * h + (k * 3 * h * fe + 3 * h * shared) / tp + (h if shared else 0))
   sp = tp > 1 and d.sequence_parallel
   ew_attn, ew_mlp = elementwise_bytes(config, tp, cp, is_moe)
   t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
@@ -110,10 +110,7 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   gather = _blocking(cluster, 'all_gather', n * h * w, tp)
   one = (gather + _blocking(cluster, 'reduce_scatter', n * h * w, tp) if sp
          else _blocking(cluster, 'all_reduce', n * h * w, tp))      # per sublayer: attention, MLP
-  # a MoE sublayer's replicated experts need the whole sequence (SP: one gather, then a plain
-  # slice) and no reduction (model/transformer.py)
-  mlp_comm = (gather if sp else 0.0) if is_moe else one
-  comm_f, comm_b = one + mlp_comm, one + mlp_comm
+  comm_f, comm_b = 2 * one, 2 * one     # a MoE sublayer reduces its partial sums as the dense MLP
   # On XLA the step is one graph and the collectives run on their own engines (Neuron: the CC
   # cores, started by the compute engines and awaited later), so the backward's input-gradient
   # collectives overlap the weight-gradient GEMMs, which do not depend on them. Eager code
@@ -133,7 +130,7 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
     a2a_b += a2a
   else:                                          # selective: what the named regions recompute
     bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 if 'mlp' in parts else 0)
-    comm_b += mlp_comm if 'mlp' in parts else 0  # the MLP's region holds its gather and its reduction
+    comm_b += one if 'mlp' in parts else 0  # the MLP's region holds its gather and its reduction
     ring_b += ring_f if 'attention' in parts else 0
     a2a_b += a2a if 'mlp' in parts else 0
     bwd += (t_ew_attn / 4 if 'norm' in parts else 0) + (t_ew_mlp / 4 if 'activation' in parts else 0)

@@ -131,13 +131,13 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   bwd = lb + cb + hb
   total, trained, per_token = counts or (transformer.count_params(m), transformer.count_params(m, trainable_only=True),
                                          transformer.flops_per_token(m, a.seq_length))
-  # experts: replicated over TP, 1/ep of them per rank, gradients summed over the dp / ep ranks
+  # experts: split over TP, 1/ep of them per rank, gradients summed over the dp / ep ranks
   # holding the same ones (parallel/experts.py); a LoRA run freezes them
   experts = (len(moe.moe_layers(m)) * m.moe.num_experts * 3 * moe.expert_ffn_size(m) * m.hidden_size
              if moe.enabled(m) else 0)
   experts_trained = experts if trained == total else 0
-  params_rank = (total - experts) / (tp * pp) + experts / (pp * ep)
-  dense_trained, expert_trained = (trained - experts_trained) / (tp * pp), experts_trained / (pp * ep)
+  params_rank = (total - experts) / (tp * pp) + experts / (tp * pp * ep)
+  dense_trained, expert_trained = (trained - experts_trained) / (tp * pp), experts_trained / (tp * pp * ep)
   trainable = dense_trained + expert_trained
   group, expert_group = dp * cp, dp // ep        # dense gradients reduce over dp x cp, experts' over expert-DP
   dp_bw, dp_lat = link(cluster, group, tp * pp)  # (cp sits inside dp: the group's ranks average tp x pp apart)

@@ -217,8 +217,10 @@ def test_checks_name_the_key():
   problems = moe.check(cfg.model)
   assert any('routing_algorithm=sinkhorn' in p for p in problems)
   assert any('top_k=5' in p for p in problems) and any('moe.dropout' in p for p in problems)
-  cfg.distributed_strategy.pipeline_model_parallel_size = 2
-  assert any('pipeline_model_parallel_size=2' in p for p in moe.check_layout(cfg.model, cfg.distributed_strategy))
+  cfg.distributed_strategy.pipeline_model_parallel_size = 2        # the losses cross stages: no refusal
+  cfg.distributed_strategy.expert_model_parallel_size = 3
+  assert moe.check_layout(cfg.model, cfg.distributed_strategy) == [
+      'model.moe.num_experts=4 is not divisible by distributed_strategy.expert_model_parallel_size=3']
 
 
 def test_flops_count_active_experts():

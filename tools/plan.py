@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from configs import from_files, validate
 from estimates import clusters, memory, step_time
-from model import moe, transformer
+from model import transformer
 import tools
 
 RECOMPUTE = {'none': (None, ()), 'selective': ('selective', ('attention',)),
@@ -164,9 +164,7 @@ def search(config, cluster, world_size, keep=10) -> Plan:
       continue
     if layout.tp not in specs:
       specs[layout.tp] = {n: math.prod(spec.shape) for n, spec in transformer.param_specs(work.model, layout.tp).items()}
-    # experts are replicated over TP and split over EP (parallel/experts.py)
-    sizes = {n: v // ((layout.pp * layout.ep) if moe.is_expert_param(n) else (layout.tp * layout.pp))
-             for n, v in specs[layout.tp].items()}
+    sizes = memory.even_share(specs[layout.tp], layout.tp, layout.pp, layout.ep)
     need = memory.estimate(work, sizes, layout.dp)['total']
     if need > cluster.memory_bytes:
       refused[MEMORY] += 1
