@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from model import layers, lora, transformer
+from model import layers, lora, moe, transformer
 from numerics import precision
 from parallel import context, mesh as meshes, remat, tensor
 
@@ -98,13 +98,40 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
     attention += w * 3 * n * heads * d + probs + s * s + (b * mask_heads * s * s if dropped else 0)
 
   mlp = norm + hidden_mask
-  if 'mlp' in parts:
+  if moe.enabled(m) and 'mlp' not in parts:
+    mlp += moe_bytes(config, w, tp, b, n)
+  elif moe.enabled(m):
+    mlp += w * n * h                           # the region's input: the whole (gathered) sequence
+  elif 'mlp' in parts:
     mlp += w * local * h
   else:
     inner = (3 if 'activation' in parts else 4) if swiglu else 2     # 'activation' drops act(gate)
     mlp += (w * gathered * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * inner
             + (n * ffn if m.ffn_dropout > 0 else 0))
   return attention + mlp
+
+
+def moe_bytes(config, w, tp, b, n) -> int:
+  """What a MoE feed-forward (model/moe.py) keeps for backward on one rank, no recompute: N = n
+  tokens (the whole sequence: every TP rank routes all of them), E experts, k top_k, T = min(N k,
+  b E C) kept slots (C the capacity; with EP, a rank's experts receive T on average), f' the
+  expert width / t, w bytes per value:
+    router input w N h; router logits and probabilities 8 N E (fp32), logsumexp 4 N, top-k
+    indices and weights 12 N k + 4 N; slot indices 24 T (which token, kept, sorted), their
+    weights 4 T; the experts' sorted inputs and outputs 2 w T h, their inner 4 w T f'
+    (gate, silu(gate), up, product); under SP the router's own-gradient mask w s (and the
+    shared gate's); Qwen2-MoE's shared expert 4 w N f_s' + w N h + w N (inner, output, gate).
+  The estimate counts every layer as a MoE layer when the model has any."""
+  m = config.model
+  h, e, k = m.hidden_size, m.moe.num_experts, m.moe.top_k
+  slots = min(n * k, b * e * moe.capacity(m, n // b))
+  f = moe.expert_ffn_size(m) // tp
+  routing = w * n * h + 8 * n * e + 4 * n + 12 * n * k + 4 * n
+  experts = 28 * slots + w * slots * (2 * h + 4 * f)
+  sp = tp > 1 and config.distributed_strategy.sequence_parallel
+  shared = m.moe.shared_expert_intermediate_size // tp
+  masks = (2 if shared else 1) * w * (n // b) if sp else 0       # own-gradient masks: router, shared gate
+  return routing + experts + masks + (w * n * (4 * shared + h + 1) if shared else 0)
 
 
 def measured_bytes_per_layer(config, mesh=None, dtype=torch.float32) -> int:

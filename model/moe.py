@@ -170,7 +170,7 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
   out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, params[e + 'gate_proj'], params[e + 'up_proj'],
                                              params[e + 'down_proj'])
   weight = ops.copy_to_tp(weight)      # it scales this rank's partial outputs: its gradient is partial
-  combined = torch.zeros_like(flat_x).index_add_(0, token, (out * weight[:, None]).to(flat_x.dtype))
+  combined = _Combine.apply(out, weight, token, b * s)
   if moe.shared_expert_intermediate_size:
     sp = prefix + '.shared_expert'
     shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
@@ -178,6 +178,26 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
     scale = own(F.linear(x_bsh, params[prefix + '.shared_expert_gate.weight'])).reshape(b * s, 1)
     combined = combined + ops.copy_to_tp(torch.sigmoid(scale)) * shared
   return ops.reduce_over_tp(combined.view(b, s, h))
+
+
+class _Combine(torch.autograd.Function):
+  """Each token's sum of its experts' outputs times their weights: out [T, h] (sorted slots),
+  weight [T] fp32, token [T] -> [n, h] in out's dtype. Saves out once (index_add_ on the
+  weighted product would save that product too: a second T h)."""
+
+  @staticmethod
+  def forward(ctx, out, weight, token, n):  # pylint: disable=arguments-differ
+    ctx.save_for_backward(out, weight, token)
+    weighted = (out * weight[:, None]).to(out.dtype)
+    return out.new_zeros(n, out.shape[1]).index_add_(0, token, weighted)
+
+  @staticmethod
+  def backward(ctx, grad):  # pylint: disable=arguments-differ
+    out, weight, token = ctx.saved_tensors
+    picked = grad[token]
+    grad_out = (picked * weight[:, None]).to(out.dtype) if ctx.needs_input_grad[0] else None
+    grad_weight = (picked.float() * out.float()).sum(-1) if ctx.needs_input_grad[1] else None
+    return grad_out, grad_weight, None, None
 
 
 def _own_gradient(x_bse, ops):

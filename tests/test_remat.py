@@ -23,6 +23,11 @@ SHAPES = {                     # name -> (seq, micro batch, model keys)
     'mqa_head_dim': (6, 3, dict(num_kv_heads=1, hidden_size=48, head_dim=16, ffn_hidden_size=40)),
     'gpt_b1': (12, 1, dict(normalization='layernorm', activation='gelu', has_bias=True,
                            position_embedding_type='learned_absolute', num_kv_heads=0)),
+    # every layer MoE: 4 experts of width 24, top 2, dropless (with capacity the formula counts
+    # the most slots kept: an upper bound), the z-loss on
+    'moe': (12, 2, dict(moe=dict(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=24, router_z_loss_coef=0.001))),
+    'moe_shared': (12, 2, dict(moe=dict(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=24,
+                                        shared_expert_intermediate_size=16))),      # Qwen2-MoE's
 }
 
 
@@ -32,6 +37,8 @@ def config(shape='llama_gqa', mode='none', flash=True, dropout=0.1, tp=1, sp=Fal
   m = c.model
   m.num_layers, m.hidden_size, m.ffn_hidden_size = 2, 32, 48
   m.num_attention_heads, m.num_kv_heads, m.vocab_size, m.max_position_embeddings = 4, 2, 100, 32
+  keys = dict(keys)
+  m.moe.update(keys.pop('moe', {}))
   m.update(keys)
   m.hidden_dropout = m.ffn_dropout = dropout
   m.attention_dropout = 0.0 if flash else dropout    # attention dropout takes the explicit path
@@ -164,8 +171,9 @@ def test_measured_bytes_equal_the_formula(shape):
   assert byte_mismatches(every_case(shape)) == []
 
 
-def test_measured_bytes_equal_the_formula_in_bf16():
-  assert byte_mismatches(every_case('llama_gqa'), dtype=torch.bfloat16) == []
+@pytest.mark.parametrize('shape', ['llama_gqa', 'moe', 'moe_shared'])
+def test_measured_bytes_equal_the_formula_in_bf16(shape):
+  assert byte_mismatches(every_case(shape), dtype=torch.bfloat16) == []
 
 
 def test_measured_bytes_equal_the_formula_under_tp2_and_sp(two_ranks):
@@ -177,7 +185,7 @@ def _four_ranks():
   two ranks each; the GPT block's layernorms, biases and learned positions)."""
   c = config(tp=4, sp=True)
   meshes.init(c)
-  cases = [case for shape in ('llama_gqa', 'gpt_b1') for case in every_case(shape, (True,), (0.1,))]
+  cases = [case for shape in ('llama_gqa', 'gpt_b1', 'moe', 'moe_shared') for case in every_case(shape, (True,), (0.1,))]
   return byte_mismatches(cases, tp=4)
 
 

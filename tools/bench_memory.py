@@ -3,6 +3,7 @@
     python -m tools.bench_memory --quick          # llama_tiny, every layout, fp32 (< 2 minutes)
     python -m tools.bench_memory                  # llama_tiny, llama_50m, 207m x layouts x recipes
     python -m tools.bench_memory --models=207m --layouts=dp2,dp2_zero1 --recipes=fp32
+    python -m tools.bench_memory --models=mixtral_tiny --layouts=1proc,tp2,pp2 --recipes=fp32
 
 Each row runs in fresh processes (2 for the 2-rank layouts: gloo, 1 thread each) that train
 `--steps` steps of seq 128 on the synthetic stream and then save a checkpoint, through the
@@ -45,6 +46,7 @@ MODELS = {
     'llama_tiny': ('configs/llama_tiny.py', {}),
     'llama_50m': ('configs/llama_50m.py', {}),
     '207m': ('configs/llama_50m.py', SHAPE_207M),
+    'mixtral_tiny': ('configs/mixtral_tiny.py', {}),     # MoE: 8 experts, each split over TP at tp2
 }
 BATCH = {'data.seq_length': 128, 'data.micro_batch_size': 2, 'data.global_batch_size': 8}
 LAYOUTS = {
