@@ -258,12 +258,14 @@ def fused_fp32(config) -> bool:
 def fused_fp32_names(config, sizes) -> set:
   """The parameters whose fp32 rows fused_fp32 steps in the compiled pass: the trained ones of
   precision.FUSED_FP32_MIN_NUMEL elements or more (globally: `sizes` are estimate()'s, each a
-  global size over tp x pp)."""
+  global size over tp x pp, and over ep for the experts)."""
   if not fused_fp32(config):
     return set()
   d = config.distributed_strategy
   spread = d.tensor_model_parallel_size * d.pipeline_model_parallel_size
-  return {n for n in lora.trainable(config.model, sizes) if sizes[n] * spread >= precision.FUSED_FP32_MIN_NUMEL}
+  ep = d.get('expert_model_parallel_size', 1)
+  return {n for n in lora.trainable(config.model, sizes)
+          if sizes[n] * spread * (ep if moe.is_expert_param(n) else 1) >= precision.FUSED_FP32_MIN_NUMEL}
 
 
 def largest_run(elements, limit) -> int:

@@ -71,11 +71,9 @@ class Ops:
   # Mixture of experts (model/moe.py): tokens sorted by expert through the experts this rank
   # holds (expert parallelism: dispatched over the ep group), and the pass's routing records.
   expert_ffn: Callable = None          # (x_th, counts per expert, gate, up, down) -> y_th; None = local
-  copy_to_tp: Callable = _identity     # x itself, its gradient summed over TP (Megatron's f): for
-                                       # tensors that scale or feed a rank's partial sums (MoE)
-  reduce_over_tp: Callable = _identity  # partial sums -> the output: all-reduce, or reduce-scatter to
-                                        # the sequence slice under SP (row_linear's reduction)
-  moe: object = None                   # the stage's moe.Collector (set by transformer.stage)
+  copy_to_tp: Callable = _identity     # x, its gradient summed over TP (Megatron's f; MoE's partial sums)
+  reduce_over_tp: Callable = _identity  # partial sums -> output: all-reduce, or reduce-scatter under SP
+  moe: object = None                   # the stage's router_losses.Collector (set by transformer.stage)
   moe_tally: object = None             # dict: the pass's MoE metric sums (set by the caller)
   # Context parallelism (parallel/context.py): (batch, window) -> Attend, the attention of a
   # layer over the sequence whose slice this rank holds; None = attention over what is here.

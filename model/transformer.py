@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import rng
-from model import chunked_ce, layers, lora, moe, objectives
+from model import chunked_ce, layers, lora, moe, objectives, router_losses
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -254,7 +254,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   pair (cache of the earlier positions or None, an empty KVCache each layer fills)). `dropout_key`, e.g.
   (seed, 'dropout'), enables dropout; `layer_fn(fn, *args)` wraps each block (recompute).
   `moe_carry`: under pipeline parallelism, the MoE losses' sums of the earlier stages (zeros on
-  the first; moe.Collector); a stage that is not the last then returns (hidden, its carry).
+  the first; router_losses.Collector); a stage that is not the last then returns (hidden, its carry).
   """
   tokens_bs = batch['tokens']
   b, s = tokens_bs.shape
@@ -281,7 +281,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   if moe.enabled(cfg):
     count_rows = objective is not None and objective.row_count
     weights = objective.row_count(batch) if count_rows else torch.ones(b, device=tokens_bs.device)
-    collector = moe.Collector(cfg, weights, s, moe_carry)
+    collector = router_losses.Collector(cfg, weights, s, moe_carry)
     ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from model import layers, moe, objectives, transformer
+from model import layers, moe, objectives, router_losses, transformer
 from numerics import precision
 from parallel import comm, compiled, context, pipeline, pipeline_schedule, remat
 
@@ -56,8 +56,8 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
 
   b = config.data.micro_batch_size
   act_shape = (b, config.data.seq_length // mesh.cp // ops.residual_slices, m.hidden_size)
-  # MoE across stages: the auxiliary losses' sums travel with the activations (moe.Collector)
-  carry_shape = (b, moe.carry_width(m)) if mesh.pp > 1 and moe.enabled(m) else None
+  # MoE across stages: the auxiliary losses' sums travel with the activations (router_losses.Collector)
+  carry_shape = (b, router_losses.carry_width(m)) if mesh.pp > 1 and moe.enabled(m) else None
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank
@@ -149,7 +149,7 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   zero = torch.zeros((), device=mesh.device)
   metric_sums = {name: sums.get(name, zero) for name in objective.metrics}
   if tally is not None:
-    metric_sums.update({name: torch.as_tensor(tally.get(name, zero)).detach() for name in moe.METRICS})
+    metric_sums.update({name: torch.as_tensor(tally.get(name, zero)).detach() for name in router_losses.METRICS})
   return loss_sum, count, metric_sums
 
 

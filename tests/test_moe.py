@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip('transformers')
 
 from configs import base as base_config
-from model import hf, layers, moe, objectives, transformer
+from model import hf, layers, moe, objectives, router_losses, transformer
 from tests.test_hf import SEQ, TOL, VOCAB, _randomize, random_tokens
 
 BASE_MODEL = base_config.get_config().model
@@ -67,20 +67,20 @@ def test_logits_router_loss_and_gradients_equal_transformers(case, tmp_path):
   batch = dict(tokens=sequence[:, :-1], labels=sequence[:, 1:], loss_mask=torch.ones(1, SEQ))
   ops = _ops()
   collector = {}
-  real_record = moe.Collector.record
+  real_record = router_losses.Collector.record
 
   def record(self, layer, logits, *rest):
     collector[layer] = logits.detach()
     return real_record(self, layer, logits, *rest)
 
-  moe.Collector.record = record
+  router_losses.Collector.record = record
   try:
     loss, _ = transformer.stage(params, batch, m, ops)
     ours = loss / SEQ
     ours.backward()
     logits = transformer.forward(params, batch['tokens'], m)[..., :VOCAB]
   finally:
-    moe.Collector.record = real_record
+    router_losses.Collector.record = real_record
   out = model(sequence[:, :-1], output_router_logits=True)   # the 16 positions we route
   theirs = F.cross_entropy(out.logits[0], sequence[0, 1:]) + 0.1 * out.aux_loss   # HF's loss with labels
   theirs.backward()
@@ -144,24 +144,6 @@ def test_round_trip_is_byte_exact_and_transformers_loads_the_export(case, tmp_pa
     assert torch.equal(again(tokens).logits, model(tokens).logits)
   m2, params2 = hf.load_hf(str(tmp_path / 'out'), BASE_MODEL)
   assert all(torch.equal(params[n], params2[n]) for n in params)
-
-
-def test_aux_loss_with_a_mask_equals_load_balancing_loss_func():
-  """Collector.losses is HF's formula; HF's attention_mask is our per-row token mask of 1s:
-  checked here with the function directly, for rows of a batch one at a time."""
-  from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-  g = torch.Generator().manual_seed(0)
-  cfg = base_config.get_config().model
-  cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.dropless, cfg.num_layers = 6, 2, True, 3
-  logits = [torch.randn(2, 10, 6, generator=g) for _ in range(3)]
-  c = moe.Collector(cfg, torch.ones(2), tokens=10)
-  for i, lg in enumerate(logits):
-    probs, _, experts, kept = moe.route(lg, cfg)
-    c.record(i, lg, probs, experts, kept)
-  aux, _ = c.losses()
-  for row in range(2):
-    expected = load_balancing_loss_func(tuple(lg[row] for lg in logits), 6, 2)
-    assert abs(aux[row].item() - expected.item()) < 1e-6
 
 
 def _capacity_cfg(cf, dropless=False):

@@ -1,0 +1,109 @@
+"""The MoE auxiliary losses and routing metrics: what each MoE layer's routing adds to the
+objective, summed per sequence over every MoE layer of the model (model/moe.py routes).
+
+Auxiliary losses, per sequence and then averaged over sequences weighted by their loss count
+(the objective's per-row count: loss tokens, or 1 per preference pair), so every layout
+computes the same number. Every token of the row counts (packed documents and padding
+alike: the router sees them all, as HF's with an all-ones attention_mask):
+  load balancing (HF's load_balancing_loss_func, all MoE layers together):
+    aux = E * sum_e (c_e / N) (P_e / N),  c_e = top-k assignments to e over layers and tokens,
+                                          P_e = sum of p_e over them, N = MoE layers x tokens
+  router z-loss (ST-MoE):  z = mean over layers and tokens of logsumexp(logits)^2
+  loss = LM loss + router_aux_loss_coef * aux (with output_router_logits) + router_z_loss_coef * z
+"""
+import torch
+import torch.nn.functional as F
+
+from model import moe
+
+METRICS = ('lm_loss', 'moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'moe_dropped_fraction')
+
+
+def carry_width(cfg) -> int:
+  """Per row, what a pipeline stage passes on for the auxiliary losses (Collector.carry)."""
+  return 2 * cfg.moe.num_experts + 1
+
+
+class Collector:
+  """One stage's routing records for one micro batch: per-row sums for the auxiliary losses
+  and the metrics. Keyed by layer, so a recompute pass overwrites rather than adds.
+
+  Under pipeline parallelism the losses need every MoE layer's sums: each stage receives the
+  earlier stages' (`carried`, [b, carry_width]: top-k counts per expert, router
+  probabilities summed per expert, z summed; fp32), adds its own and passes them on with its
+  activations; the last stage computes the losses from the totals, and their gradient reaches
+  every stage's probabilities and z through the carried sums, as the activations' does."""
+
+  def __init__(self, cfg, row_weights_b, tokens, carried=None):
+    self.cfg, self.w, self.tokens, self.carried = cfg, row_weights_b.float(), tokens, carried
+    self.layers = {}
+
+  def record(self, layer, logits, probs, experts, kept):
+    e = self.cfg.moe.num_experts
+    chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
+    kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
+    self.layers[layer] = {
+        'counts': chosen.sum(1).float().detach(), 'probs': probs.sum(1),
+        'z': torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
+        'load': (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
+        'dropped': (1 - kept.float().mean((1, 2))).detach()}
+
+  def sums(self):
+    """(counts [b, E], probs [b, E], z [b]): this stage's layers' sums plus the carried ones."""
+    e = self.cfg.moe.num_experts
+    carried = self.carried
+    counts, probs, z = (0, 0, 0) if carried is None else (carried[:, :e], carried[:, e:2 * e], carried[:, -1])
+    for r in self.layers.values():
+      counts, probs, z = counts + r['counts'], probs + r['probs'], z + r['z']
+    return counts, probs, z
+
+  def carry(self):
+    """What the next stage receives: the sums so far, [b, carry_width] fp32."""
+    counts, probs, z = self.sums()
+    return torch.cat([counts, probs, z[:, None]], dim=-1)
+
+  def losses(self):
+    """(aux [b], z [b]) per row over every MoE layer (recorded here or carried)."""
+    n = len(moe.moe_layers(self.cfg)) * self.tokens
+    counts, probs, z = self.sums()
+    aux = self.cfg.moe.num_experts * ((counts / n) * (probs / n)).sum(-1)
+    return aux, z / n
+
+  def loss_sum(self):
+    """The auxiliary losses' share of the objective's loss sum (weighted rows)."""
+    moe = self.cfg.moe
+    aux, z = self.losses()
+    total = moe.router_z_loss_coef * z
+    if moe.output_router_logits:
+      total = total + moe.router_aux_loss_coef * aux
+    return (total * self.w).sum()
+
+  def finish(self, tally, last, objective_adds):
+    """After the stage's layers: the metric sums added into `tally` (a dict, or None), and, on
+    the `last` stage when `objective_adds` them, the auxiliary losses' share of the loss sum
+    (None when nothing adds)."""
+    # carried sums reach the last stage with every layer's; without, one stage must hold them all
+    all_layers = last if self.carried is not None else all(i in self.layers for i in moe.moe_layers(self.cfg))
+    if tally is not None:
+      for name, value in self.metric_sums(all_layers).items():
+        tally[name] = tally.get(name, 0) + value
+    if not (last and objective_adds and moe.adds_loss(self.cfg)):
+      return None
+    if not all_layers:
+      raise ValueError('model.moe auxiliary losses need every MoE layer\'s sums on the last stage (pass moe_carry)')
+    return self.loss_sum()
+
+  def metric_sums(self, all_layers) -> dict:
+    """Weighted per-row sums of METRICS; load and dropped are means over all MoE layers (this
+    stage's share), the losses only where `all_layers` were recorded here (else 0)."""
+    recs = list(self.layers.values())
+    n_layers = len(moe.moe_layers(self.cfg))
+    out = {name: torch.zeros((), device=self.w.device) for name in METRICS}
+    if not recs:
+      return out
+    out['moe_load_max_over_mean'] = (sum(r['load'] for r in recs) / n_layers * self.w).sum()
+    out['moe_dropped_fraction'] = (sum(r['dropped'] for r in recs) / n_layers * self.w).sum()
+    if all_layers:
+      aux, z = self.losses()
+      out['moe_aux_loss'], out['moe_z_loss'] = (aux.detach() * self.w).sum(), (z.detach() * self.w).sum()
+    return out
