@@ -34,7 +34,7 @@ def check(config, world_size=1) -> list:
     problems += sizes
   else:
     problems += (meshes.check(strategy, world_size) + tensor.check(model, strategy, config.data.seq_length)
-                 + pipeline.check(model.num_layers, strategy) + moe.check_layout(model, strategy, config.device)
+                 + pipeline.check(model.num_layers, strategy) + moe.check_layout(model, strategy)
                  + context.check(config))
     dp = max(1, world_size // _model_parallel(strategy))
     problems += loader.check(config, dp)

@@ -76,6 +76,8 @@ def model_section() -> config_dict.ConfigDict:
   moe.sinkhorn_tol = placeholder(float)
   moe.ffn_hidden_size = 0                  # each expert's inner width; 0 = model.ffn_hidden_size (Qwen2-MoE: moe_intermediate_size)
   moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
+  moe.fixed_buffers = False                # experts run in fixed-size buffers (static shapes) in eager runs too;
+                                           # always under XLA and model.compile (model/moe.py)
   model.fusions = config_dict.ConfigDict()
   model.fusions.flash_attention = True     # F.scaled_dot_product_attention; False = explicit softmax path
   model.fusions.ring_attention = False     # attention of context parallelism: K/V blocks around the cp ranks (parallel/ring_attention.py)

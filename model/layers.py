@@ -68,9 +68,9 @@ class Ops:
   recompute_norm: Callable = no_recompute       # around each of a block's two norms
   recompute_activation: Callable = no_recompute  # around act(gate) * up
   final_norm: Callable = None          # the model's last norm, norm's signature; None = norm (model.compile compiles it)
-  # Mixture of experts (model/moe.py): tokens sorted by expert through the experts this rank
-  # holds (expert parallelism: dispatched over the ep group), and the pass's routing records.
-  expert_ffn: Callable = None          # (x_th, counts per expert, gate, up, down) -> y_th; None = local
+  # Mixture of experts (model/moe.py), through the experts this rank holds (None: local; EP: over the ep group)
+  expert_ffn: Callable = None          # eager: (x_th sorted by expert, counts per expert, gate, up, down) -> y_th
+  expert_buffers: Callable = None      # traced: ([E, R, h] buffers, gate, up, down) -> [E, R, h]
   copy_to_tp: Callable = _identity     # x, its gradient summed over TP (Megatron's f; MoE's partial sums)
   reduce_over_tp: Callable = _identity  # partial sums -> output: all-reduce, or reduce-scatter under SP
   moe: object = None                   # the stage's router_losses.Collector (set by transformer.stage)

@@ -137,8 +137,8 @@ def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf):
   return torch.cat(outs) if outs else x_th[:0]
 
 
-def mlp(params, prefix, x_bsh, cfg, ops, layer):
-  """The MoE feed-forward of layer `layer` on the whole sequence (under SP: gathered; the
+def mlp(params, prefix, x_bsh, cfg, ops):
+  """The MoE feed-forward of layer `prefix` on the whole sequence (under SP: gathered; the
   output is then this rank's slice); records routing in ops.moe."""
   moe = cfg.moe
   b, s, h = x_bsh.shape
@@ -147,21 +147,14 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
   logits = own(F.linear(x_bsh, params[prefix + '.gate.weight']))
   probs, weights, experts, kept = route(logits, cfg)
   if ops.moe is not None:
-    ops.moe.record(layer, logits, probs, experts, kept)
+    ops.moe.record(logits, probs, experts, kept)
   # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP
   flat_x = (x_bsh if sliced else ops.copy_to_tp(x_bsh)).reshape(b * s, h)
-  token = torch.arange(b * s, device=x_bsh.device).repeat_interleave(moe.top_k)
-  expert, weight = experts.reshape(-1), weights.reshape(-1)
-  keep = kept.reshape(-1).nonzero().squeeze(-1)
-  token, expert, weight = token[keep], expert[keep], weight[keep]
-  order = torch.sort(expert, stable=True).indices
-  token, expert, weight = token[order], expert[order], weight[order]
-  counts = torch.bincount(expert, minlength=moe.num_experts).tolist()
-  e = prefix + '.experts.'
-  out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, params[e + 'gate_proj'], params[e + 'up_proj'],
-                                             params[e + 'down_proj'])
-  weight = ops.copy_to_tp(weight)      # it scales this rank's partial outputs: its gradient is partial
-  combined = _Combine.apply(out, weight, token, b * s)
+  stacks = tuple(params[f'{prefix}.experts.{n}'] for n in ('gate_proj', 'up_proj', 'down_proj'))
+  if fixed_buffers(cfg, x_bsh):
+    combined = _static_experts(flat_x, experts, ops.copy_to_tp(weights * kept), cfg, stacks, ops)
+  else:
+    combined = _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops)
   if moe.shared_expert_intermediate_size:
     sp = prefix + '.shared_expert'
     shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
@@ -169,6 +162,69 @@ def mlp(params, prefix, x_bsh, cfg, ops, layer):
     scale = own(F.linear(x_bsh, params[prefix + '.shared_expert_gate.weight'])).reshape(b * s, 1)
     combined = combined + ops.copy_to_tp(torch.sigmoid(scale)) * shared
   return ops.reduce_over_tp(combined.view(b, s, h))
+
+
+def fixed_buffers(cfg, x) -> bool:
+  """Whether the experts run in fixed-size buffers: inside a traced graph (model.compile, or
+  torch-xla, which compiles the whole step), where a data-dependent size would be a graph per
+  batch, or with model.moe.fixed_buffers; eager runs otherwise sort the tokens and compute only
+  the kept ones."""
+  return bool(cfg.moe.get('fixed_buffers')) or x.device.type == 'xla' or torch.compiler.is_compiling()
+
+
+def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
+  """Eager: the kept (token, expert) slots sorted by expert, each expert one matmul triple on
+  exactly its tokens (the counts go to the host), weighted back onto their tokens."""
+  n = flat_x.shape[0]
+  token = torch.arange(n, device=flat_x.device).repeat_interleave(cfg.moe.top_k)
+  expert, weight = experts.reshape(-1), weights.reshape(-1)
+  keep = kept.reshape(-1).nonzero().squeeze(-1)
+  token, expert, weight = token[keep], expert[keep], weight[keep]
+  order = torch.sort(expert, stable=True).indices
+  token, expert, weight = token[order], expert[order], weight[order]
+  counts = torch.bincount(expert, minlength=cfg.moe.num_experts).tolist()
+  out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, *stacks)
+  weight = ops.copy_to_tp(weight)      # it scales this rank's partial outputs: its gradient is partial
+  return _Combine.apply(out, weight, token, n)
+
+
+def buffer_rows(cfg, b, s) -> int:
+  """Rows of each expert's fixed-size buffer: b C with capacity (each sequence keeps at most C
+  tokens per expert), b s dropless (a static upper bound: every token could pick one expert,
+  so E / top_k times the kept slots' compute)."""
+  return b * s if cfg.moe.dropless else b * capacity(cfg, s)
+
+
+def _static_experts(flat_x, experts_bsk, weights_bsk, cfg, stacks, ops):
+  """Traced: every (token, expert) slot gets a row of its expert's buffer [E, R, h], the
+  experts run as batched matmuls over the buffers (Ops.expert_buffers: exchanged over EP), and
+  each slot's row comes back weighted (weight 0: dropped). No host sync, no data-dependent
+  shape; the rows a slot takes are the eager path's queue positions, so the same tokens drop."""
+  e = cfg.moe.num_experts
+  b, s, k = experts_bsk.shape
+  rows = buffer_rows(cfg, b, s)
+  onehot = F.one_hot(experts_bsk.reshape(b, s * k), e)              # [b, s k, E]
+  if cfg.moe.dropless:       # the slot's place in its expert's queue over the micro batch
+    place = (onehot.reshape(b * s * k, e).cumsum(0) * onehot.reshape(b * s * k, e)).sum(-1) - 1
+  else:                      # in its sequence's queue, after the earlier sequences' C rows each
+    queue = (onehot.cumsum(1) * onehot).sum(-1) - 1                  # [b, s k]
+    cap = rows // b
+    place = torch.where(queue < cap, queue + cap * torch.arange(b, device=queue.device)[:, None], rows)
+    place = place.reshape(-1)
+  expert = experts_bsk.reshape(-1)
+  dest = torch.where(place < rows, expert * rows + place, e * rows)  # e * rows: a spare row for the dropped
+  h = flat_x.shape[1]
+  slots_x = flat_x[:, None, :].expand(b * s, k, h).reshape(b * s * k, h)
+  buffers = flat_x.new_zeros(e * rows + 1, h).index_copy(0, dest, slots_x)[:-1].view(e, rows, h)
+  out = (ops.expert_buffers or grouped_expert_ffn)(buffers, *stacks).reshape(e * rows, h)
+  picked = torch.cat([out, out.new_zeros(1, h)])[dest].view(b * s, k, h)
+  return (picked * weights_bsk.reshape(b * s, k, 1).to(picked.dtype)).sum(1)
+
+
+def grouped_expert_ffn(buffers_erh, gate_efh, up_efh, down_ehf):
+  """Each expert's SwiGLU on its buffer: batched matmuls, [E, R, h] -> [E, R, h]."""
+  hidden = F.silu(torch.bmm(buffers_erh, gate_efh.transpose(1, 2))) * torch.bmm(buffers_erh, up_efh.transpose(1, 2))
+  return torch.bmm(hidden, down_ehf.transpose(1, 2))
 
 
 class _Combine(torch.autograd.Function):
@@ -232,13 +288,10 @@ def check(model) -> list:
   if model.activation != 'swiglu' or model.has_bias:
     problems.append(f'model.moe: experts are SwiGLU without biases; model.activation={model.activation!r} '
                     f'and model.has_bias={model.has_bias} are not supported with num_experts > 0')
-  if model.get('compile'):
-    problems.append('model.compile=True with model.moe.num_experts > 0: routing sizes are data-dependent '
-                    '(a graph per batch); set model.compile=False')
   return problems
 
 
-def check_layout(model, strategy, device='auto') -> list:
+def check_layout(model, strategy) -> list:
   """Layouts MoE cannot run under (distributed_strategy degrees already > 0)."""
   problems = []
   ep = strategy.get('expert_model_parallel_size', 1)
@@ -249,7 +302,4 @@ def check_layout(model, strategy, device='auto') -> list:
   if model.moe.num_experts % ep:
     problems.append(f'model.moe.num_experts={model.moe.num_experts} is not divisible by '
                     f'distributed_strategy.expert_model_parallel_size={ep}')
-  if device == 'xla':
-    problems.append('model.moe.num_experts > 0 with device=xla: routing sizes are data-dependent (a graph per '
-                    'batch under torch-xla); use cuda or cpu')
   return problems

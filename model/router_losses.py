@@ -26,7 +26,9 @@ def carry_width(cfg) -> int:
 
 class Collector:
   """One stage's routing records for one micro batch: per-row sums for the auxiliary losses
-  and the metrics. Keyed by layer, so a recompute pass overwrites rather than adds.
+  and the metrics, one record per MoE layer in the order they run (model.compile traces every
+  layer as one, so the layer's index is not at hand). A recompute pass records again in the
+  backward, after `finish` has read the records: those are never read.
 
   Under pipeline parallelism the losses need every MoE layer's sums: each stage receives the
   earlier stages' (`carried`, [b, carry_width]: top-k counts per expert, router
@@ -36,24 +38,24 @@ class Collector:
 
   def __init__(self, cfg, row_weights_b, tokens, carried=None):
     self.cfg, self.w, self.tokens, self.carried = cfg, row_weights_b.float(), tokens, carried
-    self.layers = {}
+    self.records = []
 
-  def record(self, layer, logits, probs, experts, kept):
+  def record(self, logits, probs, experts, kept):
     e = self.cfg.moe.num_experts
     chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
     kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
-    self.layers[layer] = {
+    self.records.append({
         'counts': chosen.sum(1).float().detach(), 'probs': probs.sum(1),
         'z': torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
         'load': (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
-        'dropped': (1 - kept.float().mean((1, 2))).detach()}
+        'dropped': (1 - kept.float().mean((1, 2))).detach()})
 
   def sums(self):
     """(counts [b, E], probs [b, E], z [b]): this stage's layers' sums plus the carried ones."""
     e = self.cfg.moe.num_experts
     carried = self.carried
     counts, probs, z = (0, 0, 0) if carried is None else (carried[:, :e], carried[:, e:2 * e], carried[:, -1])
-    for r in self.layers.values():
+    for r in self.records:
       counts, probs, z = counts + r['counts'], probs + r['probs'], z + r['z']
     return counts, probs, z
 
@@ -83,7 +85,7 @@ class Collector:
     the `last` stage when `objective_adds` them, the auxiliary losses' share of the loss sum
     (None when nothing adds)."""
     # carried sums reach the last stage with every layer's; without, one stage must hold them all
-    all_layers = last if self.carried is not None else all(i in self.layers for i in moe.moe_layers(self.cfg))
+    all_layers = last if self.carried is not None else len(self.records) == len(moe.moe_layers(self.cfg))
     if tally is not None:
       for name, value in self.metric_sums(all_layers).items():
         tally[name] = tally.get(name, 0) + value
@@ -96,7 +98,7 @@ class Collector:
   def metric_sums(self, all_layers) -> dict:
     """Weighted per-row sums of METRICS; load and dropped are means over all MoE layers (this
     stage's share), the losses only where `all_layers` were recorded here (else 0)."""
-    recs = list(self.layers.values())
+    recs = self.records
     n_layers = len(moe.moe_layers(self.cfg))
     out = {name: torch.zeros((), device=self.w.device) for name in METRICS}
     if not recs:

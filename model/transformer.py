@@ -331,7 +331,7 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
   h = ops.recompute_norm(layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'),
                          x_bsh, cfg)
   if moe.is_moe_layer(cfg, i):       # SP: routes the whole (gathered) sequence, returns this rank's slice
-    h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h) if ops.residual_slices > 1 else h, cfg, ops, i)
+    h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h) if ops.residual_slices > 1 else h, cfg, ops)
   else:
     h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
   if sandwich:

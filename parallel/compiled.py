@@ -31,7 +31,7 @@ import sys
 
 import torch
 
-from model import cross_entropy, layers, transformer
+from model import cross_entropy, layers, moe, transformer
 
 _state = {'fn': None, 'cross_entropy': None, 'norm': None, 'loss_ops': {}}
 # dynamo's timers of a frame's compile, and of the backward graph's (compiled at the first backward)
@@ -69,8 +69,11 @@ def _compiled():
 
 def _canonical(cfg, i):
   """The layer index the graph is traced at: 0 for every layer, unless the block's arithmetic
-  depends on the index (Megatron's query-key layer scaling divides by it): then its own."""
-  return i if cfg.apply_query_key_layer_scaling else 0
+  depends on the index (Megatron's query-key layer scaling divides by it): then its own; with
+  MoE every moe.frequency-th layer, the first MoE layer for MoE ones (one graph per kind)."""
+  if cfg.apply_query_key_layer_scaling:
+    return i
+  return cfg.moe.frequency - 1 if moe.is_moe_layer(cfg, i) else 0
 
 
 def _local_params(params, i, index):

@@ -11,7 +11,8 @@ A MoE layer under EP: each rank routes its own sequences (capacity per sequence:
 drops at every layout), sorts its tokens by expert, then
   1. all-to-all of the per-expert counts, 2. all-to-all of the tokens to their experts' ranks,
   3. the local experts on the received tokens (regrouped by expert), 4. all-to-all back.
-The backward runs the same exchanges in reverse (comm.all_to_all). An expert's gradient on a
+The backward runs the same exchanges in reverse (comm.all_to_all). Traced (XLA, model.compile)
+the layer exchanges fixed-size expert buffers instead: expert_buffers. An expert's gradient on a
 rank then holds the tokens of its whole ep group; summing it over the expert_dp group (the DP
 ranks holding the same experts) gives the global gradient. Dense gradients sum over all of DP.
 """
@@ -65,5 +66,25 @@ def expert_ffn(group, ep):
     y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf)
     back = torch.zeros_like(y).index_copy(0, order, y)
     return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
+
+  return ffn
+
+
+def expert_buffers(group, ep):
+  """Ops.expert_buffers over an ep group (traced MoE: model/moe.py's fixed-size buffers): each
+  rank sends every other rank the buffers of that rank's experts ([E/ep, R, h] each, one
+  all-to-all of equal splits: no counts to exchange), runs its experts on the ep x R rows
+  they received, and sends the outputs back the same way."""
+
+  def ffn(buffers_erh, gate_efh, up_efh, down_ehf):
+    e, rows, h = buffers_erh.shape
+    local = e // ep
+    split = [local * rows] * ep
+    received = comm.all_to_all(buffers_erh.reshape(e * rows, h), group, split, split, 'all_to_all(expert buffers)')
+    # received: [source rank, local expert, R, h] -> each local expert's rows from every source
+    mine = received.view(ep, local, rows, h).transpose(0, 1).reshape(local, ep * rows, h)
+    out = moe.grouped_expert_ffn(mine, gate_efh, up_efh, down_ehf)
+    back = out.view(local, ep, rows, h).transpose(0, 1).reshape(e * rows, h)
+    return comm.all_to_all(back, group, split, split, 'all_to_all(expert buffers back)').view(e, rows, h)
 
   return ffn

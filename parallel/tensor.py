@@ -224,7 +224,8 @@ def config_ops(config, mesh):
   ops = make_ops(mesh, config.distributed_strategy.sequence_parallel,
                  precision.parallel_layers_reduce_dtype(config.precision))
   if mesh.ep > 1:
-    ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep))
+    ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep),
+                              expert_buffers=experts.expert_buffers(mesh.ep_group, mesh.ep))
   return ops
 
 

@@ -19,7 +19,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
                   family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
-                  nll_reduction='pair'):
+                  nll_reduction='pair', fixed_buffers=False):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = STEPS
@@ -49,6 +49,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
     c.model.moe.update(num_experts=moe, top_k=2, capacity_factor=capacity or 1.0, dropless=not capacity,
                        router_z_loss_coef=0.001 if aux else 0.0, output_router_logits=aux)
     d.expert_model_parallel_size = ep
+    c.model.moe.fixed_buffers = fixed_buffers   # the traced path's static buffers (not in the reference)
   if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
     peft = c.model_alignment_strategy.peft
     peft.lora_rank, peft.target_modules, peft.lora_alpha, peft.lora_dropout = lora, ('all-linear',), 8.0, lora_dropout

@@ -18,6 +18,10 @@ LAYOUTS = {                        # name: (world size, parity_config kwargs)
     'tp2_sp': (2, dict(moe=4, tp=2, sp=True)),
     'tp2_dropless': (2, dict(moe=4, tp=2, capacity=0)),
     'ep2_tp2': (4, dict(moe=4, ep=2, tp=2)),
+    # the traced path (XLA, model.compile): fixed-size expert buffers, exchanged whole over EP
+    'ep2_fixed': (2, dict(moe=4, ep=2, fixed_buffers=True)),
+    'ep2_tp2_sp_fixed': (4, dict(moe=4, ep=2, tp=2, sp=True, fixed_buffers=True)),
+    'ep2_pp2_dropless_fixed': (4, dict(moe=4, ep=2, pp=2, capacity=0, fixed_buffers=True)),
     'ep2_tp2_sp': (4, dict(moe=4, ep=2, tp=2, sp=True)),
     # the auxiliary losses through the pipeline: their sums travel with the activations
     'pp2': (2, dict(moe=4, pp=2)),

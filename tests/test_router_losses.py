@@ -28,9 +28,9 @@ def test_aux_loss_with_a_mask_equals_load_balancing_loss_func():
   cfg = _cfg()
   logits = [torch.randn(2, 10, 6, generator=g) for _ in range(3)]
   c = router_losses.Collector(cfg, torch.ones(2), tokens=10)
-  for i, lg in enumerate(logits):
+  for lg in logits:
     probs, _, experts, kept = moe.route(lg, cfg)
-    c.record(i, lg, probs, experts, kept)
+    c.record(lg, probs, experts, kept)
   aux, _ = c.losses()
   for row in range(2):
     expected = load_balancing_loss_func(tuple(lg[row] for lg in logits), 6, 2)
@@ -44,7 +44,7 @@ def test_stages_passing_their_sums_on_reach_the_one_stage_losses_and_gradients()
 
   def record(collector, layer):
     probs, _, experts, kept = moe.route(logits[layer], cfg)
-    collector.record(layer, logits[layer], probs, experts, kept)
+    collector.record(logits[layer], probs, experts, kept)
 
   whole = router_losses.Collector(cfg, w, 10)
   for layer in range(3):
