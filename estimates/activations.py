@@ -121,17 +121,29 @@ def moe_bytes(config, w, tp, b, n) -> int:
     weights 4 T; the experts' sorted inputs and outputs 2 w T h, their inner 4 w T f'
     (gate, silu(gate), up, product); under SP the router's own-gradient mask w s (and the
     shared gate's); Qwen2-MoE's shared expert 4 w N f_s' + w N h + w N (inner, output, gate).
+  In fixed-size buffers (fixed_buffers: XLA, model.compile) of R rows per expert
+  (moe.buffer_rows): the slots' kept flags, rows and weights 9 N k + w N k, their inputs and
+  weighted outputs 2 w N k h, the buffers w (E R + 1) h and the experts' inner 4 w E R f'.
   The estimate counts every layer as a MoE layer when the model has any."""
   m = config.model
   h, e, k = m.hidden_size, m.moe.num_experts, m.moe.top_k
   slots = min(n * k, b * e * moe.capacity(m, n // b))
   f = moe.expert_ffn_size(m) // tp
   routing = w * n * h + 8 * n * e + 4 * n + 12 * n * k + 4 * n
-  experts = 28 * slots + w * slots * (2 * h + 4 * f)
+  if fixed_buffers(config):
+    rows = moe.buffer_rows(m, b, n // b)
+    experts = 9 * n * k + w * n * k * (2 * h + 1) + w * (e * rows + 1) * h + 4 * w * e * rows * f
+  else:
+    experts = 28 * slots + w * slots * (2 * h + 4 * f)
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   shared = m.moe.shared_expert_intermediate_size // tp
   masks = (2 if shared else 1) * w * (n // b) if sp else 0       # own-gradient masks: router, shared gate
   return routing + experts + masks + (w * n * (4 * shared + h + 1) if shared else 0)
+
+
+def fixed_buffers(config) -> bool:
+  """Whether the experts run in model/moe.py's fixed-size buffers (traced, or asked for)."""
+  return bool(config.model.moe.get('fixed_buffers') or config.model.get('compile') or config.device == 'xla')
 
 
 def measured_bytes_per_layer(config, mesh=None, dtype=torch.float32) -> int:

@@ -28,6 +28,8 @@ SHAPES = {                     # name -> (seq, micro batch, model keys)
     'moe': (12, 2, dict(moe=dict(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=24, router_z_loss_coef=0.001))),
     'moe_shared': (12, 2, dict(moe=dict(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=24,
                                         shared_expert_intermediate_size=16))),      # Qwen2-MoE's
+    'moe_fixed': (12, 2, dict(moe=dict(num_experts=4, top_k=2, capacity_factor=1.5, ffn_hidden_size=24,
+                                       fixed_buffers=True))),   # the traced path's buffers, tokens dropping
 }
 
 
@@ -171,7 +173,7 @@ def test_measured_bytes_equal_the_formula(shape):
   assert byte_mismatches(every_case(shape)) == []
 
 
-@pytest.mark.parametrize('shape', ['llama_gqa', 'moe', 'moe_shared'])
+@pytest.mark.parametrize('shape', ['llama_gqa', 'moe', 'moe_shared', 'moe_fixed'])
 def test_measured_bytes_equal_the_formula_in_bf16(shape):
   assert byte_mismatches(every_case(shape), dtype=torch.bfloat16) == []
 
@@ -185,7 +187,8 @@ def _four_ranks():
   two ranks each; the GPT block's layernorms, biases and learned positions)."""
   c = config(tp=4, sp=True)
   meshes.init(c)
-  cases = [case for shape in ('llama_gqa', 'gpt_b1', 'moe', 'moe_shared') for case in every_case(shape, (True,), (0.1,))]
+  cases = [case for shape in ('llama_gqa', 'gpt_b1', 'moe', 'moe_shared', 'moe_fixed')
+           for case in every_case(shape, (True,), (0.1,))]
   return byte_mismatches(cases, tp=4)
 
 

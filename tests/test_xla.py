@@ -60,10 +60,10 @@ def test_runtime_keys_set_the_neuron_environment(monkeypatch):
 # --- the loop on an XLA device (torch-xla's CPU client) -------------------------------------
 
 
-def _train(workdir, device, *flags, timeout=420):
-  """train.py on llama_tiny:test in a subprocess; (metrics records, stderr)."""
+def _train(workdir, device, *flags, timeout=420, config='configs/llama_tiny.py:test'):
+  """train.py on `config` (llama_tiny:test) in a subprocess; (metrics records, stderr)."""
   env = dict(os.environ, PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1', OMP_NUM_THREADS='1')
-  out = procs.run([sys.executable, 'train.py', '--config=configs/llama_tiny.py:test', f'--workdir={workdir}',
+  out = procs.run([sys.executable, 'train.py', f'--config={config}', f'--workdir={workdir}',
                    f'--config.device={device}', f'--config.trainer.max_steps={STEPS}',
                    '--config.trainer.log_every_n_steps=1', '--config.exp_manager.create_tensorboard_logger=False',
                    '--config.exp_manager.create_checkpoint_callback=True', *flags],
@@ -121,6 +121,30 @@ def test_no_recompile_after_the_second_step(tmp_path):
     assert counts[step] == counts[2], f'step {step} recompiled: {counts[step] - counts[2]} new graph(s)'
   assert any('val_loss' in r for r in records)
   assert os.path.isdir(os.path.join(str(tmp_path), 'checkpoints'))
+
+
+@slow
+@pytest.mark.parametrize('dropless', [False, True])
+def test_moe_on_xla_trains_like_eager_cpu_and_compiles_once(dropless, tmp_path):
+  """mixtral_tiny:test, fp32, 10 steps, tokens dropping (capacity 0.5) or dropless, router losses
+  on: XLA equals eager CPU, and no step after the second compiles a new graph (no
+  data-dependent shape reaches XLA)."""
+  pytest.importorskip('torch_xla')
+  flags = ('--config.model.moe.capacity_factor=0.5', f'--config.model.moe.dropless={dropless}',
+           '--config.model.moe.router_z_loss_coef=0.01')
+  cpu, xla_dir = str(tmp_path / 'cpu'), str(tmp_path / 'xla')
+  # eager CPU in the same fixed-size buffers (that they equal the sorted dispatch: test_experts.py)
+  ref, _ = _train(cpu, 'cpu', *flags, '--config.model.moe.fixed_buffers=True', config='configs/mixtral_tiny.py:test')
+  records, _ = _train(xla_dir, 'xla', *flags, config='configs/mixtral_tiny.py:test')
+  losses, ref_losses = _losses(records), _losses(ref)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  params, ref_params = _final_params(xla_dir), _final_params(cpu)
+  for n in ref_params:
+    np.testing.assert_allclose(params[n], ref_params[n], rtol=1e-5, atol=1e-5, err_msg=n)
+  counts = [r['xla_compiles'] for r in records if 'xla_compiles' in r]
+  print(f'MoE on XLA (dropless={dropless}): worst relative loss error '
+        f'{max(abs(a - b) / b for a, b in zip(losses, ref_losses)):.2e}, compiles after each step {counts}')
+  assert counts[2:] == [counts[1]] * (len(counts) - 2), counts
 
 
 @pytest.mark.timeout(1200)
