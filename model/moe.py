@@ -127,9 +127,16 @@ def route(logits_bse, cfg):
 
 
 def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf):
-  """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU:
-  one matmul triple per expert, no loop over tokens. The stacks are unbound once: indexing them
-  per expert would make each expert's backward write a whole-stack gradient (E^2 traffic)."""
+  """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU: one
+  grouped GEMM per projection where the build has one for these tensors (torch._grouped_mm:
+  exact against per-expert matmuls), else one matmul triple per expert. The stacks are unbound
+  once: indexing them per expert would make each expert's backward write a whole-stack
+  gradient (E^2 traffic)."""
+  if _grouped_mm_fits(x_th, gate_efh, down_ehf):
+    offs = torch.tensor(counts, device=x_th.device).cumsum(0).to(torch.int32)
+    hidden = F.silu(torch._grouped_mm(x_th, gate_efh.transpose(1, 2), offs=offs)) * \
+        torch._grouped_mm(x_th, up_efh.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
+    return torch._grouped_mm(hidden, down_ehf.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
   outs = []
   for chunk, gate, up, down in zip(x_th.split(counts), gate_efh.unbind(0), up_efh.unbind(0), down_ehf.unbind(0)):
     if chunk.shape[0]:
@@ -164,6 +171,17 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   return ops.reduce_over_tp(combined.view(b, s, h))
 
 
+def _grouped_mm_fits(x, gate_efh, down_ehf) -> bool:
+  """torch._grouped_mm (torch >= 2.10 on CPU; CUDA) for these tensors: eager, fp32 or bf16,
+  rows of 16-byte multiples (its alignment rule)."""
+  if not hasattr(torch, '_grouped_mm') or x.device.type not in ('cpu', 'cuda') or torch.compiler.is_compiling():
+    return False
+  if x.dtype not in (torch.float32, torch.bfloat16) or gate_efh.dtype != x.dtype or down_ehf.dtype != x.dtype:
+    return False
+  per_row = 16 // x.element_size()
+  return x.shape[-1] % per_row == 0 and gate_efh.shape[1] % per_row == 0 and x.is_contiguous()
+
+
 def fixed_buffers(cfg, x) -> bool:
   """Whether the experts run in fixed-size buffers: inside a traced graph (model.compile, or
   torch-xla, which compiles the whole step), where a data-dependent size would be a graph per
@@ -176,15 +194,13 @@ def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
   """Eager: the kept (token, expert) slots sorted by expert, each expert one matmul triple on
   exactly its tokens (the counts go to the host), weighted back onto their tokens."""
   n = flat_x.shape[0]
-  token = torch.arange(n, device=flat_x.device).repeat_interleave(cfg.moe.top_k)
-  expert, weight = experts.reshape(-1), weights.reshape(-1)
-  keep = kept.reshape(-1).nonzero().squeeze(-1)
-  token, expert, weight = token[keep], expert[keep], weight[keep]
-  order = torch.sort(expert, stable=True).indices
-  token, expert, weight = token[order], expert[order], weight[order]
+  slot = kept.reshape(-1).nonzero().squeeze(-1)          # kept slots (token t's j-th: t k + j)
+  expert = experts.reshape(-1)[slot]
+  slot = slot[torch.sort(expert, stable=True).indices]    # ... sorted by expert
   counts = torch.bincount(expert, minlength=cfg.moe.num_experts).tolist()
-  out = (ops.expert_ffn or local_expert_ffn)(flat_x[token], counts, *stacks)
-  weight = ops.copy_to_tp(weight)      # it scales this rank's partial outputs: its gradient is partial
+  token = slot // cfg.moe.top_k
+  out = (ops.expert_ffn or local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks)
+  weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial
   return _Combine.apply(out, weight, token, n)
 
 
@@ -241,7 +257,7 @@ class _Combine(torch.autograd.Function):
   @staticmethod
   def backward(ctx, grad):  # pylint: disable=arguments-differ
     out, weight, token = ctx.saved_tensors
-    picked = grad[token]
+    picked = grad.index_select(0, token)
     grad_out = (picked * weight[:, None]).to(out.dtype) if ctx.needs_input_grad[0] else None
     grad_weight = (picked.float() * out.float()).sum(-1) if ctx.needs_input_grad[1] else None
     return grad_out, grad_weight, None, None

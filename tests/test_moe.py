@@ -212,3 +212,22 @@ def test_flops_count_active_experts():
   # 2 of 8 experts run: the active parameters are those of a dense model with 2 MLPs + routers
   extra = 2 * (cfg.hidden_size * 3 * cfg.ffn_hidden_size) + 2 * 8 * cfg.hidden_size
   assert transformer.flops_per_token(cfg, 128) == dense + 6 * extra
+
+
+@pytest.mark.skipif(not hasattr(torch, '_grouped_mm'), reason='this torch has no _grouped_mm')
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_the_grouped_gemm_equals_a_matmul_triple_per_expert(dtype):
+  """local_expert_ffn's grouped GEMMs against its per-expert loop, experts without tokens included."""
+  from unittest import mock  # pylint: disable=import-outside-toplevel
+  g = torch.Generator().manual_seed(0)
+  e, h, f, counts = 4, 16, 8, [3, 0, 5, 0]
+  tensors = [torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+             for shape in ((8, h), (e, f, h), (e, f, h), (e, h, f))]
+  assert moe._grouped_mm_fits(tensors[0], tensors[1], tensors[3])  # pylint: disable=protected-access
+  grad_y = torch.randn(8, h, generator=g).to(dtype)
+  grouped = moe.local_expert_ffn(tensors[0], counts, *tensors[1:])
+  with mock.patch.object(moe, '_grouped_mm_fits', lambda *args: False):
+    loop = moe.local_expert_ffn(tensors[0], counts, *tensors[1:])
+  assert torch.equal(grouped, loop)
+  for a, b in zip(torch.autograd.grad(grouped, tensors, grad_y), torch.autograd.grad(loop, tensors, grad_y)):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

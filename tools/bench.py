@@ -156,9 +156,15 @@ def _hf_mixtral(config, params):
                                             if k not in ('architectures', 'model_type')})
   hf_config._attn_implementation = 'sdpa'  # pylint: disable=protected-access
   model = transformers.MixtralForCausalLM(hf_config)
+  def ours(name):       # transformers 5 holds each expert's gate and up as one gate_up_proj
+    if name.endswith('.gate_up_proj'):
+      base = name.removesuffix('gate_up_proj')
+      return torch.cat([params[base + 'gate_proj'], params[base + 'up_proj']], dim=1)
+    return params[name]
+
   with torch.no_grad():
     for name, p in model.named_parameters():
-      p.copy_(params[name.removeprefix('model.')].detach().float()[:p.shape[0]])
+      p.copy_(ours(name.removeprefix('model.')).detach().float()[:p.shape[0]])
   o = config.model.optim
   named = list(model.named_parameters())
   groups = [{'params': [p for n, p in named if optimizers.decays_weight(n)], 'weight_decay': o.weight_decay},
