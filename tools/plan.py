@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from configs import from_files, validate
-from estimates import clusters, memory, step_time
+from estimates import clusters, memory, step_time, summary
 from model import transformer
 import tools
 
@@ -182,7 +182,7 @@ def search(config, cluster, world_size, keep=10) -> Plan:
 
 
 def report(config, cluster, world_size, plan, top=10) -> str:
-  lines = [f'{config.name} on {world_size} x {cluster.name} ({cluster.source}); '
+  lines = [f'{config.name} on {summary.on_cluster(cluster, world_size)} ({cluster.source}); '
            f'{plan.searched} layouts searched, {plan.fitting} valid and fitting',
            '| layout | tokens/s | MFU | step s | memory/device | bubble | communication |', '|---|---|---|---|---|---|---|']
   for c in plan.ranked[:top]:
