@@ -347,10 +347,15 @@ def test_the_first_name_of_the_module_still_loads_a_file():
   assert nxdt.get_config(path).to_dict() == nxd_yaml.get_config(path).to_dict()
 
 
-@pytest.mark.parametrize('name', ['hf_mixtral_8x7b_config.yaml', 'hf_mixtral_8x7b_dropless_config.yaml'])
-def test_hf_mixtral_trains_3_steps_at_ep2_with_size_overrides_only(tmp_path, name):
-  """Two processes (expert_model_parallel_size=2 over dp 2); the YAML's capacity / dropless
-  settings win over config.json's (HF routes dropless), as its other architecture keys do."""
+@pytest.mark.parametrize('name, layout', [
+    ('hf_mixtral_8x7b_config.yaml', ['--config.distributed_strategy.expert_model_parallel_size=2']),
+    ('hf_mixtral_8x7b_dropless_config.yaml', ['--config.distributed_strategy.expert_model_parallel_size=2']),
+    ('hf_mixtral_8x7b_config.yaml', ['--config.distributed_strategy.tensor_model_parallel_size=2',      # + the file's SP
+                                     '--config.distributed_strategy.pipeline_model_parallel_size=2'])])
+def test_hf_mixtral_trains_3_steps_with_size_overrides_only(tmp_path, name, layout):
+  """ep 2 over dp 2, or tp 2 x pp 2 as the file's tp 32 x pp 4 in small (the router loss across the
+  stages); the YAML's capacity / dropless settings win over config.json's (HF routes dropless),
+  as its other architecture keys do."""
   paths = _assets(tmp_path)
   mixtral = llama_tiny.get_config().model
   mixtral.vocab_size = 512
@@ -358,9 +363,10 @@ def test_hf_mixtral_trains_3_steps_at_ep2_with_size_overrides_only(tmp_path, nam
   (tmp_path / 'mixtral.json').write_text(json.dumps(hf.config_to_hf(mixtral)))
   overrides = [flag.format(**paths) for flag in SIZE + HF + ['--config.data.train_dir={pretok}']]
   overrides = [o.replace(str(paths['config']), str(tmp_path / 'mixtral.json')) for o in overrides]
-  out = procs.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+  nproc = 4 if 'tensor' in layout[0] else 2
+  out = procs.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={nproc}', 'train.py',
                    f'--config=configs/nxd_yaml.py:{current(name)}', f'--workdir={tmp_path / "run"}', *overrides,
-                   '--config.distributed_strategy.expert_model_parallel_size=2'], timeout=300)
+                   *layout], timeout=300)      # after SIZE's tp = pp = 1: the later value wins
   assert out.returncode == 0, out.stderr[-3000:]
   steps = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl') if '"loss"' in line]
   assert [s['step'] for s in steps][-1] == 3 and all(math.isfinite(s['loss']) for s in steps)
@@ -370,6 +376,9 @@ def test_hf_mixtral_trains_3_steps_at_ep2_with_size_overrides_only(tmp_path, nam
   config = json.load(open(tmp_path / 'run' / 'config.json'))
   assert config['model']['moe']['num_experts'] == 8 and config['model']['moe']['dropless'] == ('dropless' in name)
   assert config['model']['moe']['capacity_factor'] == (0.0 if 'dropless' in name else 2.0)
+  d = config['distributed_strategy']
+  assert (d['tensor_model_parallel_size'], d['pipeline_model_parallel_size'], d['expert_model_parallel_size']) == \
+      ((2, 2, 1) if nproc == 4 else (1, 1, 2)) and d['sequence_parallel']
 
 
 # Every release file at its own world size and layout, on its own cluster, with the model's
