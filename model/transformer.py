@@ -148,7 +148,8 @@ def init_box(spec: ParamSpec, seed: int, name: str, box=None) -> torch.Tensor:
   """The `box` (one slice per dim) of parameter `name`'s initial value, drawing only its rows.
 
   Normal weights are drawn in blocks of INIT_ROWS_PER_KEY rows keyed by (seed, name, block),
-  so any shard of any layout equals the same slice of the single-device tensor.
+  so any shard of any layout equals the same slice of the single-device tensor; a stack of
+  experts [E, rows, cols] as E matrices keyed by (seed, name, expert, block).
   """
   box = box or full_box(spec.shape)
   shape = tuple(sl.stop - sl.start for sl in box)
@@ -156,15 +157,19 @@ def init_box(spec: ParamSpec, seed: int, name: str, box=None) -> torch.Tensor:
     return torch.ones(shape)
   if spec.init == 'zeros':
     return torch.zeros(shape)
-  rows, rest = box[0], box[1:]
-  r = INIT_ROWS_PER_KEY
-  first, last = rows.start // r, (rows.stop - 1) // r
-  def draw(k):
-    shape = (r,) + tuple(spec.shape[1:])
-    if spec.init == 'uniform':
-      return (2 * rng.uniform(shape, seed, 'init', name, k) - 1) * spec.std
-    return rng.normal(shape, spec.std, seed, 'init', name, k)
-  blocks = [draw(k)[(slice(None),) + rest] for k in range(first, last + 1)]
+  if len(spec.shape) == 3:
+    return torch.stack([_draw_rows(spec, spec.shape[1:], box[1:], seed, name, e)
+                        for e in range(box[0].start, box[0].stop)])
+  return _draw_rows(spec, spec.shape, box, seed, name)
+
+
+def _draw_rows(spec, full_shape, box, seed, *key):
+  """`box` of a matrix of `full_shape` drawn in keyed blocks of rows (init_box)."""
+  rows, r = box[0], INIT_ROWS_PER_KEY
+  first, shape = rows.start // r, (r,) + tuple(full_shape[1:])
+  draw = ((lambda k: (2 * rng.uniform(shape, seed, 'init', *key, k) - 1) * spec.std) if spec.init == 'uniform'
+          else (lambda k: rng.normal(shape, spec.std, seed, 'init', *key, k)))
+  blocks = [draw(k)[(slice(None),) + tuple(box[1:])] for k in range(first, (rows.stop - 1) // r + 1)]
   out = torch.cat(blocks)[rows.start - first * r:rows.stop - first * r]
   if spec.used_rows:
     out[max(spec.used_rows - rows.start, 0):] = 0.0
@@ -248,13 +253,13 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   """A contiguous piece of the model: [embedding] -> layers [lo, hi) -> [norm, head, loss].
 
   The embedding runs when `x_bsh` is None (the first pipeline stage); otherwise `x_bsh` is the
-  previous stage's output. With `last`, returns the objective's (loss sum, metric sums), or
-  the logits when `objective` is None; else the hidden states. `batch` supplies tokens, labels, loss_mask and optional position_ids,
-  segment_ids (per-document masking), sample_ids (keys dropout) and kv_cache (generation: a
-  pair (cache of the earlier positions or None, an empty KVCache each layer fills)). `dropout_key`, e.g.
-  (seed, 'dropout'), enables dropout; `layer_fn(fn, *args)` wraps each block (recompute).
-  `moe_carry`: under pipeline parallelism, the MoE losses' sums of the earlier stages (zeros on
-  the first; router_losses.Collector); a stage that is not the last then returns (hidden, its carry).
+  previous stage's output. With `last`, returns the objective's (loss sum, metric sums), or the
+  logits when `objective` is None; else the hidden states, with `moe_carry` (the MoE losses'
+  sums of the earlier stages, zeros on the first: router_losses.Collector) (hidden, its carry).
+  `batch`: tokens, labels, loss_mask, optional position_ids, segment_ids (per-document masks),
+  sample_ids (keys dropout), kv_cache (generation: (earlier positions' cache or None, an empty
+  KVCache each layer fills)). `dropout_key` (seed, 'dropout') enables dropout; `layer_fn(fn,
+  *args)` wraps each block (recompute).
   """
   tokens_bs = batch['tokens']
   b, s = tokens_bs.shape

@@ -1,4 +1,6 @@
 """TP/SP boxes and ops; every layout trains exactly like one device (gloo, fp32, dropout off)."""
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +53,31 @@ def test_sharded_init_equals_the_slice_of_the_single_device_init():
     for name, box in tensor.boxes(cfg, mesh).items():
       assert torch.equal(local[name], full[name][box]), name
   assert torch.equal(full['embed_tokens.weight'][cfg.vocab_size:], torch.zeros(512 - 256, 32))
+  moe_cfg = parity.parity_config(moe=4, ep=2, tp=2).model       # experts split over tp 2 and ep 2
+  full = transformer.init(moe_cfg, 5, tp=2)
+  for r in range(4):
+    mesh = meshes.Mesh(tp=2, dp=2, ep=2, rank=r)
+    boxes = tensor.boxes(moe_cfg, mesh)
+    local = transformer.init(moe_cfg, 5, tp=2, boxes=boxes)
+    assert all(torch.equal(local[name], full[name][box]) for name, box in boxes.items()), r
+
+
+def test_a_rank_draws_only_its_experts_rows():
+  """Mixtral-8x7B's up_proj stack [8, 14336, 4096] at tp 32: a rank's box is 1/32 of each expert;
+  it draws 64-row blocks of its own rows, never a block of 64 whole experts (15 GiB)."""
+  spec = transformer.ParamSpec((8, 14336, 4096), 'normal', 0.02)
+  box = (slice(0, 8), slice(448, 896), slice(0, 4096))
+  drawn = []
+  real = transformer.rng.normal
+
+  def recording(shape, *args, **kwargs):
+    drawn.append(shape)
+    return real((1,) + tuple(shape[1:]), *args, **kwargs).expand(shape)   # cheap stand-in values
+
+  with mock.patch.object(transformer.rng, 'normal', recording):
+    out = transformer.init_box(spec, 0, 'layers.0.mlp.experts.up_proj', box)
+  assert out.shape == (8, 448, 4096) and drawn and all(shape == (64, 4096) for shape in drawn)
+  assert len(drawn) == 8 * 448 // 64
 
 
 def _vocab_ops(seed):
