@@ -6,7 +6,7 @@ import torch
 
 from model import layers, lora, moe, transformer
 from numerics import precision
-from parallel import context, mesh as meshes, remat, tensor
+from parallel import context, device as devices, mesh as meshes, remat, tensor
 
 
 def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
@@ -117,8 +117,9 @@ def moe_bytes(config, w, tp, b, n) -> int:
   b E C) kept slots (C the capacity; with EP, a rank's experts receive T on average), f' the
   expert width / t, w bytes per value:
     router input w N h; router logits and probabilities 8 N E (fp32), logsumexp 4 N, top-k
-    indices and weights 12 N k + 4 N; slot indices 24 T (which token, kept, sorted), their
-    weights 4 T; the experts' sorted inputs and outputs 2 w T h, their inner 4 w T f'
+    indices and weights 12 N k + 4 N; slot indices 16 T (slot, token), their weights 4 T (and
+    the grouped GEMM's offsets 4 E); the experts' sorted inputs and outputs 2 w T h, their
+    inner 4 w T f'
     (gate, silu(gate), up, product); under SP the router's own-gradient mask w s (and the
     shared gate's); Qwen2-MoE's shared expert 4 w N f_s' + w N h + w N (inner, output, gate).
   In fixed-size buffers (fixed_buffers: XLA, model.compile) of R rows per expert
@@ -134,7 +135,9 @@ def moe_bytes(config, w, tp, b, n) -> int:
     rows = moe.buffer_rows(m, b, n // b)
     experts = 9 * n * k + w * n * k * (2 * h + 1) + w * (e * rows + 1) * h + 4 * w * e * rows * f
   else:
-    experts = 28 * slots + w * slots * (2 * h + 4 * f)
+    dtype = torch.float32 if w == 4 else torch.bfloat16
+    offsets = 4 * e if moe.grouped_mm_fits(h, f, dtype, devices.kind(config.device)) else 0
+    experts = 20 * slots + offsets + w * slots * (2 * h + 4 * f)
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   shared = m.moe.shared_expert_intermediate_size // tp
   masks = (2 if shared else 1) * w * (n // b) if sp else 0       # own-gradient masks: router, shared gate

@@ -171,15 +171,17 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   return ops.reduce_over_tp(combined.view(b, s, h))
 
 
+def grouped_mm_fits(h, f, dtype, device_type) -> bool:
+  """Whether torch._grouped_mm (CPU in recent torch; CUDA) runs experts of width f on h:
+  fp32 or bf16, rows of 16-byte multiples (its alignment rule)."""
+  per_row = 16 // dtype.itemsize
+  return (hasattr(torch, '_grouped_mm') and device_type in ('cpu', 'cuda') and dtype in (torch.float32, torch.bfloat16)
+          and h % per_row == 0 and f % per_row == 0)
+
+
 def _grouped_mm_fits(x, gate_efh, down_ehf) -> bool:
-  """torch._grouped_mm (torch >= 2.10 on CPU; CUDA) for these tensors: eager, fp32 or bf16,
-  rows of 16-byte multiples (its alignment rule)."""
-  if not hasattr(torch, '_grouped_mm') or x.device.type not in ('cpu', 'cuda') or torch.compiler.is_compiling():
-    return False
-  if x.dtype not in (torch.float32, torch.bfloat16) or gate_efh.dtype != x.dtype or down_ehf.dtype != x.dtype:
-    return False
-  per_row = 16 // x.element_size()
-  return x.shape[-1] % per_row == 0 and gate_efh.shape[1] % per_row == 0 and x.is_contiguous()
+  return (not torch.compiler.is_compiling() and gate_efh.dtype == x.dtype == down_ehf.dtype and x.is_contiguous()
+          and grouped_mm_fits(x.shape[-1], gate_efh.shape[1], x.dtype, x.device.type))
 
 
 def fixed_buffers(cfg, x) -> bool:
