@@ -1,0 +1,79 @@
+"""checkpoint/nxd_files.py: NxD Training's tag directories read without torch-xla: torch-xla's
+own xser files (tests/fixtures/nxd_ckpt/make_xser.py), markers and progress, and damaged or
+incomplete checkpoints ending in one error naming the file and the fix."""
+import os
+import shutil
+
+import pytest
+import torch
+
+from checkpoint import nxd_files
+
+FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'nxd_ckpt', 'xser_tag')
+TAG = 'tiny--step=3-consumed_samples=24.0.ckpt'
+RANK0 = os.path.join('model', 'dp_rank_00_tp_rank_00_pp_rank_00.pt')
+
+
+def _copy(tmp_path):
+  shutil.copytree(FIXTURE, tmp_path / 'ckpts')
+  return tmp_path / 'ckpts' / TAG
+
+
+def test_torch_xla_xser_files_load_with_their_aliases_and_inline_tensors():
+  tag = nxd_files.open_tag(FIXTURE)                       # the checkpoints directory: its newest finished tag
+  assert (tag.name, tag.tp, tag.pp, tag.ep, tag.legacy) == (TAG, 2, 1, 1, False)
+  for r in range(2):
+    state = nxd_files.read_rank(tag, 0, r, 0)
+    o = torch.arange(12.0).view(3, 4) + 100 * r
+    assert torch.equal(state['model.layers.0.self_attn.o_proj.weight'], o) and torch.equal(state['lm_head.weight'], o)
+    assert torch.equal(state['model.norm.weight'], torch.ones(4) + r) and torch.equal(state['step'], torch.tensor(3.0))
+  assert nxd_files.progress(tag) == {'step': 3, 'consumed_samples': 24, 'lr_schedulers': None}
+  assert nxd_files.is_nxd_checkpoint(FIXTURE) and not nxd_files.is_nxd_checkpoint(os.path.dirname(FIXTURE))
+
+
+@pytest.mark.parametrize('damage, message', [
+    (lambda t: os.remove(t / 'done'), 'no `done` marker'),
+    (lambda t: os.remove(t / 'model' / 'dp_rank_00_tp_rank_01_pp_rank_00.pt'), 'missing rank file model/dp_rank_00_tp_rank_01'),
+    (lambda t: _truncate(t / (RANK0 + '.tensors') / 'tensor_0.pt'), 'tensor_0.pt: unreadable xser tensor'),
+    (lambda t: os.remove(t / (RANK0 + '.tensors') / 'tensor_1.pt'), 'its xser tensor 1 is missing'),
+    (lambda t: _truncate(t / RANK0), 'dp_rank_00_tp_rank_00_pp_rank_00.pt: not a readable NxD checkpoint file'),
+])
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, damage, message):
+  tag = _copy(tmp_path)
+  damage(tag)
+  with pytest.raises(nxd_files.NxDCheckpointError, match=message) as raised:
+    t = nxd_files.open_tag(str(tag))
+    for r in range(t.tp):
+      nxd_files.read_rank(t, 0, r, 0)
+  assert '\n' not in str(raised.value)
+
+
+def test_the_newest_finished_tag_is_taken_and_unfinished_ones_named(tmp_path):
+  tag = _copy(tmp_path)
+  later = tag.parent / 'tiny--step=9-consumed_samples=72.0.ckpt'
+  shutil.copytree(tag, later)
+  os.remove(later / 'done')                               # a save that did not finish
+  assert nxd_files.open_tag(str(tag.parent)).name == TAG
+  os.remove(tag / 'done')
+  with pytest.raises(nxd_files.NxDCheckpointError, match=r'no NxD checkpoint tag with a `done` marker.*2 unfinished'):
+    nxd_files.open_tag(str(tag.parent))
+
+
+class _Payload:
+  def __reduce__(self):
+    return (os.system, ('touch ' + _Payload.target,))
+
+
+def test_user_content_is_read_without_running_what_it_names(tmp_path):
+  tag = _copy(tmp_path)
+  _Payload.target = str(tmp_path / 'ran')
+  torch.save({'global_step': 7, 'callbacks': _Payload(), 'lr_schedulers': [{'last_epoch': 7}]}, tag / 'user_content.pt')
+  progress = nxd_files.progress(nxd_files.open_tag(str(tag)))
+  assert progress['step'] == 7 and progress['lr_schedulers'] == [{'last_epoch': 7}]
+  assert not os.path.exists(tmp_path / 'ran')
+
+
+def _truncate(path):
+  size = os.path.getsize(path)
+  with open(path, 'r+b') as f:
+    f.truncate(size // 2)

@@ -1,0 +1,99 @@
+"""checkpoint/nxd_params.py (and nxd_write.py's split, its inverse): NxD Training's model
+shards -> flatron's parameters, at tp 2 / 4, pp 1 / 2, kv_replicator 1 / 2, trn1 and trn2 head
+orders, Mixtral at tp 2 x ep 2; the logits equal transformers' on the source model. Where each
+rank's rows sit is pinned against NxD's modules as read in NxD Core 2.26 (qkv_linear.py,
+parallel_state.py's kv-shared groups, layers.py's strided ColumnParallelLinear, ExpertMLPs)."""
+import pytest
+import torch
+
+from checkpoint import nxd_files, nxd_params, nxd_write
+from model import hf, transformer
+from tests.test_hf import BASE_MODEL, VOCAB, family_model, random_tokens
+
+transformers = pytest.importorskip('transformers')
+
+LAYOUTS = {   # name: (tp, pp, kv_replicator, hw)
+    'tp2': (2, 1, 1, 'trn1'),
+    'tp4_pp2_rep2_trn1': (4, 2, 2, 'trn1'),
+    'tp4_rep2_trn2': (4, 1, 2, 'trn2'),
+}
+
+
+@pytest.fixture(scope='module')
+def llama(tmp_path_factory):
+  """A GQA Llama (8 query heads, 2 KV heads, 3 layers) and flatron's import of it."""
+  model = family_model('llama', dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3))
+  path = tmp_path_factory.mktemp('hf')
+  model.save_pretrained(path, safe_serialization=True)
+  cfg, params = hf.load_hf(str(path), BASE_MODEL)
+  return model, cfg, params
+
+
+def _round_trip(tmp_path, cfg, params, tp, pp=1, ep=1, rep=1, hw='trn1'):
+  shards = nxd_write.split(params, cfg, tp, pp, ep, rep, hw)
+  tag = nxd_write.write_tag(str(tmp_path), shards, 'hf_llama', 12, 96)
+  return shards, nxd_params.merge(nxd_files.open_tag(tag), cfg, hw)
+
+
+@pytest.mark.parametrize('layout', sorted(LAYOUTS))
+def test_shards_merge_back_to_the_model_and_its_logits(llama, tmp_path, layout):
+  model, cfg, params = llama
+  tp, pp, rep, hw = LAYOUTS[layout]
+  _, merged = _round_trip(tmp_path, cfg, params, tp, pp, rep=rep, hw=hw)
+  assert merged.keys() == params.keys() and all(torch.equal(merged[n], params[n]) for n in params)
+  tokens = random_tokens(3)
+  with torch.no_grad():
+    ours = transformer.forward(merged, tokens, cfg)[..., :VOCAB]
+    theirs = model(tokens).logits
+  assert (ours - theirs).abs().max().item() < 1e-5
+
+
+def test_where_nxd_puts_each_head():
+  """tp 4, 8 query and 2 KV heads, kv_replicator 2 (head_dim 8): trn1's kv-shared groups are
+  ranks {g, g + 2}, rank r holding KV head r % 2 and query block (r % 2) x 2 + r // 2; trn2's are
+  adjacent ranks, rank r holding KV head r // 2 and query heads 2r, 2r + 1; rows [Q | K | V]."""
+  cfg = family_model('llama', dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)).config
+  m = hf.config_from_hf(cfg.to_dict(), BASE_MODEL)
+  d, h = 8, 64
+  params = {n: torch.zeros(s.shape) for n, s in transformer.param_specs(m, adapters=False).items()}
+  params['layers.0.self_attn.q_proj.weight'] = torch.arange(8).repeat_interleave(d)[:, None].float().expand(64, h)
+  params['layers.0.self_attn.k_proj.weight'] = 100 + torch.arange(2).repeat_interleave(d)[:, None].float().expand(16, h)
+  params['layers.0.self_attn.v_proj.weight'] = 200 + torch.arange(2).repeat_interleave(d)[:, None].float().expand(16, h)
+  for hw, q_heads, kv_head in (('trn1', [[0, 1], [4, 5], [2, 3], [6, 7]], [0, 1, 0, 1]),
+                               ('trn2', [[0, 1], [2, 3], [4, 5], [6, 7]], [0, 0, 1, 1])):
+    shards = nxd_write.split(params, m, 4, kv_replicator=2, hw=hw)
+    for r in range(4):
+      rows = shards[(0, r, 0)]['model.layers.0.self_attn.qkv_proj.weight_qkv'][:, 0].view(-1, d)[:, 0].tolist()
+      assert rows == q_heads[r] + [100 + kv_head[r], 200 + kv_head[r]], (hw, r, rows)
+
+
+def test_the_wrong_hardware_order_is_refused_naming_the_right_one(llama, tmp_path):
+  _, cfg, params = llama
+  tag = nxd_write.write_tag(str(tmp_path), nxd_write.split(params, cfg, 4, kv_replicator=2, hw='trn2'), 'm', 1, 8)
+  with pytest.raises(nxd_files.NxDCheckpointError, match='pass hw=trn2'):
+    nxd_params.merge(nxd_files.open_tag(tag), cfg, 'trn1')
+
+
+def test_a_config_of_another_model_is_refused_with_both_shapes(llama, tmp_path):
+  _, cfg, params = llama
+  tag = nxd_write.write_tag(str(tmp_path), nxd_write.split(params, cfg, 2), 'm', 1, 8)
+  other = cfg.copy_and_resolve_references()
+  other.ffn_hidden_size = 128
+  with pytest.raises(nxd_files.NxDCheckpointError, match=r'gate_proj.weight is \(96, 64\) in the checkpoint, \(128, 64\)'):
+    nxd_params.merge(nxd_files.open_tag(tag), other)
+
+
+def test_mixtral_at_tp2_ep2_merges_to_transformers_logits(tmp_path):
+  from tests.test_moe import hf_model  # pylint: disable=import-outside-toplevel
+  model = hf_model('mixtral')
+  model.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  cfg, params = hf.load_hf(str(tmp_path / 'hf'), BASE_MODEL)
+  shards, merged = _round_trip(tmp_path / 'nxd', cfg, params, 2, ep=2)
+  up = shards[(1, 1, 0)]['model.layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight']
+  assert up.shape == (2, 64, 48)               # [E / ep, h, 2 f / tp]: gate | up halves, input-major
+  assert torch.equal(up[0, :, 24:], params['layers.0.mlp.experts.up_proj'][2, 24:48].T)
+  assert 'model.layers.0.mlp.router.linear_router.weight' not in shards[(1, 0, 0)]   # ep rank 0's only
+  assert all(torch.equal(merged[n], params[n]) for n in params)
+  tokens = random_tokens(4, b=1)
+  with torch.no_grad():
+    assert (transformer.forward(merged, tokens, cfg)[..., :VOCAB] - model(tokens).logits).abs().max().item() < 1e-5
