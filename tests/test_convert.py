@@ -1,4 +1,5 @@
-"""tools/convert.py: HF -> flatron checkpoint -> HF is bit-exact, and the checkpoint trains."""
+"""tools/convert.py: HF -> flatron checkpoint -> HF is bit-exact, and the checkpoint trains; NxD
+checkpoints both ways at another layout, bit-exact, with their step; bad input exits 2, writing nothing."""
 import json
 import os
 import sys
@@ -52,7 +53,8 @@ def test_the_command_line_takes_the_subcommand_first_and_names_a_wrong_one(tmp_p
   assert done.returncode == 0 and done.stdout == f'{tmp_path / "ckpt" / "step_00000000"}\n', done.stderr
   done = procs.run(cli + ['hf-to-peft', '--src=a', '--dst=b'], timeout=120)
   assert done.returncode == 2 and done.stderr == ("error: unknown subcommand 'hf-to-peft'; the subcommands are "
-                                                  'hf-to-flatron, flatron-to-hf, export-peft, merge-peft\n')
+                                                  'hf-to-flatron, flatron-to-hf, export-peft, merge-peft, '
+                                                  'nxd-to-hf, nxd-to-flatron, flatron-to-nxd\n')
   for argv, base, says in (([], None, 'name a subcommand'), (['export-peft', 'x'], None, 'unexpected arguments x'),
                            (['merge-peft'], None, 'merge-peft needs --base'),
                            (['export-peft'], 'b', '--base is for merge-peft only')):
@@ -143,3 +145,33 @@ def test_an_export_carries_the_run_tokenizer_when_there_is_no_source_model(kind,
   assert theirs.eos_token_id == ours.eos_id
   assert json.load(open(tmp_path / 'hf' / 'config.json'))['eos_token_id'] == ours.eos_id
   assert json.load(open(tmp_path / 'hf' / 'generation_config.json'))['eos_token_id'] == ours.eos_id
+
+
+def test_nxd_checkpoints_convert_both_ways_at_any_layout(tmp_path):
+  c = llama_tiny.get_config('test')
+  c.model.vocab_size, c.model.num_attention_heads, c.model.num_kv_heads = 300, 4, 2
+  params = transformer.init(c.model, 3)
+  hf.save_hf(str(tmp_path / 'hf'), c.model, params)
+  step = convert.hf_to_flatron(str(tmp_path / 'hf'), str(tmp_path / 'ckpt'))
+  cli = [sys.executable, '-m', 'tools.convert']
+  done = procs.run(cli + ['flatron-to-nxd', f'--src={step}', f'--dst={tmp_path / "nxd"}', '--tp=4', '--pp=2',
+                          '--kv_replicator=2', '--hw=trn2'], timeout=120)
+  assert done.returncode == 0, done.stderr
+  tag = done.stdout.strip()
+  assert tag.endswith('--step=0-consumed_samples=0.0.ckpt') and os.path.exists(os.path.join(tag, 'done'))
+  assert len(os.listdir(os.path.join(tag, 'model'))) == 8          # tp 4 x pp 2 rank files
+  config_json = str(tmp_path / 'hf' / 'config.json')
+  done = procs.run(cli + ['nxd-to-hf', f'--src={tmp_path / "nxd"}', f'--model_config={config_json}',
+                          f'--dst={tmp_path / "back"}', '--hw=trn2'], timeout=120)
+  assert done.returncode == 0, done.stderr
+  before, after = load_file(str(tmp_path / 'hf' / 'model.safetensors')), load_file(str(tmp_path / 'back' / 'model.safetensors'))
+  assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+  flat = convert.nxd_to_flatron(tag, str(tmp_path / 'flat'), config_json, 'trn2')
+  assert 'step_00000000' in flat and 'optimizer state not carried' in flat
+  for argv, says in ((['nxd-to-hf', f'--src={tag}', f'--dst={tmp_path / "x"}'], 'needs --model_config'),
+                     (['nxd-to-hf', f'--src={tag}', f'--model_config={config_json}', f'--dst={tmp_path / "x"}',
+                       '--hw=trn1'], 'pass hw=trn2')):
+    done = procs.run(cli + argv, timeout=120)
+    assert done.returncode == 2 and says in done.stderr and done.stderr.count('\n') == 1, done.stderr
+    assert not os.path.exists(tmp_path / 'x')
+

@@ -4,13 +4,20 @@
     python -m tools.convert flatron-to-hf --src=runs/ft/checkpoints/step_00001000 --dst=/models/out
     python -m tools.convert export-peft --src=runs/lora/checkpoints/step_00000100 --dst=/adapters/mine
     python -m tools.convert merge-peft --src=/adapters/mine --base=/models/llama --dst=/models/merged
+    python -m tools.convert nxd-to-hf --src=nxd_run/checkpoints --model_config=llama/config.json --dst=/models/out
+    python -m tools.convert nxd-to-flatron --src=nxd_run/checkpoints --model_config=... --dst=runs/from_nxd/checkpoints
+    python -m tools.convert flatron-to-nxd --src=runs/ft/checkpoints --dst=nxd_run/checkpoints --tp=32 --kv_replicator=4
 
 A converted checkpoint is step 0 with parameters only; train from it with
 `--config.exp_manager.init_from=<dst>/step_00000000` (or point init_from at the HF directory
 directly: no conversion needed). Layout-free: any TP/PP/DP degree loads it. flatron-to-hf of
 a LoRA step writes the merged model (W + scaling B A; the base comes from the run's init_from);
 export-peft writes its adapters as a peft directory (`PeftModel.from_pretrained` loads it);
-merge-peft folds any peft LoRA directory into its HF base.
+merge-peft folds any peft LoRA directory into its HF base. nxd-* read an NxD Training checkpoint
+(a tag directory, or the directory of tags: its newest finished one) at whatever layout it was
+saved, with no torch-xla; nxd-to-flatron keeps its step and consumed samples (parameters only:
+NxD's optimizer files are not carried, and the run says so). flatron-to-nxd writes NxD's
+HF-style modules at the --tp / --pp / --ep / --kv_replicator / --hw given (checkpoint/nxd_*.py).
 """
 import json
 import os
@@ -18,7 +25,7 @@ import os
 from absl import app, flags
 
 import tools
-from checkpoint import manager as managers, state as states, steps as checkpoint_steps
+from checkpoint import manager as managers, nxd_files, nxd_params, nxd_write, state as states, steps as checkpoint_steps
 from configs import base as base_config
 from data import tokenizer as tokenizers
 from model import adapters, hf, lora
@@ -26,20 +33,53 @@ from optim import update
 from parallel import mesh as meshes
 
 FLAGS = flags.FLAGS
-COMMANDS = ('hf-to-flatron', 'flatron-to-hf', 'export-peft', 'merge-peft')
+COMMANDS = ('hf-to-flatron', 'flatron-to-hf', 'export-peft', 'merge-peft', 'nxd-to-hf', 'nxd-to-flatron', 'flatron-to-nxd')
+NXD_FROM = ('nxd-to-hf', 'nxd-to-flatron')
 
 
 def hf_to_flatron(src, dst):
   """Write the HF model as step 0 of the checkpoint root `dst`; returns the step path."""
   config = base_config.get_config()             # the saved config: defaults around the HF model
   config.model, params = hf.load_hf(src, config.model)
+  return _save_step(config, params, dst, 0, 0, converted_from=src)
+
+
+def read_nxd(src, model_config, hw):
+  """(config, parameters, progress) of the NxD checkpoint `src`: the model from `model_config`
+  (an HF config.json or directory), the parameters merged from whatever layout it was saved at."""
+  config = base_config.get_config()
+  config.model = hf.read_config(model_config, config.model)
+  tag = nxd_files.open_tag(src)
+  return config, nxd_params.merge(tag, config.model, hw), dict(nxd_files.progress(tag), tag=tag)
+
+
+def nxd_to_flatron(src, dst, model_config, hw):
+  """NxD checkpoint `src` as a flatron step at its own step number (parameters only)."""
+  config, params, progress = read_nxd(src, model_config, hw)
+  step = _save_step(config, params, dst, progress['step'], progress['consumed_samples'] or 0,
+                    converted_from=progress['tag'].path)
+  return (f'{step} (step {progress["step"]}, {progress["consumed_samples"]} samples consumed; from tp '
+          f'{progress["tag"].tp} pp {progress["tag"].pp} ep {progress["tag"].ep}; optimizer state not carried: '
+          'moments start at zero)')
+
+
+def flatron_to_nxd(src, dst, tp, pp, ep, kv_replicator, hw):
+  """Checkpoint step `src` as an NxD Training tag under `dst` (HF-style modules)."""
+  config, params = states.read_model(src)
+  meta = checkpoint_steps.read_metadata(states.resolve_step(src))
+  shards = nxd_write.split(lora.merged(params, config.model), config.model, tp, pp, ep, kv_replicator, hw)
+  step = int(os.path.basename(states.resolve_step(src)).rsplit('_', 1)[-1])
+  return nxd_write.write_tag(dst, shards, config.name or 'flatron', step, meta.get('consumed_samples', 0))
+
+
+def _save_step(config, params, dst, step, consumed, **extra):
   updater = update.Updater(params, config, meshes.Mesh())
   layout = states.StateLayout(config, meshes.Mesh(), updater, state_keys=())
   manager = managers.CheckpointManager(dst)
-  manager.save(0, layout.local_tensors(), layout.layouts(),
-               states.step_metadata(config, meshes.Mesh(), 0, (), 0, converted_from=src))
+  manager.save(step, layout.local_tensors(), layout.layouts(),
+               states.step_metadata(config, meshes.Mesh(), consumed, (), 0, **extra))
   manager.wait()
-  return manager.step_path(0)
+  return manager.step_path(step)
 
 
 def provenance(step):
@@ -108,6 +148,12 @@ def define_flags():
   flags.DEFINE_string('src', None, 'HF directory, flatron checkpoint step, or peft directory (merge-peft).')
   flags.DEFINE_string('dst', None, 'Checkpoint root (hf-to-flatron), HF directory, or peft directory.')
   flags.DEFINE_string('base', None, 'merge-peft: the HF directory of the adapter\'s base model.')
+  flags.DEFINE_string('model_config', None, 'nxd-to-*: the model\'s HF config.json (or its directory).')
+  flags.DEFINE_enum('hw', 'trn1', nxd_params.HW, 'nxd-*: the Trainium generation (its KV head order with kv_replicator).')
+  flags.DEFINE_integer('tp', 1, 'flatron-to-nxd: tensor-parallel degree.')
+  flags.DEFINE_integer('pp', 1, 'flatron-to-nxd: pipeline-parallel degree.')
+  flags.DEFINE_integer('ep', 1, 'flatron-to-nxd: expert-parallel degree.')
+  flags.DEFINE_integer('kv_replicator', 1, 'flatron-to-nxd: NxD\'s kv_replicator (tp / num_kv_heads when tp exceeds them).')
 
 
 def check_command_line(argv, src, dst, base):
@@ -123,6 +169,8 @@ def check_command_line(argv, src, dst, base):
     tools.fail(f'unexpected arguments {" ".join(argv[2:])}: one subcommand, then flags: {usage}')
   if not (src and dst):
     tools.fail(f'{command} needs --src and --dst: {usage}')
+  if command in NXD_FROM and not FLAGS.model_config:
+    tools.fail(f'{command} needs --model_config (the model\'s HF config.json: NxD checkpoints hold no config)')
   if (command == 'merge-peft') != bool(base):
     tools.fail('merge-peft needs --base (the adapter\'s HF base model)' if command == 'merge-peft'
                else f'--base is for merge-peft only; leave it out of {command}')
@@ -134,6 +182,20 @@ def main(argv):
   if command == 'hf-to-flatron':
     print(hf_to_flatron(FLAGS.src, FLAGS.dst))
     return
+  try:
+    if command == 'nxd-to-hf':
+      config, params, progress = read_nxd(FLAGS.src, FLAGS.model_config, FLAGS.hw)
+      hf.save_hf(FLAGS.dst, config.model, params)
+      print(f'{FLAGS.dst} (step {progress["step"]} of {progress["tag"].path})')
+      return
+    if command == 'nxd-to-flatron':
+      print(nxd_to_flatron(FLAGS.src, FLAGS.dst, FLAGS.model_config, FLAGS.hw))
+      return
+    if command == 'flatron-to-nxd':
+      print(flatron_to_nxd(FLAGS.src, FLAGS.dst, FLAGS.tp, FLAGS.pp, FLAGS.ep, FLAGS.kv_replicator, FLAGS.hw))
+      return
+  except (nxd_files.NxDCheckpointError, ValueError, FileNotFoundError) as e:
+    tools.fail(str(e))
   if command == 'merge-peft':
     carried = merge_peft(FLAGS.src, FLAGS.base, FLAGS.dst)
   else:
