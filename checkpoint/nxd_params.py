@@ -38,9 +38,11 @@ def _shards(tag):
   return out
 
 
-def merge(tag, model_cfg, hw='trn1') -> dict:
-  """flatron's global parameters (vocab padded as ours) from an NxD tag's model shards."""
-  if hw not in HW:
+def merge(tag, model_cfg, hw=None) -> dict:
+  """flatron's global parameters (vocab padded as ours) from an NxD tag's model shards. `hw`
+  (trn1 | trn2) orders the heads when KV heads were replicated; None: the one whose replica
+  groups hold equal copies (each layout groups other ranks)."""
+  if hw is not None and hw not in HW:
     raise nxd_files.NxDCheckpointError(f'hw={hw!r}: one of {HW} (the hardware the checkpoint was trained on)')
   shards = _shards(tag)
   tp, ep = tag.tp, tag.ep
@@ -122,8 +124,20 @@ def _attention(take, has, n, tp, m, d, hw, where):
   if per_rank_kv != 1:
     raise nxd_files.NxDCheckpointError(f'{where}: {per_rank_kv} KV heads per rank with kv_replicator {rep}: NxD '
                                        'replicates KV heads only to one per rank (kv_replicator = tp / num_kv_heads)')
-  owner = (lambda r: r % kv) if hw == 'trn1' else (lambda r: r // rep)
-  _check_replicas(k_r, v_r, owner, kv, hw, where)
+  owners = {'trn1': lambda r: r % kv, 'trn2': lambda r: r // rep}
+  fits = [h for h in HW if _replicas_agree(k_r, v_r, owners[h], kv)]
+  if hw is None and not fits:
+    raise nxd_files.NxDCheckpointError(
+        f'{where}: with kv_replicator {rep} neither trn1\'s nor trn2\'s replica groups hold equal K/V copies (a trn2 '
+        'run started from NxD\'s own random init has no single KV head per group to recover)')
+  if hw is not None and hw not in fits:
+    other = HW[1 - HW.index(hw)]
+    raise nxd_files.NxDCheckpointError(
+        f'{where}: the ranks that hold each KV head under {hw}\'s layout hold different K/V rows'
+        + (f'; the checkpoint is in {other}\'s order: pass hw={other} (--hw={other})' if other in fits else
+           ' (nor do trn2\'s or trn1\'s: a trn2 run from NxD\'s own random init has no single KV head per group)'))
+  hw = hw or fits[0]
+  owner = owners[hw]
   block = (lambda r: (r % kv) * rep + r // kv) if hw == 'trn1' else (lambda r: r)
   order = sorted(range(tp), key=block)
   first = {owner(r): r for r in reversed(range(tp))}
@@ -153,16 +167,13 @@ def _qkv(take, has, n, r, q_heads, d):
   raise nxd_files.NxDCheckpointError(f'no attention weights beside {n["o"]} on tp rank {r}')
 
 
-def _check_replicas(k_r, v_r, owner, kv, hw, where):
-  """Every rank said to hold KV head g must hold the same K and V: the kv_replicator copies."""
+def _replicas_agree(k_r, v_r, owner, kv):
+  """Whether every rank `owner` says holds KV head g holds the same K and V (the copies)."""
   for g in range(kv):
     group = [r for r in range(len(k_r)) if owner(r) == g]
-    if any(not torch.equal(k_r[r], k_r[group[0]]) or not torch.equal(v_r[r], v_r[group[0]]) for r in group):
-      other = HW[1 - HW.index(hw)]
-      raise nxd_files.NxDCheckpointError(
-          f'{where}: the ranks that hold KV head {g} under {hw}\'s layout ({group}) hold different K/V rows; '
-          f'if the run was on {other}, pass hw={other} (--hw={other}); a trn2 run started from NxD\'s own random '
-          'init with kv_replicator > 1 has no single KV head per group to recover')
+    if not group or any(not torch.equal(k_r[r], k_r[group[0]]) or not torch.equal(v_r[r], v_r[group[0]]) for r in group):
+      return False
+  return True
 
 
 def _hf_names(i):

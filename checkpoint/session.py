@@ -20,7 +20,8 @@ import threading
 
 import torch.distributed as dist
 
-from checkpoint import manager as managers, preemption, state as states, steps as checkpoint_steps, storage, store
+from checkpoint import (manager as managers, nxd_files, nxd_params, preemption, state as states, steps as checkpoint_steps,
+                        storage, store)
 from model import adapters, hf, lora, transformer
 from parallel import comm
 
@@ -87,8 +88,14 @@ class Session:
   def restore_or_init(self):
     """Resume (params, optimizer, data position) or load init_from weights. -> (step, consumed)."""
     e = self.config.exp_manager
-    candidates = self.manager.candidates(e.resume_if_exists, e.resume_ignore_no_checkpoint,
-                                         e.resume_from_checkpoint)
+    nxd = bool(e.resume_from_checkpoint) and nxd_files.is_nxd_checkpoint(e.resume_from_checkpoint)
+    # an NxD checkpoint to start from: this run's own steps, once it has saved some, come first
+    if nxd:
+      candidates = self.manager.candidates(True, True, None) if self.manager.committed_steps() else []
+    else:
+      candidates = self.manager.candidates(e.resume_if_exists, e.resume_ignore_no_checkpoint, e.resume_from_checkpoint)
+    if not candidates and nxd:
+      return self._resume_from_nxd(e.resume_from_checkpoint)
     if candidates:
       meta = checkpoint_steps.read_metadata(candidates[0])
       names = self._resume_names(candidates[0], meta)
@@ -107,6 +114,27 @@ class Session:
     if peft is not None and peft.load_lora_from_ckpt:
       self._load_adapters(lora.adapter_source(peft))
     return 0, 0
+
+  def _resume_from_nxd(self, path):
+    """Parameters, step and consumed samples of an NxD Training checkpoint, at this run's layout
+    (each process reads the checkpoint whole: for a large model convert it once with
+    tools.convert nxd-to-flatron and resume from that)."""
+    tag = nxd_files.open_tag(path)
+    merged = nxd_params.merge(tag, self.config.model)
+    progress = nxd_files.progress(tag)
+    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    layout = states.StateLayout(self.config, self.mesh, self.updater, names=[n for n in specs if not lora.is_adapter(n)],
+                                weights_only=True)
+    layout.restore({n: merged[n][tuple(box)] for n, box in layout.requests().items() if n in merged}, 0,
+                   weights_only=True)
+    step, consumed = progress['step'], progress['consumed_samples']
+    if consumed is None:
+      consumed = step * self.config.data.global_batch_size
+      logging.warning('%s: its name holds no consumed_samples; taking step x global_batch_size = %d', tag.path, consumed)
+    logging.warning('resumed from NxD checkpoint %s: step %d, consumed_samples %d (saved at tp %d pp %d ep %d); '
+                    'optimizer state not carried: moments start at zero', tag.path, step, consumed, tag.tp, tag.pp,
+                    tag.ep)
+    return step, consumed
 
   def starting_adapters(self, params):
     """`params` (fresh boxes of this rank's trainable parameters: adapters, trained biases) with
@@ -174,7 +202,10 @@ class Session:
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=[n for n in specs if not lora.is_adapter(n)],
                                 weights_only=True)
     requests = layout.requests()
-    if storage.read_text(path, 'config.json') is not None and not checkpoint_steps.is_committed(path):
+    if not storage.is_remote(path) and nxd_files.is_nxd_checkpoint(path):       # NxD Training's tag (any layout)
+      merged = nxd_params.merge(nxd_files.open_tag(path), self.config.model)
+      arrays = {n: merged[n][tuple(box)] for n, box in requests.items() if n in merged}
+    elif storage.read_text(path, 'config.json') is not None and not checkpoint_steps.is_committed(path):
       hf_model = hf.read_config(path, self.config.model)
       self._check_same_model(hf_model)
       arrays = hf.read_boxes(path, hf_model, requests)   # this rank's boxes only

@@ -40,6 +40,8 @@ def test_shards_merge_back_to_the_model_and_its_logits(llama, tmp_path, layout):
   model, cfg, params = llama
   tp, pp, rep, hw = LAYOUTS[layout]
   _, merged = _round_trip(tmp_path, cfg, params, tp, pp, rep=rep, hw=hw)
+  again = nxd_params.merge(nxd_files.open_tag(str(tmp_path)), cfg)          # the order found from the replicas
+  assert all(torch.equal(again[n], merged[n]) for n in merged)
   assert merged.keys() == params.keys() and all(torch.equal(merged[n], params[n]) for n in params)
   tokens = random_tokens(3)
   with torch.no_grad():

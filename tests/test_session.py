@@ -307,3 +307,38 @@ def test_init_from_hugging_face_loads_the_weights(tmp_path):
   c.model.num_layers = 3
   with pytest.raises(managers.IncompatibleCheckpoint, match='model.num_layers: config 3 vs checkpoint 2'):
     train.run(c, str(tmp_path / 'run2'))
+
+
+def test_an_nxd_checkpoint_resumes_at_this_run_s_layout_with_its_step_and_samples(tmp_path, caplog):
+  """resume_from_checkpoint naming an NxD Training checkpoint (saved at tp 2 x pp 2 here): the
+  run starts from its weights at its step and data position, says the optimizer starts fresh,
+  and once it has saved steps of its own resumes from those."""
+  import train  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  from checkpoint import nxd_write  # pylint: disable=import-outside-toplevel
+  from model import transformer  # pylint: disable=import-outside-toplevel
+  c = parity.parity_config()
+  weights = transformer.init(c.model, 11)
+  nxd_write.write_tag(str(tmp_path / 'nxd'), nxd_write.split(weights, c.model, 2, 2), 'tiny', 5, 5 * c.data.global_batch_size)
+  c.exp_manager.resume_from_checkpoint = str(tmp_path / 'nxd')
+  c.trainer.max_steps, c.model.optim.lr, c.model.optim.sched.min_lr, c.trainer.gradient_clip_val = 7, 1e-12, 0.0, 0.0
+  c.exp_manager.create_checkpoint_callback = True
+  c.exp_manager.checkpoint_callback_params.every_n_train_steps = 7
+  with caplog.at_level('INFO'):
+    _, params = train.run(c, str(tmp_path / 'run'))
+  assert 'resumed from NxD checkpoint' in caplog.text and 'optimizer state not carried' in caplog.text
+  steps = [json.loads(line)['step'] for line in open(tmp_path / 'run' / 'metrics.jsonl') if '"loss"' in line]
+  assert steps == [6, 7]
+  vocab = c.model.vocab_size
+  for name, value in weights.items():
+    torch.testing.assert_close(params[name].detach()[:vocab], value.detach()[:vocab], atol=1e-6, rtol=0)
+  c.trainer.max_steps = 8
+  caplog.clear()
+  with caplog.at_level('INFO'):
+    train.run(c, str(tmp_path / 'run'))
+  assert 'resumed from' in caplog.text and 'NxD checkpoint' not in caplog.text        # its own step 7
+  c.exp_manager.resume_from_checkpoint, c.exp_manager.init_from = None, str(tmp_path / 'nxd')   # weight_init_only
+  c.trainer.max_steps, c.model.optim.sched.warmup_steps = 1, 0
+  _, params = train.run(c, str(tmp_path / 'fine_tune'))
+  for name, value in weights.items():
+    torch.testing.assert_close(params[name].detach()[:vocab], value.detach()[:vocab], atol=1e-6, rtol=0)
