@@ -65,7 +65,8 @@ def _pipeline_cuts(names):
 
 
 TORCHRUN = 'processes come from torchrun (--nproc_per_node x --nnodes); dp is what tp x pp leave of them'
-XSER = 'checkpoints are tensorstore arrays, layout-free and async; xser is torch-xla serialization'
+XSER = ('flatron saves tensorstore arrays, layout-free and async; NxD checkpoints, xser or not, are read '
+        'either way (resume_from_checkpoint)')
 MANUAL = 'read only with precision.type=manual (as in NxD Training)'
 XLA_DTYPE = 'flatron casts per tensor; no XLA_USE_BF16-style global downcast'
 

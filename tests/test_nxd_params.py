@@ -3,6 +3,10 @@ shards -> flatron's parameters, at tp 2 / 4, pp 1 / 2, kv_replicator 1 / 2, trn1
 orders, Mixtral at tp 2 x ep 2; the logits equal transformers' on the source model. Where each
 rank's rows sit is pinned against NxD's modules as read in NxD Core 2.26 (qkv_linear.py,
 parallel_state.py's kv-shared groups, layers.py's strided ColumnParallelLinear, ExpertMLPs)."""
+import json
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -99,3 +103,77 @@ def test_mixtral_at_tp2_ep2_merges_to_transformers_logits(tmp_path):
   tokens = random_tokens(4, b=1)
   with torch.no_grad():
     assert (transformer.forward(merged, tokens, cfg)[..., :VOCAB] - model(tokens).logits).abs().max().item() < 1e-5
+
+
+# --- against NxD Core's own code (tests/fixtures/nxd_ckpt/nxd_core/README.md) -----------------
+
+NXD_CORE = os.path.join(os.path.dirname(__file__), 'fixtures', 'nxd_ckpt', 'nxd_core')
+
+
+def _converter_case(tmp_path, case):
+  """(tag, model config, flatron params of the source HF model) of one of NxD's converter outputs."""
+  src = os.path.join(NXD_CORE, case)
+  tag = tmp_path / 'm--step=2-consumed_samples=4.0.ckpt'
+  shutil.copytree(os.path.join(src, 'model'), tag / 'model')
+  (tag / 'done').write_text('1')
+  hf_config = json.load(open(os.path.join(src, 'config.json')))
+  hf_config.update(architectures=['LlamaForCausalLM'], tie_word_embeddings=False)
+  cfg = hf.config_from_hf(hf_config, BASE_MODEL)
+  full = torch.load(os.path.join(src, 'full.pt'), weights_only=True)
+  params = {n.removeprefix('model.'): t for n, t in full.items()}
+  return str(tag), cfg, params
+
+
+def test_nxd_s_converter_output_at_tp4_trn1_merges_to_its_source_and_nxd_write_writes_the_same(tmp_path):
+  tag, cfg, params = _converter_case(tmp_path, 'converter_tp4_m2_trn1')
+  merged = nxd_params.merge(nxd_files.open_tag(tag), cfg)
+  assert all(torch.equal(merged[n][:cfg.vocab_size], params[n]) for n in params)
+  ours = nxd_write.split(merged, cfg, 4, kv_replicator=2, hw='trn1')
+  for r in range(4):
+    theirs = torch.load(os.path.join(tag, 'model', f'dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt'), weights_only=True)
+    assert ours[(0, r, 0)].keys() == theirs.keys() and all(torch.equal(ours[(0, r, 0)][k], theirs[k]) for k in theirs)
+
+
+def test_nxd_s_trn2_converter_output_is_read_as_the_model_it_computes(tmp_path):
+  """NxD's converter writes trn2 at kv_replicator 2 with the queries in order but trn1's tiled
+  K/V (rank r: query head r, KV head r % 2), so NxD computes query head 1 with KV head 1: the
+  merge groups each rank's queries with the KV copy it holds, the function that checkpoint has."""
+  tag, cfg, params = _converter_case(tmp_path, 'converter_tp4_m2_trn2')
+  merged = nxd_params.merge(nxd_files.open_tag(tag), cfg)
+  d, order = 8, [0, 2, 1, 3]                      # the query heads grouped by the KV head beside them
+  q = params['layers.0.self_attn.q_proj.weight'].view(4, d, -1)[order].reshape(32, -1)
+  o = params['layers.0.self_attn.o_proj.weight'].view(-1, 4, d)[:, order].reshape(-1, 32)
+  assert torch.equal(merged['layers.0.self_attn.q_proj.weight'], q) and torch.equal(merged['layers.0.self_attn.o_proj.weight'], o)
+  assert torch.equal(merged['layers.0.self_attn.k_proj.weight'], params['layers.0.self_attn.k_proj.weight'])
+  with pytest.raises(nxd_files.NxDCheckpointError, match="in trn1's order: pass hw=trn1"):
+    nxd_params.merge(nxd_files.open_tag(tag), cfg, 'trn2')
+
+
+def test_a_trn2_random_init_with_kv_replicator_is_refused(tmp_path):
+  """NxD's GQAQKVColumnParallelLinear initialized on trn2 with kv_size_multiplier 2 repeats K/V
+  rows, not heads: no rank pair holds one KV head, so no HF model has these weights."""
+  tag, cfg, _ = _converter_case(tmp_path, 'converter_tp4_m2_trn1')
+  for r in range(4):
+    path = os.path.join(tag, 'model', f'dp_rank_00_tp_rank_{r:02d}_pp_rank_00.pt')
+    state = torch.load(path, weights_only=True)
+    state['model.layers.0.self_attn.qkv_proj.weight_qkv'] = torch.load(
+        os.path.join(NXD_CORE, 'gqa_tp4_m2_trn2', f'rank_{r}.pt'), weights_only=True)['weight_qkv']
+    torch.save(state, path)
+  with pytest.raises(nxd_files.NxDCheckpointError, match="neither trn1's nor trn2's replica groups"):
+    nxd_params.merge(nxd_files.open_tag(tag), cfg)
+
+
+def test_nxd_write_holds_the_experts_as_nxd_s_expert_mlps_does():
+  """ExpertMLPs(4 experts, h 32, f 16) at tp 2, initialized by NxD from known weights."""
+  full = torch.load(os.path.join(NXD_CORE, 'expert_mlps_e4_tp2_ep1', 'full.pt'), weights_only=True)
+  cfg = hf.config_from_hf(dict(architectures=['MixtralForCausalLM'], model_type='mixtral', hidden_size=32,
+                               intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                               vocab_size=64, num_local_experts=4, num_experts_per_tok=2), BASE_MODEL)
+  params = {n: torch.zeros(s.shape) for n, s in transformer.param_specs(cfg, adapters=False).items()}
+  params.update({'layers.0.mlp.experts.' + n: full[n + '.weight'] for n in ('gate_proj', 'up_proj', 'down_proj')})
+  shards = nxd_write.split(params, cfg, 2)
+  for r in range(2):
+    theirs = torch.load(os.path.join(NXD_CORE, 'expert_mlps_e4_tp2_ep1', f'rank_{r}.pt'), weights_only=True)
+    mine = shards[(0, r, 0)]
+    for key in ('gate_up_proj', 'down_proj'):
+      assert torch.equal(mine[f'model.layers.0.mlp.expert_mlps.mlp_op.{key}.weight'], theirs[f'mlp_op.{key}.weight'])
