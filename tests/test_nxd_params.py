@@ -177,3 +177,42 @@ def test_nxd_write_holds_the_experts_as_nxd_s_expert_mlps_does():
     mine = shards[(0, r, 0)]
     for key in ('gate_up_proj', 'down_proj'):
       assert torch.equal(mine[f'model.layers.0.mlp.expert_mlps.mlp_op.{key}.weight'], theirs[f'mlp_op.{key}.weight'])
+
+
+@pytest.mark.parametrize('kv_heads', [4, 2])
+def test_megatron_style_shards_merge_per_head(tmp_path, kv_heads):
+  """NxD Training's Megatron modules (models/megatron/transformer.py) at tp 2: query_key_value
+  [heads, 3, d] per rank (or query + key_value [kv heads, 2, d]), dense_h_to_4h [gate_r; up_r],
+  the vocabulary padded past the tokenizer's (to a multiple of 8 x tp)."""
+  model = family_model('llama', dict(num_key_value_heads=kv_heads, num_hidden_layers=2))
+  model.save_pretrained(tmp_path / 'hf', safe_serialization=True)
+  cfg, params = hf.load_hf(str(tmp_path / 'hf'), BASE_MODEL)
+  tp, d, h, f = 2, 16, 64, 96
+  shards = {}
+  for r in range(tp):
+    s = {}
+    for i in range(2):
+      p, n = f'layers.{i}.', f'language_model.encoder.layers.{i}.'
+      q, k, v = (params[p + f'self_attn.{x}_proj.weight'].chunk(tp)[r] for x in 'qkv')
+      if kv_heads == 4:
+        s[n + 'self_attention.query_key_value.weight'] = torch.stack(
+            [q.view(-1, d, h), k.view(-1, d, h), v.view(-1, d, h)], 1).reshape(-1, h)
+      else:
+        s[n + 'self_attention.query.weight'] = q
+        s[n + 'self_attention.key_value.weight'] = torch.stack([k.view(-1, d, h), v.view(-1, d, h)], 1).reshape(-1, h)
+      s[n + 'self_attention.dense.weight'] = params[p + 'self_attn.o_proj.weight'].chunk(tp, 1)[r]
+      s[n + 'mlp.dense_h_to_4h.weight'] = torch.cat([params[p + 'mlp.gate_proj.weight'].chunk(tp)[r],
+                                                     params[p + 'mlp.up_proj.weight'].chunk(tp)[r]])
+      s[n + 'mlp.dense_4h_to_h.weight'] = params[p + 'mlp.down_proj.weight'].chunk(tp, 1)[r]
+      s[n + 'input_layernorm.weight'] = params[p + 'input_layernorm.weight']
+      s[n + 'post_attention_layernorm.weight'] = params[p + 'post_attention_layernorm.weight']
+    padded = torch.cat([params['embed_tokens.weight'][:VOCAB], torch.randn(304 - VOCAB, h)])   # 300 -> 304
+    s['language_model.embedding.word_embeddings.weight'] = padded.chunk(tp)[r]
+    s['language_model.output_layer.weight'] = torch.cat([params['lm_head.weight'][:VOCAB],
+                                                         torch.randn(304 - VOCAB, h)]).chunk(tp)[r]
+    s['language_model.encoder.final_layernorm.weight'] = params['norm.weight']
+    shards[(0, r, 0)] = s
+  assert f == cfg.ffn_hidden_size
+  merged = nxd_params.merge(nxd_files.open_tag(nxd_write.write_tag(str(tmp_path / 'nxd'), shards, 'megatron_llama', 3, 24)),
+                            cfg)
+  assert all(torch.equal(merged[n], params[n]) for n in params)
