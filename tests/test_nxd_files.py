@@ -77,3 +77,15 @@ def _truncate(path):
   size = os.path.getsize(path)
   with open(path, 'r+b') as f:
     f.truncate(size // 2)
+
+
+def test_nxd_s_first_layout_reads_the_model_key(tmp_path):
+  """tp_rank_TT_pp_rank_PP/checkpoint.pt holding {'model': state dict, ...} (NxD's first layout)."""
+  tag = tmp_path / 'step_4'
+  for r in range(2):
+    os.makedirs(tag / f'tp_rank_{r:02d}_pp_rank_00')
+    torch.save({'model': {'w': torch.full((2,), float(r))}, 'optimizer': {}}, tag / f'tp_rank_{r:02d}_pp_rank_00' / 'checkpoint.pt')
+  (tag / 'done').write_text('1')
+  t = nxd_files.open_tag(str(tag))
+  assert (t.tp, t.pp, t.legacy) == (2, 1, True)
+  assert torch.equal(nxd_files.read_rank(t, 0, 1, 0)['w'], torch.ones(2))
