@@ -88,14 +88,17 @@ class Session:
   def restore_or_init(self):
     """Resume (params, optimizer, data position) or load init_from weights. -> (step, consumed)."""
     e = self.config.exp_manager
-    nxd = bool(e.resume_from_checkpoint) and nxd_files.is_nxd_checkpoint(e.resume_from_checkpoint)
-    # an NxD checkpoint to start from: this run's own steps, once it has saved some, come first
+    # an NxD Training checkpoint to start from (named, or NxD's tags in this run's checkpoint
+    # directory with resume_if_exists): this run's own steps, once it has saved some, come first
+    nxd = (e.resume_from_checkpoint if e.resume_from_checkpoint and nxd_files.is_nxd_checkpoint(e.resume_from_checkpoint)
+           else self.root if e.resume_if_exists and not storage.is_remote(self.root) and nxd_files.is_nxd_checkpoint(self.root)
+           else None)
     if nxd:
       candidates = self.manager.candidates(True, True, None) if self.manager.committed_steps() else []
     else:
       candidates = self.manager.candidates(e.resume_if_exists, e.resume_ignore_no_checkpoint, e.resume_from_checkpoint)
     if not candidates and nxd:
-      return self._resume_from_nxd(e.resume_from_checkpoint)
+      return self._resume_from_nxd(nxd)
     if candidates:
       meta = checkpoint_steps.read_metadata(candidates[0])
       names = self._resume_names(candidates[0], meta)

@@ -337,7 +337,13 @@ def test_an_nxd_checkpoint_resumes_at_this_run_s_layout_with_its_step_and_sample
   with caplog.at_level('INFO'):
     train.run(c, str(tmp_path / 'run'))
   assert 'resumed from' in caplog.text and 'NxD checkpoint' not in caplog.text        # its own step 7
-  c.exp_manager.resume_from_checkpoint, c.exp_manager.init_from = None, str(tmp_path / 'nxd')   # weight_init_only
+  shutil.copytree(tmp_path / 'nxd', tmp_path / 'nxd_run' / 'checkpoints')     # NxD's own run directory
+  c.exp_manager.resume_from_checkpoint, c.exp_manager.resume_if_exists = None, True
+  caplog.clear()
+  with caplog.at_level('INFO'):
+    train.run(c, str(tmp_path / 'nxd_run'))
+  assert 'resumed from NxD checkpoint' in caplog.text
+  c.exp_manager.resume_if_exists, c.exp_manager.init_from = False, str(tmp_path / 'nxd')        # weight_init_only
   c.trainer.max_steps, c.model.optim.sched.warmup_steps = 1, 0
   _, params = train.run(c, str(tmp_path / 'fine_tune'))
   for name, value in weights.items():
