@@ -19,12 +19,12 @@ from ml_collections import config_flags
 
 import logs
 
-from checkpoint import manager as managers, session, store, workdir as workdirs
+from checkpoint import manager as managers, nxd_files, session, store, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
 from data import errors as data_errors, tokenizer
 from data.loader import Loader
 from estimates import memory, memory_check, summary as summaries
-from model import lora, objectives, transformer
+from model import hf_files, lora, objectives, transformer
 from optim import update
 from parallel import comm, grads, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, training, xla
@@ -171,7 +171,7 @@ def run(config, workdir=None):
     if log is not None:
       log.close()
     if lock is not None:
-      lock.release()
+      lock.release(unused=log is None)      # failed before the run started: leave no empty workdir
 
 
 def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data, start_step, consumed_samples,
@@ -241,7 +241,8 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
 # Errors of the project's own kinds: one line and exit 2 (a full traceback with --debug).
 USER_ERRORS = (config_validation.ConfigError, store.CheckpointError, managers.IncompatibleCheckpoint,
                workdirs.WorkdirInUse, workdirs.WorkdirError, comm.PeerError, data_errors.DataError, MemoryError,
-               FloatingPointError, FileNotFoundError, PermissionError)
+               FloatingPointError, FileNotFoundError, PermissionError, hf_files.HFFileError,
+               nxd_files.NxDCheckpointError)
 
 
 def main(argv):

@@ -33,6 +33,7 @@ array. A missing chunk is an error too (`fill_missing_data_reads: False`), never
 A fresh ts.Context per call: a reused one keeps growing (its cache pools are never released).
 """
 import dataclasses
+import errno
 import functools
 import math
 import urllib.parse
@@ -193,11 +194,19 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
   return torch.from_numpy(a)
 
 
-def _error(path, name, err):
+def _error(path, name, err, verb='read'):
   msg = str(err)
   if 'DATA_LOSS' in msg:
     return ChecksumError(f'array {name!r} in checkpoint {path} is corrupt (checksum mismatch): {msg}')
-  return CheckpointError(f'array {name!r} in checkpoint {path} could not be read: {msg}')
+  return CheckpointError(f'array {name!r} in checkpoint {path} could not be {verb}: {msg}')
+
+
+def no_space(error, path):
+  """A full disk said as such (tensorstore reports it as a ValueError, Python as OSError ENOSPC)."""
+  if error is not None and (getattr(error, 'errno', None) == errno.ENOSPC or 'No space left on device' in str(error)):
+    return CheckpointError(f'no space left on {path}: this step is not committed and the last committed step '
+                                 'is kept; free space there, or set exp_manager.checkpoint_dir to a larger disk')
+  return error
 
 
 def write_local(path, tensors: dict, layout: dict, rank: int):
@@ -229,14 +238,14 @@ def write_local(path, tensors: dict, layout: dict, rank: int):
       writes[name] = opens[name].result()[_box_slices(box)].write(
           source, can_reference_source_data_indefinitely=True)
     except ValueError as err:
-      raise _error(path, name, err) from err
+      raise _error(path, name, err, 'written') from err
   for name in names:
     try:
       opens[name].result()
       if name in writes:
         writes[name].result()
     except ValueError as err:
-      raise _error(path, name, err) from err
+      raise _error(path, name, err, 'written') from err
   return nbytes
 
 

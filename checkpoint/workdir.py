@@ -17,11 +17,21 @@ class WorkdirInUse(RuntimeError):
   pass
 
 
+class WorkdirError(ValueError):
+  """No run directory, or two that disagree."""
+
+
 class Lock:
   """An exclusive lock on `workdir` for the life of the run (release() or process exit)."""
 
   def __init__(self, workdir):
-    os.makedirs(workdir, exist_ok=True)
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+      raise WorkdirError(f'workdir {workdir} is a file, not a directory; choose another --workdir')
+    self.workdir, self.created = workdir, not os.path.exists(workdir)
+    try:
+      os.makedirs(workdir, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:     # a file on the way to it
+      raise WorkdirError(f'workdir {workdir}: {e.strerror} ({e.filename}); choose another --workdir') from None
     self.path = os.path.join(workdir, '.lock')
     self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -35,14 +45,18 @@ class Lock:
     os.ftruncate(self.fd, 0)
     os.write(self.fd, f'{os.getpid()} {socket.gethostname()}\n'.encode())
 
-  def release(self):
+  def release(self, unused=False):
+    """Drop the lock; with `unused` (the run failed before writing anything) also remove the
+    workdir this lock created, when nothing but empty directories and the lock are in it."""
     if self.fd is not None:
       os.close(self.fd)            # closing drops the flock
       self.fd = None
-
-
-class WorkdirError(ValueError):
-  """No run directory, or two that disagree."""
+    if unused and self.created:
+      os.remove(self.path)
+      for root, dirs, files in os.walk(self.workdir, topdown=False):
+        if files or any(os.path.exists(os.path.join(root, d)) for d in dirs):
+          return
+        os.rmdir(root)
 
 
 def resolve(config, flag=None) -> str:

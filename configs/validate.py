@@ -56,6 +56,9 @@ def _check_run(config) -> list:
   if config.model_source == 'hf' and not model.model_config:
     problems.append('model_source=hf needs model.model_config: the path of an HF config.json '
                     '(or the model directory holding it)')
+  if config.model_source != 'hf' and model.model_config:
+    problems.append(f'model.model_config={model.model_config!r} is read only with model_source=hf (NxD\'s rule); '
+                    f'set model_source=hf to take the architecture from it, or unset it (model_source={config.model_source})')
   positive(problems, 'bucket_size_collectives', config.bucket_size_collectives)
   positive(problems, 'trainer.max_steps', trainer.max_steps)
   positive(problems, 'trainer.log_every_n_steps', trainer.log_every_n_steps)

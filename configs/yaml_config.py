@@ -31,7 +31,11 @@ def read(path):
   try:
     tree = OmegaConf.load(path)
   except Exception as e:  # pylint: disable=broad-except   (yaml's and OmegaConf's parse errors)
-    raise ValueError(f'{path}: not valid YAML: {str(e).splitlines()[0]}') from None
+    mark = getattr(e, 'problem_mark', None)             # PyYAML's position of the problem
+    where = f' at line {mark.line + 1} column {mark.column + 1}' if mark is not None else ''
+    problem = '; '.join(p for p in (getattr(e, 'context', None), getattr(e, 'problem', None)) if p) \
+        or str(e).splitlines()[0]
+    raise ValueError(f'{path}: not valid YAML{where}: {problem}') from None
   if not isinstance(tree, omegaconf.DictConfig):
     raise ValueError(f'{path}: expected a mapping of sections at the top, got a list')
   try:

@@ -11,10 +11,9 @@ import os
 
 from ml_collections import config_dict
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from model import hf, lora, transformer
+from model import hf, hf_files, lora, transformer
 
 CONFIG_FILE = 'adapter_config.json'
 WEIGHTS_FILE = 'adapter_model.safetensors'
@@ -94,8 +93,9 @@ def read_settings(path) -> dict:
   config_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (a peft adapter directory needs one)')
-  with open(config_path) as f:
-    c = json.load(f)
+  c = hf_files.read_json(config_path)
+  if not isinstance(c, dict):
+    raise hf_files.HFFileError(f'{config_path}: expected a JSON object of adapter settings, found {type(c).__name__}')
   unsupported = [f'peft_type={c.get("peft_type")!r}'] if c.get('peft_type', 'LORA') != 'LORA' else []
   unsupported += [f'{k}={c[k]!r}' for k, off in UNSUPPORTED.items() if c.get(k) not in (off, None, [], {}, False)]
   layers_pattern = c.get('layers_pattern')
@@ -128,7 +128,7 @@ def read_boxes(path, requests) -> dict:
   if not os.path.isfile(file):
     raise FileNotFoundError(f'{file} not found (adapter_model.bin: re-save it with safe_serialization=True)')
   out = {}
-  with safe_open(file, framework='pt') as f:
+  with hf_files.open_safetensors(file) as f:
     available = {our_name(k): k for k in f.keys()}
     missing = sorted(n for n in requests if n not in available)
     if missing:

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model import defaults, moe, transformer
+from model.hf_files import HFFileError, open_safetensors, read_json  # pylint: disable=unused-import
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf, config_to_hf  # pylint: disable=unused-import
 
 CONFIG_FILE = 'config.json'
@@ -57,11 +58,12 @@ def _weight_map(path):
   """(HF tensor name -> safetensors file holding it, the file to name in errors)."""
   single, index = os.path.join(path, WEIGHTS_FILE), os.path.join(path, INDEX_FILE)
   if os.path.isfile(single):
-    with safe_open(single, framework='pt') as f:
+    with open_safetensors(single) as f:
       return {name: single for name in f.keys()}, single
   if os.path.isfile(index):
-    with open(index) as f:
-      shards = json.load(f)['weight_map']
+    shards = read_json(index).get('weight_map')
+    if not isinstance(shards, dict):
+      raise HFFileError(f'{index}: no "weight_map" (tensor name -> shard file); re-save the model')
     files = {name: os.path.join(path, shard) for name, shard in shards.items()}
     absent = sorted({file for file in files.values() if not os.path.isfile(file)})
     if absent:
@@ -80,8 +82,9 @@ def read_config(path, base_model=None):
   config_path = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else path
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (an HF model directory needs one)')
-  with open(config_path) as f:
-    hf_config = json.load(f)
+  hf_config = read_json(config_path)
+  if not isinstance(hf_config, dict):
+    raise HFFileError(f'{config_path}: expected a JSON object of settings, found {type(hf_config).__name__}')
   try:
     return config_from_hf(hf_config, base_model)
   except (KeyError, ValueError) as e:
@@ -156,7 +159,7 @@ def _checked_names(path, model_cfg):
       expected = shape[1:]
     for piece in pieces:
       for hf_name in piece:
-        with safe_open(files[hf_name], framework='pt') as f:
+        with open_safetensors(files[hf_name]) as f:
           found = tuple(f.get_slice(hf_name).get_shape())
         if found != expected:
           raise ValueError(f'{files[hf_name]}: tensor {hf_name} has shape {found}, expected {expected}')
@@ -164,9 +167,13 @@ def _checked_names(path, model_cfg):
 
 
 def _read(file, hf_name, box=None):
-  with safe_open(file, framework='pt') as f:
-    part = f.get_slice(hf_name)
-    return part[tuple(box)] if box is not None else part[:]
+  with open_safetensors(file) as f:
+    try:
+      part = f.get_slice(hf_name)
+      return part[tuple(box)] if box is not None else part[:]
+    except Exception as e:  # pylint: disable=broad-except   (safetensors' own error types)
+      raise HFFileError(f'{file}: tensor {hf_name} could not be read ({str(e).splitlines()[0][:160]}); the file may '
+                        'be cut short: download or copy it again') from None
 
 
 def read_boxes(path, model_cfg, requests, dtype=torch.float32):

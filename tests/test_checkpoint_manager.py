@@ -347,3 +347,21 @@ def test_s3_root_saves_prunes_and_resumes(monkeypatch):
     assert 'runs/a/step_00000004/COMMITTED' in keys
   finally:
     server.stop()
+
+
+@pytest.mark.parametrize('where', ['write_local', 'write_text'])
+def test_a_full_disk_is_said_as_such_and_keeps_the_last_commit(tmp_path, monkeypatch, where):
+  import errno  # pylint: disable=import-outside-toplevel
+  from checkpoint import storage  # pylint: disable=import-outside-toplevel
+  m = manager.CheckpointManager(str(tmp_path))
+  save(m, 1)
+  module = store if where == 'write_local' else storage
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device')
+
+  monkeypatch.setattr(module, where, full)
+  with pytest.raises(store.CheckpointError, match=r'no space left on .*step_00000002: this step is not committed'):
+    save(m, 2)
+  monkeypatch.undo()
+  assert m.committed_steps() == [1] and loads_as_saved(m, 1)

@@ -56,7 +56,7 @@ def test_interpolations_resolve_with_their_types(tmp_path, monkeypatch):
     ('a: ${b}\nb: ${a}\n', 'a: interpolation cycle'),
     ('a: ${nemo_only:1}\n', 'a: Unsupported interpolation type nemo_only'),
     ('a: ${b\n', "not valid YAML: no viable alternative at input '${b'"),
-    ('a: [1,\n', 'not valid YAML: while parsing a flow node'),
+    ('a: [1,\n', 'not valid YAML at line 2 column 1: while parsing a flow node; did not find expected node content'),
     ('- 1\n- 2\n', 'expected a mapping'),
 ])
 def test_bad_references_name_the_key(tmp_path, text, message):

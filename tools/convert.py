@@ -25,7 +25,8 @@ import os
 from absl import app, flags
 
 import tools
-from checkpoint import manager as managers, nxd_files, nxd_params, nxd_write, state as states, steps as checkpoint_steps
+from checkpoint import (manager as managers, nxd_files, nxd_params, nxd_write, state as states, steps as checkpoint_steps,
+                        store)
 from configs import base as base_config
 from data import tokenizer as tokenizers
 from model import adapters, hf, lora
@@ -123,8 +124,20 @@ def flatron_to_hf(src, dst):
   """Write checkpoint step `src` as a Hugging Face directory (LoRA merged in), with its
   tokenizer, special token ids and generation config."""
   config, params = states.read_model(src)
-  hf.save_hf(dst, config.model, lora.merged(params, config.model))
-  return carry_tokenizer(dst, *provenance(src))
+  model_cfg, note = _as_hf_routes(config.model)
+  hf.save_hf(dst, model_cfg, lora.merged(params, model_cfg))
+  return carry_tokenizer(dst, *provenance(src)) + note
+
+
+def _as_hf_routes(model_cfg):
+  """(the model section to export, a note): HF's Mixtral / Qwen2-MoE route every token, so a
+  model trained with capacity dropping is exported dropless (as Megatron-LM's exports are)."""
+  if not (model_cfg.get('moe') and model_cfg.moe.num_experts and not model_cfg.moe.dropless):
+    return model_cfg, ''
+  exported = model_cfg.copy_and_resolve_references()
+  exported.moe.dropless = True
+  return exported, (f'; exported dropless: HF routes every token, and the capacity it trained with '
+                    f'(model.moe.capacity_factor={model_cfg.moe.capacity_factor}) is a training-time setting')
 
 
 def export_peft(src, dst):
@@ -179,10 +192,10 @@ def check_command_line(argv, src, dst, base):
 
 def main(argv):
   command = check_command_line(argv, FLAGS.src, FLAGS.dst, FLAGS.base)
-  if command == 'hf-to-flatron':
-    print(hf_to_flatron(FLAGS.src, FLAGS.dst))
-    return
   try:
+    if command == 'hf-to-flatron':
+      print(hf_to_flatron(FLAGS.src, FLAGS.dst))
+      return
     if command == 'nxd-to-hf':
       config, params, progress = read_nxd(FLAGS.src, FLAGS.model_config, FLAGS.hw)
       hf.save_hf(FLAGS.dst, config.model, params)
@@ -194,12 +207,12 @@ def main(argv):
     if command == 'flatron-to-nxd':
       print(flatron_to_nxd(FLAGS.src, FLAGS.dst, FLAGS.tp, FLAGS.pp, FLAGS.ep, FLAGS.kv_replicator, FLAGS.hw))
       return
-  except (nxd_files.NxDCheckpointError, ValueError, FileNotFoundError) as e:
-    tools.fail(str(e))
-  if command == 'merge-peft':
-    carried = merge_peft(FLAGS.src, FLAGS.base, FLAGS.dst)
-  else:
-    carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[command](FLAGS.src, FLAGS.dst)
+    if command == 'merge-peft':
+      carried = merge_peft(FLAGS.src, FLAGS.base, FLAGS.dst)
+    else:
+      carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[command](FLAGS.src, FLAGS.dst)
+  except (nxd_files.NxDCheckpointError, store.CheckpointError, ValueError, FileNotFoundError, PermissionError) as e:
+    tools.fail(str(e))     # (an HF file that cannot be read is a ValueError: model/hf_files.py)
   print(f'{FLAGS.dst} (with {carried})')
 
 

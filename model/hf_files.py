@@ -1,0 +1,34 @@
+"""Reading the files of a Hugging Face (or peft) directory with every failure one line that
+names the file, where in it, and the fix: safetensors cut short or of another format, JSON that
+does not parse (its line and column)."""
+import contextlib
+import json
+
+from safetensors import safe_open
+
+
+class HFFileError(ValueError):
+  """A Hugging Face file that cannot be read as it is: one line naming the file and the fix."""
+
+
+@contextlib.contextmanager
+def open_safetensors(file):
+  """safe_open, any failure (a file cut short, another format) one line naming the file."""
+  try:
+    handle = safe_open(file, framework='pt')
+  except Exception as e:  # pylint: disable=broad-except   (safetensors' own error types)
+    raise HFFileError(f'{file}: not a readable safetensors file ({str(e).splitlines()[0][:160]}); it may be cut '
+                      'short: download or copy it again') from None
+  with handle as f:
+    yield f
+
+
+def read_json(file, what='JSON'):
+  """The JSON file `file`; a syntax error is one line with its line and column."""
+  try:
+    with open(file, encoding='utf-8') as f:
+      return json.load(f)
+  except json.JSONDecodeError as e:
+    raise HFFileError(f'{file}: not valid {what} at line {e.lineno} column {e.colno}: {e.msg}') from None
+  except UnicodeDecodeError as e:
+    raise HFFileError(f'{file}: not valid {what}: not UTF-8 text (byte {e.start})') from None

@@ -1,0 +1,88 @@
+"""Files a user brings, damaged as files get damaged, end in one line naming the file (exit 2,
+no traceback, nothing written) in train.py and tools.convert; a MoE model trained with capacity
+exports to HF dropless, saying so."""
+import json
+import os
+import sys
+
+import pytest
+
+from configs import llama_tiny
+from model import hf, transformer
+from tests import procs
+
+TRAIN = [sys.executable, 'train.py', '--config=configs/llama_tiny.py:test', '--config.trainer.max_steps=4']
+
+
+@pytest.fixture(scope='module')
+def hf_dir(tmp_path_factory):
+  path = tmp_path_factory.mktemp('hf')
+  c = llama_tiny.get_config('test')
+  hf.save_hf(str(path), c.model, transformer.init(c.model, 0))
+  return path
+
+
+def _one_line_error(argv, says, workdir=None):
+  """Runs `argv`: exit 2, the error (one line; a config's problems one line each) saying `says`,
+  no traceback, and the workdir left as it was (none)."""
+  out = procs.run(argv, timeout=240)
+  assert out.returncode == 2, out.stderr[-2000:]
+  lines = out.stderr.strip().splitlines()
+  start = max(i for i, line in enumerate(lines) if line.startswith('error: '))
+  last = ' '.join(lines[start:])
+  assert says in last and all(line.startswith('  - ') for line in lines[start + 1:]), out.stderr[-2000:]
+  assert 'Traceback' not in out.stderr
+  if workdir is not None:
+    assert not os.path.exists(workdir) or not os.listdir(workdir), os.listdir(workdir)
+  return last
+
+
+def test_a_safetensors_file_cut_short_given_to_init_from(hf_dir, tmp_path):
+  cut = tmp_path / 'cut'
+  os.makedirs(cut)
+  for name in os.listdir(hf_dir):
+    data = (hf_dir / name).read_bytes()
+    (cut / name).write_bytes(data[:len(data) // 2] if name.endswith('.safetensors') else data)
+  _one_line_error(TRAIN + [f'--workdir={tmp_path / "run"}', f'--config.exp_manager.init_from={cut}'],
+                  f'{cut / "model.safetensors"}: not a readable safetensors file', tmp_path / 'run')
+
+
+def test_a_config_json_that_is_not_json_names_its_path_line_and_column(hf_dir, tmp_path):
+  bad = tmp_path / 'config.json'
+  bad.write_text((hf_dir / 'config.json').read_text().replace('{', '{ oops', 1))
+  _one_line_error(TRAIN + [f'--workdir={tmp_path / "run"}', '--config.model_source=hf', f'--config.model.model_config={bad}'],
+                  f'{bad}: not valid JSON at line 1 column 3', tmp_path / 'run')
+
+
+def test_a_model_config_without_model_source_hf_is_refused_not_ignored(hf_dir, tmp_path):
+  _one_line_error(TRAIN + [f'--workdir={tmp_path / "run"}', f'--config.model.model_config={hf_dir / "config.json"}'],
+                  'is read only with model_source=hf', tmp_path / 'run')
+
+
+def test_a_yaml_that_does_not_parse_names_its_line_and_column(tmp_path):
+  bad = tmp_path / 'bad.yaml'
+  bad.write_text('trainer:\n  max_steps: 3\n  devices: a: b\n')
+  _one_line_error([sys.executable, 'train.py', f'--config=configs/nxd_yaml.py:{bad}', f'--workdir={tmp_path / "run"}'],
+                  'bad.yaml: not valid YAML at line 3 column 13: mapping values are not allowed in this context', tmp_path / 'run')
+
+
+def test_a_workdir_that_is_a_file(tmp_path):
+  (tmp_path / 'file').write_text('mine')
+  _one_line_error(TRAIN + [f'--workdir={tmp_path / "file"}'], 'is a file, not a directory')
+  assert (tmp_path / 'file').read_text() == 'mine'
+
+
+def test_a_mixtral_trained_with_capacity_exports_to_hf_dropless_and_says_so(tmp_path):
+  import train  # pylint: disable=import-outside-toplevel
+  from configs import mixtral_tiny  # pylint: disable=import-outside-toplevel
+  c = mixtral_tiny.get_config('test')
+  c.trainer.max_steps, c.exp_manager.create_checkpoint_callback = 4, True
+  c.exp_manager.create_tensorboard_logger = False
+  assert not c.model.moe.dropless
+  train.run(c, str(tmp_path / 'run'))
+  out = procs.run([sys.executable, '-m', 'tools.convert', 'flatron-to-hf', f'--src={tmp_path / "run" / "checkpoints"}',
+                   f'--dst={tmp_path / "hf"}'], timeout=240)
+  assert out.returncode == 0 and 'exported dropless' in out.stdout, out.stderr[-2000:]
+  assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['model_type'] == 'mixtral'
+  cfg, _ = hf.load_hf(str(tmp_path / 'hf'))
+  assert cfg.moe.dropless and cfg.moe.num_experts == c.model.moe.num_experts
