@@ -349,6 +349,9 @@ def test_s3_root_saves_prunes_and_resumes(monkeypatch):
     server.stop()
 
 
+NO_SPACE = 'this step is not committed and the last committed step is kept'   # docs/failure-and-recovery.md quotes it
+
+
 @pytest.mark.parametrize('where', ['write_local', 'write_text'])
 def test_a_full_disk_is_said_as_such_and_keeps_the_last_commit(tmp_path, monkeypatch, where):
   import errno  # pylint: disable=import-outside-toplevel
@@ -361,7 +364,7 @@ def test_a_full_disk_is_said_as_such_and_keeps_the_last_commit(tmp_path, monkeyp
     raise OSError(errno.ENOSPC, 'No space left on device')
 
   monkeypatch.setattr(module, where, full)
-  with pytest.raises(store.CheckpointError, match=r'no space left on .*step_00000002: this step is not committed'):
+  with pytest.raises(store.CheckpointError, match=r'no space left on .*step_00000002: ' + NO_SPACE):
     save(m, 2)
   monkeypatch.undo()
   assert m.committed_steps() == [1] and loads_as_saved(m, 1)

@@ -12,6 +12,7 @@ from checkpoint import nxd_files
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'nxd_ckpt', 'xser_tag')
 TAG = 'tiny--step=3-consumed_samples=24.0.ckpt'
 RANK0 = os.path.join('model', 'dp_rank_00_tp_rank_00_pp_rank_00.pt')
+MISSING_RANK = 'missing rank file model/dp_rank_00_tp_rank_01'    # docs/failure-and-recovery.md quotes it
 
 
 def _copy(tmp_path):
@@ -33,7 +34,7 @@ def test_torch_xla_xser_files_load_with_their_aliases_and_inline_tensors():
 
 @pytest.mark.parametrize('damage, message', [
     (lambda t: os.remove(t / 'done'), 'no `done` marker'),
-    (lambda t: os.remove(t / 'model' / 'dp_rank_00_tp_rank_01_pp_rank_00.pt'), 'missing rank file model/dp_rank_00_tp_rank_01'),
+    (lambda t: os.remove(t / 'model' / 'dp_rank_00_tp_rank_01_pp_rank_00.pt'), MISSING_RANK),
     (lambda t: _truncate(t / (RANK0 + '.tensors') / 'tensor_0.pt'), 'tensor_0.pt: unreadable xser tensor'),
     (lambda t: os.remove(t / (RANK0 + '.tensors') / 'tensor_1.pt'), 'its xser tensor 1 is missing'),
     (lambda t: _truncate(t / RANK0), 'dp_rank_00_tp_rank_00_pp_rank_00.pt: not a readable NxD checkpoint file'),

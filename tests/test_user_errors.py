@@ -12,6 +12,14 @@ from model import hf, transformer
 from tests import procs
 
 TRAIN = [sys.executable, 'train.py', '--config=configs/llama_tiny.py:test', '--config.trainer.max_steps=4']
+# What a user sees, as docs/failure-and-recovery.md quotes it (a test keeps the table true)
+CUT_SHORT = 'not a readable safetensors file'
+NOT_JSON = 'not valid JSON at line 1 column 3'
+MODEL_CONFIG_IGNORED = 'is read only with model_source=hf'
+NOT_YAML = 'not valid YAML at line 3 column 13: mapping values are not allowed in this context'
+WORKDIR_FILE = 'is a file, not a directory; choose another --workdir'
+DROPLESS = 'exported dropless'
+
 
 
 @pytest.fixture(scope='module')
@@ -44,31 +52,31 @@ def test_a_safetensors_file_cut_short_given_to_init_from(hf_dir, tmp_path):
     data = (hf_dir / name).read_bytes()
     (cut / name).write_bytes(data[:len(data) // 2] if name.endswith('.safetensors') else data)
   _one_line_error(TRAIN + [f'--workdir={tmp_path / "run"}', f'--config.exp_manager.init_from={cut}'],
-                  f'{cut / "model.safetensors"}: not a readable safetensors file', tmp_path / 'run')
+                  f'{cut / "model.safetensors"}: {CUT_SHORT}', tmp_path / 'run')
 
 
 def test_a_config_json_that_is_not_json_names_its_path_line_and_column(hf_dir, tmp_path):
   bad = tmp_path / 'config.json'
   bad.write_text((hf_dir / 'config.json').read_text().replace('{', '{ oops', 1))
   _one_line_error(TRAIN + [f'--workdir={tmp_path / "run"}', '--config.model_source=hf', f'--config.model.model_config={bad}'],
-                  f'{bad}: not valid JSON at line 1 column 3', tmp_path / 'run')
+                  f'{bad}: {NOT_JSON}', tmp_path / 'run')
 
 
 def test_a_model_config_without_model_source_hf_is_refused_not_ignored(hf_dir, tmp_path):
   _one_line_error(TRAIN + [f'--workdir={tmp_path / "run"}', f'--config.model.model_config={hf_dir / "config.json"}'],
-                  'is read only with model_source=hf', tmp_path / 'run')
+                  MODEL_CONFIG_IGNORED, tmp_path / 'run')
 
 
 def test_a_yaml_that_does_not_parse_names_its_line_and_column(tmp_path):
   bad = tmp_path / 'bad.yaml'
   bad.write_text('trainer:\n  max_steps: 3\n  devices: a: b\n')
   _one_line_error([sys.executable, 'train.py', f'--config=configs/nxd_yaml.py:{bad}', f'--workdir={tmp_path / "run"}'],
-                  'bad.yaml: not valid YAML at line 3 column 13: mapping values are not allowed in this context', tmp_path / 'run')
+                  'bad.yaml: ' + NOT_YAML, tmp_path / 'run')
 
 
 def test_a_workdir_that_is_a_file(tmp_path):
   (tmp_path / 'file').write_text('mine')
-  _one_line_error(TRAIN + [f'--workdir={tmp_path / "file"}'], 'is a file, not a directory')
+  _one_line_error(TRAIN + [f'--workdir={tmp_path / "file"}'], WORKDIR_FILE)
   assert (tmp_path / 'file').read_text() == 'mine'
 
 
@@ -82,7 +90,17 @@ def test_a_mixtral_trained_with_capacity_exports_to_hf_dropless_and_says_so(tmp_
   train.run(c, str(tmp_path / 'run'))
   out = procs.run([sys.executable, '-m', 'tools.convert', 'flatron-to-hf', f'--src={tmp_path / "run" / "checkpoints"}',
                    f'--dst={tmp_path / "hf"}'], timeout=240)
-  assert out.returncode == 0 and 'exported dropless' in out.stdout, out.stderr[-2000:]
+  assert out.returncode == 0 and DROPLESS in out.stdout, out.stderr[-2000:]
   assert json.loads((tmp_path / 'hf' / 'config.json').read_text())['model_type'] == 'mixtral'
   cfg, _ = hf.load_hf(str(tmp_path / 'hf'))
   assert cfg.moe.dropless and cfg.moe.num_experts == c.model.moe.num_experts
+
+
+
+def test_the_failure_table_quotes_what_the_tests_see():
+  from tests.test_checkpoint_manager import NO_SPACE  # pylint: disable=import-outside-toplevel
+  from tests.test_nxd_files import MISSING_RANK  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'failure-and-recovery.md'), encoding='utf-8') as f:
+    table = f.read()
+  for phrase in (CUT_SHORT, NOT_JSON, MODEL_CONFIG_IGNORED, NOT_YAML, WORKDIR_FILE, DROPLESS, NO_SPACE, MISSING_RANK):
+    assert phrase in table, phrase
