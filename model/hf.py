@@ -87,8 +87,10 @@ def read_config(path, base_model=None):
     raise HFFileError(f'{config_path}: expected a JSON object of settings, found {type(hf_config).__name__}')
   try:
     return config_from_hf(hf_config, base_model)
-  except (KeyError, ValueError) as e:
-    raise ValueError(f'{config_path}: {e}') from None
+  except KeyError as e:
+    raise HFFileError(f'{config_path}: no {e} (a key the model needs); is this the model\'s config.json?') from None
+  except (ValueError, TypeError) as e:           # TypeError: a value of the wrong type
+    raise HFFileError(f'{config_path}: {str(e).splitlines()[0]}') from None
 
 
 def _family(model_cfg):

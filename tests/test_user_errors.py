@@ -3,6 +3,7 @@ no traceback, nothing written) in train.py and tools.convert; a MoE model traine
 exports to HF dropless, saying so."""
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -104,3 +105,51 @@ def test_the_failure_table_quotes_what_the_tests_see():
     table = f.read()
   for phrase in (CUT_SHORT, NOT_JSON, MODEL_CONFIG_IGNORED, NOT_YAML, WORKDIR_FILE, DROPLESS, NO_SPACE, MISSING_RANK):
     assert phrase in table, phrase
+
+
+def _damage(path, how):
+  data = path.read_bytes() if path.is_file() else b''
+  if how == 'emptied':
+    path.write_bytes(b'')
+  elif how.startswith('cut at '):
+    path.write_bytes(data[:int(how.split()[-1])])
+  elif how == 'cut in half':
+    path.write_bytes(data[:len(data) // 2])
+  elif how == 'header byte flipped':
+    path.write_bytes(data[:12] + bytes([data[12] ^ 0xFF]) + data[13:])
+  elif how == 'a directory':
+    path.unlink()
+    path.mkdir()
+  elif how.startswith('json '):                 # a key removed or a value of the wrong type
+    doc = json.loads(data)
+    key, _, value = how[5:].partition('=')
+    if value:
+      doc[key] = value
+    else:
+      del doc[key]
+    path.write_text(json.dumps(doc))
+
+
+@pytest.mark.parametrize('name, how', [
+    ('model.safetensors', 'emptied'), ('model.safetensors', 'cut at 4'), ('model.safetensors', 'cut in half'),
+    ('model.safetensors', 'header byte flipped'), ('model.safetensors', 'a directory'),
+    ('config.json', 'emptied'), ('config.json', 'cut in half'), ('config.json', 'a directory'),
+    ('config.json', 'json hidden_size=big'), ('config.json', 'json num_attention_heads'),
+])
+def test_a_damaged_hf_directory_given_to_convert_is_one_line_naming_it(hf_dir, tmp_path, capsys, name, how):
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from tools import convert  # pylint: disable=import-outside-toplevel
+  src = tmp_path / 'src'
+  shutil.copytree(hf_dir, src)
+  _damage(src / name, how)
+  if 'src' not in flags.FLAGS:
+    convert.define_flags()
+  flags.FLAGS(['convert', f'--src={src}', f'--dst={tmp_path / "dst"}'])
+  try:
+    with pytest.raises(SystemExit) as e:
+      convert.main(['convert', 'hf-to-flatron'])
+  finally:
+    flags.FLAGS.unparse_flags()
+  err = capsys.readouterr().err.strip()
+  assert e.value.code == 2 and err.count('\n') == 0 and str(src) in err, err
+  assert not os.path.exists(tmp_path / 'dst')
