@@ -59,6 +59,14 @@ def check_shapes(path, meta, layout):
         'workdir / checkpoint; nothing was loaded or deleted.')
 
 
+def _readable(step):
+  try:
+    checkpoint_steps.read_metadata(step)
+    return True
+  except store.ChecksumError:
+    return False
+
+
 class Session:
 
   def __init__(self, config, workdir, mesh, updater):
@@ -100,8 +108,11 @@ class Session:
     if not candidates and nxd:
       return self._resume_from_nxd(nxd)
     if candidates:
-      meta = checkpoint_steps.read_metadata(candidates[0])
-      names = self._resume_names(candidates[0], meta)
+      # the layout from the newest step whose metadata.json reads; the manager tries (and moves
+      # aside) a damaged newer one itself
+      readable = next((c for c in candidates[:-1] if _readable(c)), candidates[-1])
+      meta = checkpoint_steps.read_metadata(readable)
+      names = self._resume_names(readable, meta)
       layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()),
                                   names=names)
       step, arrays, meta = self.manager.resume(layout.requests(), candidates=candidates,

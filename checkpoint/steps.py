@@ -141,7 +141,14 @@ def read_metadata(step_path: str) -> dict:
     raise store.CheckpointError(f'{step_path} does not exist')
   if text is None:
     raise store.CheckpointError(f'{step_path} has no metadata.json (not a flatron checkpoint step)')
-  return json.loads(text)
+  try:
+    meta = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise store.ChecksumError(f'{step_path}/metadata.json: not valid JSON at line {e.lineno} column {e.colno} '
+                              f'({e.msg}): the step is damaged; resume falls back to the one before it') from None
+  if not isinstance(meta, dict):
+    raise store.ChecksumError(f'{step_path}/metadata.json: expected a JSON object, found {type(meta).__name__}')
+  return meta
 
 
 def is_committed(step_path: str) -> bool:

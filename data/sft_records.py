@@ -209,6 +209,13 @@ def _int_array(where, key, value):
 
 
 def _type(value):
+  """What a value is, for an error: a list says what its first non-integer item is."""
+  if isinstance(value, (list, tuple)):
+    bad = next((v for v in value if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
+    if bad is not None:
+      return f'a list holding {type(bad).__name__} {bad!r:.40}'
+    nested = next((v for v in value if isinstance(v, (list, tuple))), None)
+    return 'a nested list' if nested is not None else 'a list with fractional numbers'
   return 'missing' if value is None else type(value).__name__
 
 

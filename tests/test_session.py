@@ -348,3 +348,16 @@ def test_an_nxd_checkpoint_resumes_at_this_run_s_layout_with_its_step_and_sample
   _, params = train.run(c, str(tmp_path / 'fine_tune'))
   for name, value in weights.items():
     torch.testing.assert_close(params[name].detach()[:vocab], value.detach()[:vocab], atol=1e-6, rtol=0)
+
+
+def test_a_step_whose_metadata_is_damaged_is_moved_aside_and_the_one_before_resumes(tmp_path, caplog):
+  import train  # pylint: disable=import-outside-toplevel
+  c = _saved_run(tmp_path, (5, 10))
+  (tmp_path / 'checkpoints' / 'step_00000010' / 'metadata.json').write_text('{ cut sho')
+  c.trainer.max_steps = 12
+  caplog.clear()
+  with caplog.at_level('INFO'):
+    train.run(c, str(tmp_path))
+  assert 'metadata.json: not valid JSON at line 1 column 3' in caplog.text and 'resumed from' in caplog.text
+  assert 'step 5,' in caplog.text.split('resumed from')[1]
+  assert os.path.isdir(tmp_path / 'checkpoints' / 'step_00000010.rejected')
