@@ -204,18 +204,23 @@ def _int_array(where, key, value):
   whole = array is not None and (array.dtype.kind in 'iub' or (
       array.dtype.kind == 'f' and np.array_equal(array, np.round(array))))
   if not whole or array.ndim != 1:
-    raise DataError(f'{where}: "{key}" must be a list of integers, got {_type(value)}')
+    raise DataError(f'{where}: "{key}" must be a list of integers, got {_token_list_type(value)}')
   return array.astype(np.int64)
 
 
 def _type(value):
-  """What a value is, for an error: a list says what its first non-integer item is."""
+  return 'missing' if value is None else type(value).__name__
+
+
+def _token_list_type(value):
+  """What a value given as a token list is, for an error: a list says what its first
+  non-integer item is."""
   if isinstance(value, (list, tuple)):
     bad = next((v for v in value if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
     if bad is not None:
       return f'a list holding {type(bad).__name__} {bad!r:.40}'
     nested = next((v for v in value if isinstance(v, (list, tuple))), None)
     return 'a nested list' if nested is not None else 'a list with fractional numbers'
-  return 'missing' if value is None else type(value).__name__
+  return _type(value)
 
 
