@@ -217,10 +217,7 @@ def _token_list_type(value):
   non-integer item is."""
   if isinstance(value, (list, tuple)):
     bad = next((v for v in value if not isinstance(v, (int, float)) or isinstance(v, bool)), None)
-    if bad is not None:
-      return f'a list holding {type(bad).__name__} {bad!r:.40}'
-    nested = next((v for v in value if isinstance(v, (list, tuple))), None)
-    return 'a nested list' if nested is not None else 'a list with fractional numbers'
+    return f'a list holding {type(bad).__name__} {bad!r:.40}' if bad is not None else 'a list with fractional numbers'
   return _type(value)
 
 
