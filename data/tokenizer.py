@@ -31,6 +31,8 @@ def _field(cfg, name):
 def _require_file(path, what):
   if not path:
     raise DataError(f'tokenizer: {what} is not set; set it to the tokenizer file')
+  if os.path.isdir(path):
+    raise DataError(f'tokenizer: {what} {path!r} is a directory; point it at the file')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'tokenizer: {what} {path!r} does not exist')
   return path
@@ -41,7 +43,11 @@ class SentencePieceTokenizer:
   def __init__(self, model_file):
     import sentencepiece as spm
     self.path = _require_file(model_file, 'data.tokenizer.model (a SentencePiece .model)')
-    self.sp = spm.SentencePieceProcessor(model_file=model_file)
+    try:
+      self.sp = spm.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as e:
+      raise DataError(f'tokenizer: {model_file}: not a SentencePiece model ({str(e).splitlines()[0][:160]}); it may '
+                      'be cut short: copy it again, or point data.tokenizer.model at the .model file') from None
     self.vocab_size = self.sp.get_piece_size()
     self.bos_id, self.eos_id, self.pad_id = (
         i if i >= 0 else None for i in (self.sp.bos_id(), self.sp.eos_id(), self.sp.pad_id()))
@@ -62,7 +68,11 @@ class HuggingFaceTokenizer:
     from tokenizers import Tokenizer
     if tok is None:
       self.path = _require_file(tokenizer_json, 'data.tokenizer.model (a tokenizer.json)')
-      tok = Tokenizer.from_file(tokenizer_json)
+      try:
+        tok = Tokenizer.from_file(tokenizer_json)
+      except Exception as e:  # pylint: disable=broad-except   (tokenizers raises a bare Exception)
+        raise DataError(f'tokenizer: {tokenizer_json}: not a readable tokenizer.json ({str(e).splitlines()[0][:160]}); '
+                        'it may be cut short: copy it again') from None
       special = special or special_tokens(os.path.dirname(tokenizer_json))
     self.tok = tok
     self.vocab_size = tok.get_vocab_size(with_added_tokens=True)

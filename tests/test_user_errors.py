@@ -3,6 +3,7 @@ no traceback, nothing written) in train.py and tools.convert; a MoE model traine
 exports to HF dropless, saying so."""
 import json
 import os
+import pathlib
 import shutil
 import sys
 
@@ -153,3 +154,23 @@ def test_a_damaged_hf_directory_given_to_convert_is_one_line_naming_it(hf_dir, t
   err = capsys.readouterr().err.strip()
   assert e.value.code == 2 and err.count('\n') == 0 and str(src) in err, err
   assert not os.path.exists(tmp_path / 'dst')
+
+
+@pytest.mark.parametrize('how', ['cut in half', 'emptied', 'a directory'])
+def test_a_damaged_tokenizer_json_is_one_line_naming_it(tmp_path, how):
+  from data import errors, tokenizer  # pylint: disable=import-outside-toplevel
+  from tests.test_chat import tokenizer_dir  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(tokenizer_dir(tmp_path / 'tok')) / 'tokenizer.json'
+  _damage(path, how)
+  with pytest.raises(errors.DataError, match=f'tokenizer: .*{path}') as e:
+    tokenizer.HuggingFaceTokenizer(str(path))
+  assert '\n' not in str(e.value)
+
+
+def test_a_sentencepiece_model_cut_short_is_one_line_naming_it(tmp_path):
+  from data import errors, tokenizer  # pylint: disable=import-outside-toplevel
+  (tmp_path / 'text.txt').write_text('\n'.join(f'line {i} of some text, with words' for i in range(300)))
+  model = pathlib.Path(tokenizer.train_sentencepiece([str(tmp_path / 'text.txt')], str(tmp_path / 'sp'), 300))
+  _damage(model, 'cut in half')
+  with pytest.raises(errors.DataError, match=f'{model}: not a SentencePiece model'):
+    tokenizer.SentencePieceTokenizer(str(model))
