@@ -145,7 +145,7 @@ def read_metadata(step_path: str) -> dict:
     meta = json.loads(text)
   except json.JSONDecodeError as e:
     raise store.ChecksumError(f'{step_path}/metadata.json: not valid JSON at line {e.lineno} column {e.colno} '
-                              f'({e.msg}): the step is damaged; resume falls back to the one before it') from None
+                              f'({e.msg}): the step is damaged; use an earlier one (resume moves it aside and takes the one before)') from None
   if not isinstance(meta, dict):
     raise store.ChecksumError(f'{step_path}/metadata.json: expected a JSON object, found {type(meta).__name__}')
   return meta

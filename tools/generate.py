@@ -90,12 +90,15 @@ def main(argv):
   tools.no_arguments(argv)
   if sum(x is not None for x in (FLAGS.prompt, FLAGS.chat, FLAGS.messages)) != 1:
     raise app.UsageError('give exactly one of --prompt, --chat, --messages')
-  messages = json.loads(FLAGS.messages) if FLAGS.messages else [{'role': 'user', 'content': FLAGS.chat}]
+  try:
+    messages = json.loads(FLAGS.messages) if FLAGS.messages else [{'role': 'user', 'content': FLAGS.chat}]
+  except json.JSONDecodeError as e:
+    tools.fail(f'--messages: not valid JSON at column {e.colno}: {e.msg} (a list of {{"role", "content"}} objects)')
   sampling = generation.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
   try:
     model = load_model(FLAGS.model)
   except (store.CheckpointError, FileNotFoundError, ValueError) as e:
-    raise SystemExit(f'error: {e}') from None
+    tools.fail(str(e))
   tokenizer_dir = FLAGS.tokenizer or (states.resolve_step(FLAGS.model) if model[2] is None else None)
   if FLAGS.adapter:
     model = adapters.load_peft(FLAGS.adapter, model[0], model[1]) + (model[2],)
