@@ -174,3 +174,21 @@ def test_a_sentencepiece_model_cut_short_is_one_line_naming_it(tmp_path):
   _damage(model, 'cut in half')
   with pytest.raises(errors.DataError, match=f'{model}: not a SentencePiece model'):
     tokenizer.SentencePieceTokenizer(str(model))
+
+
+@pytest.mark.parametrize('name, how', [('adapter_config.json', 'cut in half'), ('adapter_config.json', 'emptied'),
+                                       ('adapter_model.safetensors', 'cut in half'),
+                                       ('adapter_model.safetensors', 'header byte flipped')])
+def test_a_damaged_peft_directory_is_one_line_naming_it(tmp_path, name, how):
+  """A peft adapter directory (flatron's own export, as peft writes one), damaged."""
+  from model import adapters, hf_files, lora  # pylint: disable=import-outside-toplevel
+  c = llama_tiny.get_config('test')
+  c.model.peft.lora_rank = 4
+  params = transformer.init(c.model, 0)
+  adapters.save_peft(str(tmp_path / 'peft'), c.model, params)
+  _damage(tmp_path / 'peft' / name, how)
+  names = lora.trainable(c.model, params)
+  with pytest.raises(hf_files.HFFileError, match=str(tmp_path / 'peft' / name)) as e:
+    adapters.read_settings(str(tmp_path / 'peft'))
+    adapters.read_boxes(str(tmp_path / 'peft'), {n: tuple(slice(0, k) for k in params[n].shape) for n in names})
+  assert '\n' not in str(e.value)
