@@ -48,17 +48,20 @@ class GroupRing:
     x = x.contiguous()
     out = torch.empty_like(x)
     works = [dist.isend(x, self.next, group=self.group, tag=tag), dist.irecv(out, self.prev, group=self.group, tag=tag)]
-    return _Pending(works, out, x)
+    return _Pending(works, out, x, f'ring attention exchange {tag} (from rank {self.prev}, to rank {self.next})')
 
 
 class _Pending:
 
-  def __init__(self, works, out, sent):
-    self.works, self.out, self.sent = works, out, sent   # `sent` stays alive until the send is done
+  def __init__(self, works, out, sent, what=None):
+    self.works, self.out, self.sent, self.what = works, out, sent, what   # `sent` alive until the send is done
 
   def wait(self):
-    for work in self.works:
-      work.wait()
+    try:
+      for work in self.works:
+        work.wait()
+    except RuntimeError as e:            # a peer that stopped: name this rank and the exchange
+      raise RuntimeError(f'rank {dist.get_rank()}: {self.what} failed: {str(e).splitlines()[0]}') from e
     return self.out
 
 

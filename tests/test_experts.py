@@ -103,3 +103,19 @@ def test_a_step_saved_at_ep2_resumes_bitwise_at_ep2_and_continues_at_ep1(tmp_pat
   world.run(world.in_turn, 1, [(_resume_from, (str(tmp_path / 'ep1'), ep1, saved)),
                                (_run, (str(tmp_path / 'straight_ep1'), ep1, 0))])
   np.testing.assert_allclose(losses(tmp_path / 'ep1'), losses(tmp_path / 'straight_ep1')[10:], rtol=1e-5)
+
+
+def _stop_rank_1_then_dispatch(timeout_s):
+  import signal  # pylint: disable=import-outside-toplevel
+  c = parity.parity_config(moe=4, ep=2)
+  c.distributed_strategy.collective_timeout_s = timeout_s
+  mesh = meshes.init(c)
+  if mesh.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)   # a stopped peer (killed by world.run afterwards)
+  stack = torch.ones(2, 2, 2)
+  experts.expert_ffn(mesh.ep_group, 2)(torch.ones(4, 2), [1, 1, 1, 1], stack, stack, stack)
+
+
+def test_a_stopped_rank_fails_the_expert_all_to_all_naming_rank_and_operation():
+  with pytest.raises(RuntimeError, match=r'rank 0: all_to_all\(tokens per expert\) over ranks \[0, 1\] failed'):
+    world.run(_stop_rank_1_then_dispatch, 2, 3, timeout=90)

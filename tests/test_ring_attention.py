@@ -145,3 +145,20 @@ def test_group_ring_over_processes_matches_threads():
     assert torch.equal(out, want)
     for a, b in zip(grads, want_grads):
       assert torch.equal(a, b)
+
+
+def _stop_rank_1_then_exchange(timeout_s):
+  import datetime  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import signal  # pylint: disable=import-outside-toplevel
+  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=timeout_s))
+  if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)   # a stopped peer (killed by world.run afterwards)
+  ra.GroupRing(dist.group.WORLD).start(torch.ones(4), 7).wait()
+
+
+def test_a_stopped_rank_fails_the_ring_exchange_naming_rank_and_exchange():
+  from tests import world  # pylint: disable=import-outside-toplevel
+  with pytest.raises(RuntimeError, match=r'rank 0: ring attention exchange 7 \(from rank 1, to rank 1\) failed'):
+    world.run(_stop_rank_1_then_exchange, 2, 3, timeout=90)
