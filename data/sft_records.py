@@ -84,8 +84,8 @@ def read_json_lines(path):
   # Read here, not by `datasets`: it merges all lines into one schema (a missing key becomes
   # null, types get cast) and loses line numbers, which errors must name.
   import json
-  with open(path, encoding='utf-8') as f:
-    for line_number, line in enumerate(f, 1):
+  with open(path, 'rb') as f:
+    for line_number, line in _lines(path, f):
       if not line.strip():
         continue
       try:
@@ -96,11 +96,24 @@ def read_json_lines(path):
       yield f'{path} line {line_number}', value
 
 
+def _lines(path, f):
+  """Numbered text lines of the binary file `f`; a line that is not UTF-8 is an error naming it."""
+  for line_number, raw in enumerate(f, 1):
+    try:
+      yield line_number, raw.decode('utf-8')
+    except UnicodeDecodeError as e:
+      raise DataError(f'{path} line {line_number}: not UTF-8 text (column {e.start + 1}); the file is damaged or '
+                      'not JSON lines') from None
+
+
 def _read_json(path, limit):
   """A JSON list of records, or JSON lines in a .json file (both as `datasets` reads them)."""
   import json
-  with open(path, encoding='utf-8') as f:
-    text = f.read()
+  try:
+    with open(path, encoding='utf-8') as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise DataError(f'{path}: not UTF-8 text (byte {e.start}); the file is damaged or not JSON') from None
   try:
     value = json.loads(text)
   except json.JSONDecodeError as e:
@@ -126,7 +139,11 @@ def _read_arrow(path, limit):
 
 def _read_saved(path, limit):
   import datasets
-  loaded = datasets.load_from_disk(path)
+  try:
+    loaded = datasets.load_from_disk(path)
+  except Exception as e:  # pylint: disable=broad-except   (datasets and pyarrow raise several types)
+    raise DataError(f'{path}: not a readable save_to_disk directory ({str(e).splitlines()[0][:160]}); save it again '
+                    'with Dataset.save_to_disk, or use JSON lines') from None
   if isinstance(loaded, datasets.DatasetDict):
     raise DataError(f'{path}: a DatasetDict with splits {sorted(loaded)}; point data.train_dir '
                     f'/ data.val_dir at one split\'s directory, e.g. {path}/train')

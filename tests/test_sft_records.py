@@ -34,6 +34,19 @@ def test_bad_records_name_file_and_line(tmp_path, line, message):
     sft.read_records(path)
 
 
+def test_bytes_that_are_not_text_and_a_damaged_saved_dataset_name_the_file(tmp_path):
+  (tmp_path / 'bin.jsonl').write_bytes(json.dumps(PROMPTS[0]).encode() + b'\n\xff\xfe garbage\n')
+  with pytest.raises(DataError, match=r'bin.jsonl line 2: not UTF-8 text \(column 1\)'):
+    sft.read_records(str(tmp_path / 'bin.jsonl'))
+  (tmp_path / 'bin.json').write_bytes(b'[\xff]')
+  with pytest.raises(DataError, match=r'bin.json: not UTF-8 text'):
+    sft.read_records(str(tmp_path / 'bin.json'))
+  os.makedirs(tmp_path / 'saved')
+  (tmp_path / 'saved' / 'state.json').write_text('{ cut')           # a save_to_disk directory, damaged
+  with pytest.raises(DataError, match=r'saved: not a readable save_to_disk directory'):
+    sft.read_records(str(tmp_path / 'saved'))
+
+
 def test_broken_json_list_names_its_line(tmp_path):
   (tmp_path / 'list.json').write_text('[\n {"input": "a", "output": "b"},\n {"input": }\n]')
   with pytest.raises(DataError, match='list.json line 3: not valid JSON'):
