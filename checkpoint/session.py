@@ -59,12 +59,15 @@ def check_shapes(path, meta, layout):
         'workdir / checkpoint; nothing was loaded or deleted.')
 
 
-def _readable(step):
-  try:
-    checkpoint_steps.read_metadata(step)
-    return True
-  except store.ChecksumError:
-    return False
+def _newest_readable(candidates):
+  """(step, its metadata) of the newest candidate whose metadata.json reads (else the oldest's
+  error): the manager tries, and moves aside, a damaged newer one itself."""
+  for step in candidates[:-1]:
+    try:
+      return step, checkpoint_steps.read_metadata(step)
+    except store.ChecksumError:
+      continue
+  return candidates[-1], checkpoint_steps.read_metadata(candidates[-1])
 
 
 class Session:
@@ -105,13 +108,8 @@ class Session:
       candidates = self.manager.candidates(True, True, None) if self.manager.committed_steps() else []
     else:
       candidates = self.manager.candidates(e.resume_if_exists, e.resume_ignore_no_checkpoint, e.resume_from_checkpoint)
-    if not candidates and nxd:
-      return self._resume_from_nxd(nxd)
     if candidates:
-      # the layout from the newest step whose metadata.json reads; the manager tries (and moves
-      # aside) a damaged newer one itself
-      readable = next((c for c in candidates[:-1] if _readable(c)), candidates[-1])
-      meta = checkpoint_steps.read_metadata(readable)
+      readable, meta = _newest_readable(candidates)
       names = self._resume_names(readable, meta)
       layout = states.StateLayout(self.config, self.mesh, self.updater, meta.get('optimizer_state_keys', ()),
                                   names=names)
@@ -122,12 +120,15 @@ class Session:
       logging.info('resumed from %s: step %d, consumed_samples %d (saved at %s)',
                    meta['path'], step, meta['consumed_samples'], meta.get('layout'))
       return step, meta['consumed_samples']
-    if e.init_from:
+    start = (0, 0)
+    if nxd:                                # NxD's weights, step and data position (its base, with LoRA)
+      start = self._resume_from_nxd(nxd)
+    elif e.init_from:
       self._init_from(e.init_from)
     peft = lora.settings(self.config.model)
     if peft is not None and peft.load_lora_from_ckpt:
       self._load_adapters(lora.adapter_source(peft))
-    return 0, 0
+    return start
 
   def _resume_from_nxd(self, path):
     """Parameters, step and consumed samples of an NxD Training checkpoint, at this run's layout

@@ -14,11 +14,10 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from model import defaults, moe, transformer
-from model.hf_files import HFFileError, open_safetensors, read_json  # pylint: disable=unused-import
+from model.hf_files import HFFileError, open_safetensors, read_json
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf, config_to_hf  # pylint: disable=unused-import
 
 CONFIG_FILE = 'config.json'
@@ -303,8 +302,7 @@ def token_ids(path) -> dict:
   config_path = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(config_path):
     return {}
-  with open(config_path) as f:
-    config = json.load(f)
+  config = read_json(config_path)
   return {k: config[k] for k in TOKEN_ID_KEYS if config.get(k) is not None}
 
 
