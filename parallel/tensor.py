@@ -183,13 +183,14 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
   sp = sequence_parallel
   leave = _in_dtype((lambda x: comm.reduce_scatter_seq(x, group)) if sp else (lambda x: comm.reduce_from_group(x, group)),
                     reduce_dtype)
+  copy = _in_dtype(lambda x: comm.copy_to_group(x, group), reduce_dtype)   # Megatron's f: all-reduce in backward
   # entering a TP region: SP's all-gather (reduce-scatter in backward; the column linears keep
-  # the shard and gather it again: parallel/sequence.py), else Megatron's f (all-reduce in backward)
+  # the shard and gather it again: parallel/sequence.py), else f
   if sp:
     build = _in_dtype(lambda x: comm.gather_seq(x, group), reduce_dtype)   # run again, unchanged, in backward
     enter = lambda x: sequence.gather(x, build)
   else:
-    enter = _in_dtype(lambda x: comm.copy_to_group(x, group), reduce_dtype)
+    enter = copy
   column = sequence.linear if sp else F.linear
 
   def row_linear(x, w, b=None, partial=None):
@@ -211,7 +212,7 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
                                                   name=f'all_reduce(chunked cross-entropy {op})'),
       vocab_rank=comm.group_rank(group),
       full_input=enter,
-      copy_to_tp=_in_dtype(lambda x: comm.copy_to_group(x, group), reduce_dtype),
+      copy_to_tp=copy,
       reduce_over_tp=leave,
       slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
       residual_slices=mesh.tp if sp else 1,
