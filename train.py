@@ -18,13 +18,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import logs
+import user_errors
 
-from checkpoint import manager as managers, nxd_files, session, store, workdir as workdirs
+from checkpoint import session, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
-from data import errors as data_errors, tokenizer
+from data import tokenizer
 from data.loader import Loader
 from estimates import memory, memory_check, summary as summaries
-from model import hf_files, lora, objectives, transformer
+from model import lora, objectives, transformer
 from optim import update
 from parallel import comm, grads, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, training, xla
@@ -238,28 +239,20 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   return record
 
 
-# Errors of the project's own kinds: one line and exit 2 (a full traceback with --debug).
-USER_ERRORS = (config_validation.ConfigError, store.CheckpointError, managers.IncompatibleCheckpoint,
-               workdirs.WorkdirInUse, workdirs.WorkdirError, comm.PeerError, data_errors.DataError, MemoryError,
-               FloatingPointError, FileNotFoundError, PermissionError, hf_files.HFFileError,
-               nxd_files.NxDCheckpointError)
+def _run_flags():
+  config = _CONFIG.value
+  cli.command_line_wins(config, config_flags.get_override_values(flags.FLAGS['config']))
+  if _DRY_RUN.value:
+    dry_run(config)
+  else:
+    run(config, _WORKDIR.value)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  try:
-    config = _CONFIG.value
-    cli.command_line_wins(config, config_flags.get_override_values(flags.FLAGS['config']))
-    if _DRY_RUN.value:
-      dry_run(config)
-    else:
-      run(config, _WORKDIR.value)
-  except USER_ERRORS as e:
-    if _DEBUG.value:
-      raise
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(2)
+  try:     # a user's error: one line, exit 2 (user_errors.py; --debug for the traceback)
+    user_errors.exit_on_error(_run_flags, debug=_DEBUG.value)
   except KeyboardInterrupt:
     print('interrupted: exited at once, nothing saved after the last checkpoint', file=sys.stderr)
     sys.exit(130)
@@ -274,7 +267,7 @@ def parse_flags(argv):
     _CONFIG.value.keys()  # loaded lazily: a missing config file fails here
     return rest
   except Exception as e:  # pylint: disable=broad-except
-    if '--debug' in argv:
+    if '--debug' in argv or user_errors.debugging():
       raise
     print(f'error: {cli.explain(argv, e)}', file=sys.stderr)
     sys.exit(2)

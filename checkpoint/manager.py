@@ -46,12 +46,13 @@ import torch.distributed as dist
 from checkpoint import steps as step_names, storage, store
 from checkpoint.steps import MARKER, committed_dirs, is_committed, read_metadata
 from parallel import device as devices
+from user_errors import UserError
 
 FORMAT_VERSION = 1
 log = logging.getLogger(__name__)
 
 
-class IncompatibleCheckpoint(ValueError):
+class IncompatibleCheckpoint(UserError, ValueError):
   """A readable checkpoint that does not fit this run (another model, an unwritable place):
   fatal, never a reason to fall back to an older step."""
 

@@ -21,13 +21,14 @@ import pickle
 import re
 
 import torch
+from user_errors import UserError
 
 RANK_FILE = re.compile(r'^dp_rank_(\d+)(?:_ep_rank_(\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$')
 LEGACY_RANK = re.compile(r'^tp_rank_(\d+)_pp_rank_(\d+)$')
 TAG_PROGRESS = re.compile(r'step=(\d+)(?:-consumed_samples=(\d+(?:\.\d+)?))?')
 
 
-class NxDCheckpointError(ValueError):
+class NxDCheckpointError(UserError, ValueError):
   """An NxD checkpoint that cannot be read as it is: the message names the file and the fix."""
 
 

@@ -44,6 +44,7 @@ import tensorstore as ts
 import torch
 
 from checkpoint import storage
+from user_errors import UserError
 
 CHUNK_BYTES = 4 * 2**20
 CODECS = [{'name': 'bytes', 'configuration': {'endian': 'little'}}, {'name': 'crc32c'}]
@@ -54,7 +55,7 @@ OCDBT_CONFIG = {'max_inline_value_bytes': 1024, 'max_decoded_node_bytes': 100_00
 DTYPES = ('float32', 'bfloat16', 'float16', 'float64', 'int64', 'int32', 'int8', 'uint8', 'bool')
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
   """The checkpoint cannot be read as asked: corrupt, incomplete or missing data."""
 
 

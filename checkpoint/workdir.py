@@ -11,13 +11,14 @@ name> (NeMo's exp_manager, without its version sub-directory), else --workdir (`
 import fcntl
 import os
 import socket
+from user_errors import UserError
 
 
-class WorkdirInUse(RuntimeError):
+class WorkdirInUse(UserError, RuntimeError):
   pass
 
 
-class WorkdirError(ValueError):
+class WorkdirError(UserError, ValueError):
   """No run directory, or two that disagree."""
 
 

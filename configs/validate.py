@@ -13,13 +13,14 @@ from model import checks as model_checks, lora, moe, objectives
 from numerics import precision
 from optim import optimizers, schedules
 from parallel import compiled, context, grad_buffer, mesh as meshes, pipeline, remat, tensor
+from user_errors import UserError
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')
 NONFINITE_POLICIES = ('error', 'skip')
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
   pass
 
 

@@ -5,9 +5,10 @@ import contextlib
 import json
 
 from safetensors import safe_open
+from user_errors import UserError
 
 
-class HFFileError(ValueError):
+class HFFileError(UserError, ValueError):
   """A Hugging Face file that cannot be read as it is: one line naming the file and the fix."""
 
 

@@ -14,6 +14,7 @@ Conjugate pairs (forward / backward):
 """
 import torch
 import torch.distributed as dist
+from user_errors import UserError
 
 # torch 2.13 renamed the flat-tensor collectives; torch 2.9 (torch-xla's pin) has only the old names.
 _all_gather_flat = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
@@ -98,7 +99,7 @@ def buckets(names, sizes, limit):
     yield bucket
 
 
-class PeerError(RuntimeError):
+class PeerError(UserError, RuntimeError):
   """Raised on the ranks that did not fail themselves when another rank's step failed."""
 
 

@@ -8,7 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Lowest first: a folder (or top-level module) may import from the layers below its own only.
 LAYERS = (
-    ('rng', 'config_checks'),              # keyed randomness, config check helpers
+    ('rng', 'config_checks', 'user_errors'),   # keyed randomness, config check helpers, the user's errors
     ('numerics', 'data'),                  # precision recipes and stochastic rounding; datasets
     ('model',),                            # the single-device model: it knows no parallelism
     ('parallel',),                         # the runtime on a mesh: collectives, TP/SP/PP/CP/EP, ZeRO-1, the step

@@ -25,8 +25,8 @@ import os
 from absl import app, flags
 
 import tools
-from checkpoint import (manager as managers, nxd_files, nxd_params, nxd_write, state as states, steps as checkpoint_steps,
-                        store)
+import user_errors
+from checkpoint import manager as managers, nxd_files, nxd_params, nxd_write, state as states, steps as checkpoint_steps
 from configs import base as base_config
 from data import tokenizer as tokenizers
 from model import adapters, hf, lora
@@ -191,28 +191,30 @@ def check_command_line(argv, src, dst, base):
 
 
 def main(argv):
+  """Errors a user can fix end in one line, exit 2 (user_errors.py)."""
+  user_errors.exit_on_error(_main, argv, also=(ValueError,))
+
+
+def _main(argv):
   command = check_command_line(argv, FLAGS.src, FLAGS.dst, FLAGS.base)
-  try:
-    if command == 'hf-to-flatron':
-      print(hf_to_flatron(FLAGS.src, FLAGS.dst))
-      return
-    if command == 'nxd-to-hf':
-      config, params, progress = read_nxd(FLAGS.src, FLAGS.model_config, FLAGS.hw)
-      hf.save_hf(FLAGS.dst, config.model, params)
-      print(f'{FLAGS.dst} (step {progress["step"]} of {progress["tag"].path})')
-      return
-    if command == 'nxd-to-flatron':
-      print(nxd_to_flatron(FLAGS.src, FLAGS.dst, FLAGS.model_config, FLAGS.hw))
-      return
-    if command == 'flatron-to-nxd':
-      print(flatron_to_nxd(FLAGS.src, FLAGS.dst, FLAGS.tp, FLAGS.pp, FLAGS.ep, FLAGS.kv_replicator, FLAGS.hw))
-      return
-    if command == 'merge-peft':
-      carried = merge_peft(FLAGS.src, FLAGS.base, FLAGS.dst)
-    else:
-      carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[command](FLAGS.src, FLAGS.dst)
-  except (nxd_files.NxDCheckpointError, store.CheckpointError, ValueError, FileNotFoundError, PermissionError) as e:
-    tools.fail(str(e))     # (an HF file that cannot be read is a ValueError: model/hf_files.py)
+  if command == 'hf-to-flatron':
+    print(hf_to_flatron(FLAGS.src, FLAGS.dst))
+    return
+  if command == 'nxd-to-hf':
+    config, params, progress = read_nxd(FLAGS.src, FLAGS.model_config, FLAGS.hw)
+    hf.save_hf(FLAGS.dst, config.model, params)
+    print(f'{FLAGS.dst} (step {progress["step"]} of {progress["tag"].path})')
+    return
+  if command == 'nxd-to-flatron':
+    print(nxd_to_flatron(FLAGS.src, FLAGS.dst, FLAGS.model_config, FLAGS.hw))
+    return
+  if command == 'flatron-to-nxd':
+    print(flatron_to_nxd(FLAGS.src, FLAGS.dst, FLAGS.tp, FLAGS.pp, FLAGS.ep, FLAGS.kv_replicator, FLAGS.hw))
+    return
+  if command == 'merge-peft':
+    carried = merge_peft(FLAGS.src, FLAGS.base, FLAGS.dst)
+  else:
+    carried = {'flatron-to-hf': flatron_to_hf, 'export-peft': export_peft}[command](FLAGS.src, FLAGS.dst)
   print(f'{FLAGS.dst} (with {carried})')
 
 

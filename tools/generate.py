@@ -16,7 +16,8 @@ import os
 from absl import app, flags
 
 import tools
-from checkpoint import state as states, steps as checkpoint_steps, store
+import user_errors
+from checkpoint import state as states, steps as checkpoint_steps
 from configs import base
 from data import chat, tokenizer as tokenizers
 from model import adapters, generation, hf
@@ -87,6 +88,11 @@ def define_flags():
 
 
 def main(argv):
+  """Errors a user can fix end in one line, exit 2 (user_errors.py)."""
+  user_errors.exit_on_error(_main, argv, also=(ValueError,))
+
+
+def _main(argv):
   tools.no_arguments(argv)
   if sum(x is not None for x in (FLAGS.prompt, FLAGS.chat, FLAGS.messages)) != 1:
     raise app.UsageError('give exactly one of --prompt, --chat, --messages')
@@ -95,10 +101,7 @@ def main(argv):
   except json.JSONDecodeError as e:
     tools.fail(f'--messages: not valid JSON at column {e.colno}: {e.msg} (a list of {{"role", "content"}} objects)')
   sampling = generation.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.seed)
-  try:
-    model = load_model(FLAGS.model)
-  except (store.CheckpointError, FileNotFoundError, ValueError) as e:
-    tools.fail(str(e))
+  model = load_model(FLAGS.model)
   tokenizer_dir = FLAGS.tokenizer or (states.resolve_step(FLAGS.model) if model[2] is None else None)
   if FLAGS.adapter:
     model = adapters.load_peft(FLAGS.adapter, model[0], model[1]) + (model[2],)

@@ -59,6 +59,8 @@ import sys
 from absl import app, flags
 
 import tools
+import user_errors
+from user_errors import UserError
 
 FLAGS = flags.FLAGS
 DEFAULT_PORT = 29500
@@ -68,7 +70,7 @@ SLURM_NNODES = ('SLURM_STEP_NUM_NODES', 'SLURM_JOB_NUM_NODES', 'SLURM_NNODES')
 SLURM_NODELIST = ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST', 'SLURM_NODELIST')
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError, ValueError):
   """Settings that cannot start a job; the message names the variable and the fix."""
 
 
@@ -275,10 +277,12 @@ def describe(s):
 
 
 def main(command):
-  try:
-    settings = resolve({k: FLAGS[k].value for k in FLAG_KEYS}, os.environ)
-  except LaunchError as e:
-    tools.fail(str(e))
+  """Errors a user can fix end in one line, exit 2 (user_errors.py)."""
+  user_errors.exit_on_error(_main, command)
+
+
+def _main(command):
+  settings = resolve({k: FLAGS[k].value for k in FLAG_KEYS}, os.environ)
   cmd = torchrun_argv(settings, command, torchrun_program())
   if FLAGS.dry_run:
     print(shlex.join(cmd))

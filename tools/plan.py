@@ -25,6 +25,7 @@ from configs import from_files, validate
 from estimates import clusters, memory, step_time, summary
 from model import transformer
 import tools
+import user_errors
 
 RECOMPUTE = {'none': (None, ()), 'selective': ('selective', ('attention',)),
              'selective+mlp': ('selective', ('attention', 'mlp')), 'full': ('full', ())}
@@ -226,6 +227,11 @@ def define_flags():
 
 
 def main(argv):
+  """Errors a user can fix end in one line, exit 2 (user_errors.py)."""
+  user_errors.exit_on_error(_main, argv, also=(ValueError,))
+
+
+def _main(argv):
   tools.no_arguments(argv)
   FLAGS = flags.FLAGS   # pylint: disable=invalid-name
   if FLAGS.calibrate:
@@ -234,13 +240,10 @@ def main(argv):
     return
   if FLAGS.config is None:
     tools.fail('--config is required (a configs/*.py file, or configs/nxd_yaml.py:their.yaml)')
-  try:
-    cluster = clusters.get(FLAGS.cluster)
-    world_size = world(cluster, FLAGS.nodes, FLAGS.devices)
-    config = FLAGS.config
-    resolve(config)
-  except (ValueError, validate.ConfigError) as e:
-    tools.fail(str(e))
+  cluster = clusters.get(FLAGS.cluster)
+  world_size = world(cluster, FLAGS.nodes, FLAGS.devices)
+  config = FLAGS.config
+  resolve(config)
   plan = search(config, cluster, world_size, keep=FLAGS.top)
   print(report(config, cluster, world_size, plan, FLAGS.top))
   if not plan.ranked:

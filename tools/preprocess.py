@@ -20,6 +20,7 @@ from absl import app, flags
 import numpy as np
 
 import tools
+import user_errors
 from data import indexed, sft_records, tokenizer
 from data.errors import DataError
 
@@ -174,6 +175,11 @@ def summary(output_prefix, s) -> str:
 
 
 def main(argv):
+  """Errors a user can fix end in one line, exit 2 (user_errors.py)."""
+  user_errors.exit_on_error(_main, argv)
+
+
+def _main(argv):
   def value(name):            # the flags' names are Megatron's, with dashes: not attributes
     return FLAGS[name].value
 
@@ -183,11 +189,8 @@ def main(argv):
     tools.fail('no input: name the files (or glob patterns) with --input')
   tok_cfg = {'type': value('tokenizer-type'), 'model': value('tokenizer-model'),
              'vocab_file': value('vocab-file'), 'merge_file': value('merge-file')}
-  try:
-    s = preprocess(inputs, value('output-prefix'), tok_cfg, value('json-key'), value('text-docs'),
-                   value('workers'), not value('no-append-eod'), value('quiet'))
-  except (DataError, FileNotFoundError) as e:
-    tools.fail(str(e))          # bad input, named with its fix: one line
+  s = preprocess(inputs, value('output-prefix'), tok_cfg, value('json-key'), value('text-docs'),
+                 value('workers'), not value('no-append-eod'), value('quiet'))
   print(summary(value('output-prefix'), s))
 
 

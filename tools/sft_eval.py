@@ -31,8 +31,10 @@ import typing
 from absl import app, flags
 
 import tools
+import user_errors
 from data import sft_records
 from data.errors import DataError
+from user_errors import UserError
 
 FLAGS = flags.FLAGS
 INSTALL = 'pip install rouge-score sacrebleu (both are in requirements.txt)'
@@ -92,7 +94,7 @@ def example(record) -> Example:
 
 # ---- scoring: lists of strings in, numbers out
 
-class MissingLibrary(ImportError):
+class MissingLibrary(UserError, ImportError):
   """A scoring library is not installed (not any ImportError: those keep their traceback)."""
 
 
@@ -210,12 +212,13 @@ def define_flags():
 
 
 def main(argv):
+  """Errors a user can fix end in one line, exit 2 (user_errors.py)."""
+  user_errors.exit_on_error(_main, argv, also=(ValueError,))
+
+
+def _main(argv):
   tools.no_arguments(argv)
-  from checkpoint import store  # pylint: disable=import-outside-toplevel
-  try:
-    run(FLAGS.model, FLAGS.data, FLAGS.limit, FLAGS.max_new_tokens, FLAGS.tokenizer_dir, FLAGS.out)
-  except (ValueError, MissingLibrary, store.CheckpointError, FileNotFoundError) as e:   # DataError too
-    raise SystemExit(f'error: {e}') from None
+  run(FLAGS.model, FLAGS.data, FLAGS.limit, FLAGS.max_new_tokens, FLAGS.tokenizer_dir, FLAGS.out)
 
 
 if __name__ == '__main__':
