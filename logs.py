@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 
 from absl import logging as absl_logging
@@ -72,7 +73,7 @@ class MetricsLog:
     self.file = self.writer = None
     if not lead:
       return
-    path = os.path.join(workdir, 'metrics.jsonl')
+    self.path = path = os.path.join(workdir, 'metrics.jsonl')
     if resumed_at is not None:
       keep_records_up_to(path, resumed_at)
     self.file = open(path, 'a' if resumed_at is not None else 'w')
@@ -85,6 +86,12 @@ class MetricsLog:
     if self.file is None:
       return
     record = {k: _finite(v) for k, v in record.items()}
+    if not os.path.exists(self.path):   # removed under the run (with its workdir?): not written to nowhere
+      print(f'warning: {self.path} was removed during the run; writing it anew from step {record.get("step")} '
+            '(the records before are gone)', file=sys.stderr)
+      os.makedirs(os.path.dirname(self.path), exist_ok=True)
+      self.file.close()
+      self.file = open(self.path, 'a')
     self.file.write(json.dumps(record, allow_nan=False) + '\n')
     self.file.flush()
     if self.writer:

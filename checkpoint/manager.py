@@ -187,7 +187,7 @@ class CheckpointManager:
       store.write_local(path, host, layout, self.rank)
       host.clear()  # free the host copy before waiting on the slowest rank
       phase('written')
-    error = store.no_space(_attempt(write_mine)[0], path)
+    error = store.disk_fault(_attempt(write_mine)[0], path)
     [failed] = self._agree(error is not None)
     _raise_if(failed, error, f'step {step}: another rank failed to write; not committed')
 
@@ -202,7 +202,7 @@ class CheckpointManager:
       phase('committed')
       self._prune(step if pin else None)
       phase('pruned')
-    error = store.no_space(_attempt(commit)[0], path) if lead else None
+    error = store.disk_fault(_attempt(commit)[0], path) if lead else None
     [failed] = self._agree(error is not None)
     _raise_if(failed, error, f'step {step}: rank 0 failed to commit or prune it')
 

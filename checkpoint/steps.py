@@ -136,7 +136,11 @@ def step_dir(step: int) -> str:
 
 
 def read_metadata(step_path: str) -> dict:
-  text = storage.read_text(step_path, 'metadata.json')
+  try:
+    text = storage.read_text(step_path, 'metadata.json')
+  except UnicodeDecodeError as e:
+    raise store.ChecksumError(f'{step_path}/metadata.json: not UTF-8 text (byte {e.start}): the step is damaged; use '
+                              'an earlier one (resume moves it aside and takes the one before)') from None
   if text is None and not storage.is_remote(step_path) and not os.path.isdir(step_path):
     raise store.CheckpointError(f'{step_path} does not exist')
   if text is None:

@@ -202,11 +202,21 @@ def _error(path, name, err, verb='read'):
   return CheckpointError(f'array {name!r} in checkpoint {path} could not be {verb}: {msg}')
 
 
-def no_space(error, path):
-  """A full disk said as such (tensorstore reports it as a ValueError, Python as OSError ENOSPC)."""
-  if error is not None and (getattr(error, 'errno', None) == errno.ENOSPC or 'No space left on device' in str(error)):
-    return CheckpointError(f'no space left on {path}: this step is not committed and the last committed step '
-                                 'is kept; free space there, or set exp_manager.checkpoint_dir to a larger disk')
+# What the disk says (Python's errno; tensorstore's ValueError text), said as such, with the fix.
+DISK_FAULTS = ((errno.ENOSPC, 'No space left on device', 'no space left on',
+                'free space there, or set exp_manager.checkpoint_dir to a larger disk'),
+               (errno.EROFS, 'Read-only file system', 'a read-only file system at',
+                'make it writable, or set exp_manager.checkpoint_dir to a writable disk'),
+               (errno.EACCES, 'Permission denied', 'permission denied writing',
+                'check its permissions, or set exp_manager.checkpoint_dir to a directory you can write'))
+
+
+def disk_fault(error, path):
+  """A full, read-only or forbidden disk during a save said as such (tensorstore reports it as a
+  ValueError, Python as an OSError); other errors pass through."""
+  for code, text, said, fix in DISK_FAULTS:
+    if error is not None and (getattr(error, 'errno', None) == code or text in str(error)):
+      return CheckpointError(f'{said} {path}: this step is not committed and the last committed step is kept; {fix}')
   return error
 
 
@@ -271,7 +281,11 @@ def merge(path, layout: dict):
 
 def _stored_keys(path):
   """name -> number of stored keys (zarr.json and chunks) of every array in the root."""
-  keys = ts.KvStore.open(_db(path), context=ts.Context()).result().list().result()
+  try:
+    keys = ts.KvStore.open(_db(path), context=ts.Context()).result().list().result()
+  except ValueError as err:      # the array index itself is damaged (cut short, bytes flipped)
+    raise ChecksumError(f'checkpoint {path}: its array index could not be read ({str(err)[:200]}); the step is '
+                        'damaged: use an earlier one (resume moves it aside and takes the one before)') from err
   counts = {}
   for key in keys:
     quoted, _, _ = key.decode().partition('/')

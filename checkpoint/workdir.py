@@ -52,8 +52,9 @@ class Lock:
     if self.fd is not None:
       os.close(self.fd)            # closing drops the flock
       self.fd = None
-    if unused and self.created:
-      os.remove(self.path)
+    if unused and self.created and os.path.isdir(self.workdir):    # (removed under the run: nothing to tidy)
+      if os.path.exists(self.path):
+        os.remove(self.path)
       for root, dirs, files in os.walk(self.workdir, topdown=False):
         if files or any(os.path.exists(os.path.join(root, d)) for d in dirs):
           return

@@ -221,6 +221,9 @@ def report_table(rows) -> str:
 def get_config(arg=None):
   if not arg:
     raise ValueError('configs/nxd_yaml.py needs the YAML after a colon: --config=configs/nxd_yaml.py:path/to/config.yaml')
+  if not isinstance(yaml_config.read(arg).get('model'), dict):   # cut short, or not an NxD Training config
+    raise ValueError(f'{arg}: no model section (NxD Training\'s model: with model_config or the sizes); '
+                     'is it the whole file?')
   mapped = load(arg)
   if mapped.not_honoured and os.environ.get('RANK', '0') == '0':
     print(report_table(mapped.not_honoured), file=sys.stderr)

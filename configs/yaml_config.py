@@ -26,6 +26,8 @@ if not OmegaConf.has_resolver('multiply'):
 
 def read(path):
   """The YAML file at `path` as a nested dict, interpolations resolved."""
+  if os.path.isdir(path):
+    raise ValueError(f'{path}: is a directory; name the YAML file in it')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such YAML file')
   try:
@@ -38,6 +40,8 @@ def read(path):
     raise ValueError(f'{path}: not valid YAML{where}: {problem}') from None
   if not isinstance(tree, omegaconf.DictConfig):
     raise ValueError(f'{path}: expected a mapping of sections at the top, got a list')
+  if not tree:    # an emptied file would train the defaults, silently
+    raise ValueError(f'{path}: is empty; it may have been emptied or cut short: copy it again')
   try:
     return OmegaConf.to_container(tree, resolve=True)
   except omegaconf.errors.OmegaConfBaseException as e:

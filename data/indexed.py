@@ -103,7 +103,10 @@ class IndexedDataset:
     file_bytes = os.path.getsize(idx_path)
     with open(idx_path, 'rb') as f:
       header = f.read(HEADER_BYTES)
-    if len(header) < HEADER_BYTES or header[:9] != MAGIC:
+    if header[:9] == MAGIC and len(header) < HEADER_BYTES:
+      raise DataError(f'{idx_path}: {len(header)} bytes, shorter than its {HEADER_BYTES}-byte header: the file is '
+                      f'cut short; {_rebuild(self.prefix)}')
+    if header[:9] != MAGIC:
       raise DataError(f'{idx_path}: not a Megatron MMIDIDX index (magic {header[:9]!r}, '
                       f'expected {MAGIC!r}); pass the prefix of a preprocess.py output')
     version, = struct.unpack('<Q', header[9:17])

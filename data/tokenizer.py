@@ -114,12 +114,13 @@ def read_config(directory, name='tokenizer_config.json') -> dict:
   as a dict, {} when absent. Its special tokens and chat template are optional, so the fix
   offered for a broken file is to repair or delete it."""
   path = os.path.join(directory, name)
-  if not os.path.isfile(path):
+  if not os.path.exists(path):
     return {}
+  _require_file(path, name)
   with open(path, encoding='utf-8') as f:
     try:
       config = json.load(f)
-    except json.JSONDecodeError as e:
+    except ValueError as e:       # not JSON, or not UTF-8
       raise DataError(f'{path}: not valid JSON ({e}); fix or delete it (the special tokens then come '
                       'from their usual names; a chat template may stand in chat_template.jinja)') from None
   if not isinstance(config, dict):
@@ -146,7 +147,14 @@ def gpt2_bpe(vocab_file, merge_file) -> HuggingFaceTokenizer:
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers
   _require_file(vocab_file, 'data.tokenizer.vocab_file (vocab.json / encoder.json)')
   _require_file(merge_file, 'data.tokenizer.merge_file (merges.txt / vocab.bpe)')
-  tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+  with open(merge_file, 'rb') as f:   # an empty merges file would tokenize byte by byte, silently
+    if not any(line.strip() and not line.startswith(b'#version') for line in f):
+      raise DataError(f'tokenizer: {merge_file}: no merges in it (emptied or cut short?); copy it again')
+  try:
+    tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+  except Exception as e:  # pylint: disable=broad-except   (the tokenizers library's own error type)
+    raise DataError(f'tokenizer: {vocab_file} and {merge_file} are not a readable GPT-2 vocabulary and merges '
+                    f'({str(e).splitlines()[0][:160]}); they may be cut short: copy them again') from None
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   if tok.token_to_id(GPT2_EOT) is not None:

@@ -102,24 +102,34 @@ def read_settings(path) -> dict:
   if layers_pattern not in (None, '', [], 'layers', ['layers']):
     unsupported.append(f'layers_pattern={layers_pattern!r} (a Llama\'s layers are model.layers.N)')
   if unsupported:
-    raise ValueError(f'{config_path}: not supported here: {", ".join(unsupported)}; these change what the '
+    raise hf_files.HFFileError(f'{config_path}: not supported here: {", ".join(unsupported)}; these change what the '
                      'adapter computes, so it cannot be loaded faithfully')
   targets = c.get('target_modules')
   if not targets:
-    raise ValueError(f'{config_path}: target_modules is empty')
+    raise hf_files.HFFileError(f'{config_path}: target_modules is empty')
   layers = c.get('layers_to_transform')
-  settings = {'lora_rank': int(c['r']), 'lora_alpha': float(c.get('lora_alpha', 8)),
+  try:      # peft's defaults where a field is absent (r=8, lora_alpha=8)
+    settings = _settings(c, targets, layers)
+  except (TypeError, ValueError, AttributeError) as e:
+    raise hf_files.HFFileError(f'{config_path}: a value of the wrong type ({e}); fix it or export the adapter '
+                               'again') from None
+  try:
+    lora.target_modules(config_dict.ConfigDict(settings))
+  except ValueError as e:
+    raise hf_files.HFFileError(f'{config_path}: {e}') from None
+  return settings
+
+
+def _settings(c, targets, layers):
+  if not isinstance(targets, (str, list, tuple)) or not all(isinstance(t, str) for t in targets):
+    raise TypeError(f'target_modules={targets!r}: a module name, a regex or a list of names')
+  return {'lora_rank': int(c.get('r', 8)), 'lora_alpha': float(c.get('lora_alpha', 8)),
               'lora_dropout': float(c.get('lora_dropout') or 0.0), 'use_rslora': bool(c.get('use_rslora')),
               'lora_bias': c.get('bias') or 'none',
               'target_modules': targets if isinstance(targets, str) else tuple(targets),
               'layers_to_transform': (layers,) if isinstance(layers, int) else tuple(layers or ()),
               'rank_pattern': tuple((k, int(v)) for k, v in (c.get('rank_pattern') or {}).items()),
               'alpha_pattern': tuple((k, float(v)) for k, v in (c.get('alpha_pattern') or {}).items())}
-  try:
-    lora.target_modules(config_dict.ConfigDict(settings))
-  except ValueError as e:
-    raise ValueError(f'{config_path}: {e}') from None
-  return settings
 
 
 def read_boxes(path, requests) -> dict:
@@ -132,10 +142,17 @@ def read_boxes(path, requests) -> dict:
     available = {our_name(k): k for k in f.keys()}
     missing = sorted(n for n in requests if n not in available)
     if missing:
-      raise ValueError(f'{file}: missing {", ".join(missing[:5])}{" ..." if len(missing) > 5 else ""} '
+      raise hf_files.HFFileError(f'{file}: missing {", ".join(missing[:5])}{" ..." if len(missing) > 5 else ""} '
                        '(are target_modules the ones it was trained with?)')
     for name, box in requests.items():
-      out[name] = f.get_slice(available[name])[box]
+      stored = f.get_slice(available[name])
+      shape = tuple(stored.get_shape())
+      if len(box) != len(shape) or any(s.stop > n for s, n in zip(box, shape)):
+        # slicing past the end would silently return less (a rank 4 tensor read as rank 8)
+        raise hf_files.HFFileError(
+            f'{file}: {available[name]} has shape {list(shape)}, but adapter_config.json\'s settings need '
+            f'{[s.stop for s in box]} at least (is r the rank it was trained with?)')
+      out[name] = stored[box]
   return out
 
 

@@ -147,10 +147,10 @@ def _checked_names(path, model_cfg):
   stored = {n for n in files if not _ignored(n, model_cfg)}
   missing = sorted(wanted - stored)
   if missing:
-    raise ValueError(f'{source}: missing tensors {_few(missing)}')
+    raise HFFileError(f'{source}: missing tensors {_few(missing)}')
   unexpected = sorted(stored - wanted)
   if unexpected:
-    raise ValueError(f'{source}: unexpected tensors {_few(unexpected)}')
+    raise HFFileError(f'{source}: unexpected tensors {_few(unexpected)}')
   for name, pieces in layouts.items():
     shape = specs[name].shape
     expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
@@ -163,7 +163,7 @@ def _checked_names(path, model_cfg):
         with open_safetensors(files[hf_name]) as f:
           found = tuple(f.get_slice(hf_name).get_shape())
         if found != expected:
-          raise ValueError(f'{files[hf_name]}: tensor {hf_name} has shape {found}, expected {expected}')
+          raise HFFileError(f'{files[hf_name]}: tensor {hf_name} has shape {found}, expected {expected}')
   return {name: [[(files[n], n) for n in piece] for piece in pieces] for name, pieces in layouts.items()}
 
 

@@ -353,18 +353,20 @@ NO_SPACE = 'this step is not committed and the last committed step is kept'   # 
 
 
 @pytest.mark.parametrize('where', ['write_local', 'write_text'])
-def test_a_full_disk_is_said_as_such_and_keeps_the_last_commit(tmp_path, monkeypatch, where):
-  import errno  # pylint: disable=import-outside-toplevel
+@pytest.mark.parametrize('code, said', [(28, 'no space left on'), (30, 'a read-only file system at'),
+                                        (13, 'permission denied writing')])
+def test_a_full_read_only_or_forbidden_disk_is_said_as_such_and_keeps_the_last_commit(tmp_path, monkeypatch, where,
+                                                                                       code, said):
   from checkpoint import storage  # pylint: disable=import-outside-toplevel
   m = manager.CheckpointManager(str(tmp_path))
   save(m, 1)
   module = store if where == 'write_local' else storage
 
-  def full(*args, **kwargs):
-    raise OSError(errno.ENOSPC, 'No space left on device')
+  def fault(*args, **kwargs):
+    raise OSError(code, os.strerror(code))
 
-  monkeypatch.setattr(module, where, full)
-  with pytest.raises(store.CheckpointError, match=r'no space left on .*step_00000002: ' + NO_SPACE):
+  monkeypatch.setattr(module, where, fault)
+  with pytest.raises(store.CheckpointError, match=f'{said} .*step_00000002: ' + NO_SPACE):
     save(m, 2)
   monkeypatch.undo()
   assert m.committed_steps() == [1] and loads_as_saved(m, 1)

@@ -32,8 +32,11 @@ def expand_inputs(patterns) -> list:
   files = []
   for pattern in patterns:
     matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-    if not matches or not all(os.path.isfile(m) for m in matches):
-      raise FileNotFoundError(f'preprocess: input {pattern!r} does not exist')
+    for match in matches or [pattern]:
+      if os.path.isdir(match):
+        raise DataError(f'preprocess: input {match!r} is a directory; name its files (e.g. --input=\'{match}/*.jsonl\')')
+      if not os.path.isfile(match):
+        raise FileNotFoundError(f'preprocess: input {pattern!r} does not exist')
     files.extend(matches)
   return files
 
