@@ -38,6 +38,13 @@ def describe(e: BaseException) -> str:
   return str(e)
 
 
+def readable(path):
+  """`path`, after opening it once: a file the user may not read, or a directory, fails with the
+  operating system's own error (libraries written in Rust or C++ say "No such file" or worse)."""
+  with open(path, 'rb'):
+    return path
+
+
 def debugging() -> bool:
   return os.environ.get('FLATRON_DEBUG', '') not in ('', '0')
 

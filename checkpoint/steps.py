@@ -142,7 +142,8 @@ def read_metadata(step_path: str) -> dict:
     raise store.ChecksumError(f'{step_path}/metadata.json: not UTF-8 text (byte {e.start}): the step is damaged; use '
                               'an earlier one (resume moves it aside and takes the one before)') from None
   if text is None and not storage.is_remote(step_path) and not os.path.isdir(step_path):
-    raise store.CheckpointError(f'{step_path} does not exist')
+    raise store.CheckpointError(f'{step_path} is a file, not a checkpoint step directory' if os.path.exists(step_path)
+                                else f'{step_path} does not exist')
   if text is None:
     raise store.CheckpointError(f'{step_path} has no metadata.json (not a flatron checkpoint step)')
   try:

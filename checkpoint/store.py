@@ -195,10 +195,15 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
   return torch.from_numpy(a)
 
 
+DAMAGED = 'the step is damaged: use an earlier one (resume moves it aside and takes the one before)'
+
+
 def _error(path, name, err, verb='read'):
-  msg = str(err)
+  msg = str(err)[:300]
   if 'DATA_LOSS' in msg:
-    return ChecksumError(f'array {name!r} in checkpoint {path} is corrupt (checksum mismatch): {msg}')
+    return ChecksumError(f'array {name!r} in checkpoint {path} is corrupt (checksum mismatch: {msg}); {DAMAGED}')
+  if verb == 'read' and ('OUT_OF_RANGE' in msg or 'FAILED_PRECONDITION' in msg):    # a data file cut short or gone
+    return ChecksumError(f'array {name!r} in checkpoint {path} could not be read ({msg}); {DAMAGED}')
   return CheckpointError(f'array {name!r} in checkpoint {path} could not be {verb}: {msg}')
 
 
@@ -284,8 +289,7 @@ def _stored_keys(path):
   try:
     keys = ts.KvStore.open(_db(path), context=ts.Context()).result().list().result()
   except ValueError as err:      # the array index itself is damaged (cut short, bytes flipped)
-    raise ChecksumError(f'checkpoint {path}: its array index could not be read ({str(err)[:200]}); the step is '
-                        'damaged: use an earlier one (resume moves it aside and takes the one before)') from err
+    raise ChecksumError(f'checkpoint {path}: its array index could not be read ({str(err)[:200]}); {DAMAGED}') from err
   counts = {}
   for key in keys:
     quoted, _, _ = key.decode().partition('/')

@@ -6,6 +6,8 @@ import os
 
 from ml_collections import config_dict
 
+import user_errors
+
 NOT_MODELS = ('__init__.py', 'base.py', 'cli.py', 'from_files.py', 'presets.py', 'validate.py', 'yaml_config.py',
               'nxd_yaml.py', 'nxd_yaml_keys.py', 'nxdt.py')  # nxd_yaml.py needs a YAML: --config=configs/nxd_yaml.py:file.yaml
 
@@ -64,7 +66,8 @@ def explain(argv, error) -> str:
     try:
       config = load(spec)
     except Exception as e:  # pylint: disable=broad-except
-      return f'--config={spec}: {e}' if not str(e).startswith('--config=') else str(e)
+      said = user_errors.describe(e)
+      return f'--config={spec}: {said}' if not said.startswith('--config=') else said
     for arg in argv:
       if arg.startswith('--config.'):
         if message := unknown_key(config, arg[len('--config.'):].split('=', 1)[0]):

@@ -32,6 +32,8 @@ def read(path):
     raise FileNotFoundError(f'{path}: no such YAML file')
   try:
     tree = OmegaConf.load(path)
+  except OSError:
+    raise           # said by user_errors.describe: permission denied, ...
   except Exception as e:  # pylint: disable=broad-except   (yaml's and OmegaConf's parse errors)
     mark = getattr(e, 'problem_mark', None)             # PyYAML's position of the problem
     where = f' at line {mark.line + 1} column {mark.column + 1}' if mark is not None else ''

@@ -12,6 +12,7 @@ import os
 import shutil
 
 from data.errors import DataError
+from user_errors import readable
 
 TYPES = ('none', 'sentencepiece', 'huggingface', 'gpt2')     # data.tokenizer.type; none: no tokenizer
 GPT2_EOT = '<|endoftext|>'
@@ -35,7 +36,7 @@ def _require_file(path, what):
     raise DataError(f'tokenizer: {what} {path!r} is a directory; point it at the file')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'tokenizer: {what} {path!r} does not exist')
-  return path
+  return readable(path)
 
 
 class SentencePieceTokenizer:

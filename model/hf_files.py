@@ -5,7 +5,7 @@ import contextlib
 import json
 
 from safetensors import safe_open
-from user_errors import UserError
+from user_errors import UserError, readable
 
 
 class HFFileError(UserError, ValueError):
@@ -15,6 +15,7 @@ class HFFileError(UserError, ValueError):
 @contextlib.contextmanager
 def open_safetensors(file):
   """safe_open, any failure (a file cut short, another format) one line naming the file."""
+  readable(file)
   try:
     handle = safe_open(file, framework='pt')
   except Exception as e:  # pylint: disable=broad-except   (safetensors' own error types)
