@@ -162,4 +162,5 @@ def get_config(arg=None):
   precision.parameter_dtype = 'fp32'           # manual: fp32 | bf16
   precision.stochastic_rounding = False        # manual: round parameter updates stochastically
   precision.parallel_layers_reduce_dtype = placeholder(str)  # TP reductions: fp32 | bf16; None = the activations' dtype
+  precision.fp8 = placeholder(str)             # tensorwise | rowwise: the transformer's linears in float8 (None: off)
   return c

@@ -9,7 +9,7 @@ from checkpoint import steps as checkpoint_steps
 from config_checks import one_of, positive
 from data import loader
 from estimates import clusters
-from model import checks as model_checks, lora, moe, objectives
+from model import checks as model_checks, layers, lora, moe, objectives
 from numerics import precision
 from optim import optimizers, schedules
 from parallel import compiled, context, grad_buffer, mesh as meshes, pipeline, remat, tensor
@@ -40,7 +40,25 @@ def check(config, world_size=1) -> list:
     dp = max(1, world_size // _model_parallel(strategy))
     problems += loader.check(config, dp)
   problems += lora.check(config.model_alignment_strategy.peft) + objectives.check(config)
-  return problems + precision.check(config.precision) + checkpoint_steps.check(config)
+  return problems + precision.check(config.precision) + _check_fp8(config) + checkpoint_steps.check(config)
+
+
+def _check_fp8(config) -> list:
+  """precision.fp8 where its GEMMs run: CUDA's float8 GEMMs need every dim a multiple of 16."""
+  name, m = config.precision.get('fp8'), config.model
+  if name is None:
+    return []
+  if config.device == 'xla':
+    return [f'precision.fp8={name!r}: FP8 linears run on CUDA (sm_89+) and the CPU; XLA (Trainium, TPU) has no '
+            'torch._scaled_mm path here: unset precision.fp8']
+  tp, hd = config.distributed_strategy.tensor_model_parallel_size, layers.head_dim(m)
+  dims = {'hidden_size': m.hidden_size, 'num_attention_heads x head_dim / tp': m.num_attention_heads * hd // tp,
+          'ffn_hidden_size / tp': m.ffn_hidden_size // tp}
+  odd = [f'{k}={v}' for k, v in dims.items() if v % 16]
+  if config.device == 'cuda' and odd:
+    return [f'precision.fp8={name!r} on CUDA needs each linear dim a multiple of 16 (torch._scaled_mm): '
+            f'{", ".join(odd)}']
+  return []
 
 
 def _check_run(config) -> list:

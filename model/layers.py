@@ -15,14 +15,15 @@ from einops import rearrange
 
 import rng
 from model import cross_entropy, lora
+from numerics import fp8
 
 
-def _linear(x, w, b=None):
-  return F.linear(x, w, b)
+def _linear(x, w, b=None, gemms=None):
+  return fp8.linear(x, w, b, gemms)
 
 
-def _row_linear(x, w, b=None, partial=None):
-  out = F.linear(x, w, b)
+def _row_linear(x, w, b=None, partial=None, gemms=None):
+  out = fp8.linear(x, w, b, gemms)
   return out if partial is None else out + partial
 
 
@@ -46,9 +47,11 @@ def no_recompute(fn, *args):
 class Ops:
   """The parallelism-aware operations the model is built from, and its recompute hooks
   (single-device, no-recompute defaults)."""
-  column_linear: Callable = _linear    # output features sharded under TP
+  column_linear: Callable = _linear    # output features sharded under TP; gemms=: numerics/fp8.py's
   row_linear: Callable = _row_linear   # input features sharded under TP; output reduced, with
                                        # `partial` (an adapter's share) added before the reduction
+  fp8: dict = None                     # precision.fp8: {'column': Gemms, 'row': Gemms} for the
+                                       # transformer's linears (not the head, embedding or adapters)
   embed: Callable = _embed             # vocab-sharded under TP
   lm_head: Callable = _linear          # vocab-sharded logits
   cross_entropy: Callable = cross_entropy.per_token  # over (possibly vocab-sharded) logits
@@ -186,10 +189,11 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
 
   first = ops.column_linear if parallel == 'column' else F.linear   # A reads what the base layer reads
   extra = lora.delta(params, name, x_bs_, cfg, adapter_dropout, first)
+  gemms = ops.fp8[parallel] if ops.fp8 else None
   if parallel == 'column':
-    out = ops.column_linear(x_bs_, w, b)
+    out = ops.column_linear(x_bs_, w, b, gemms=gemms)
     return out if extra is None else out + extra
-  return ops.row_linear(x_bs_, w, b, extra)
+  return ops.row_linear(x_bs_, w, b, extra, gemms=gemms)
 
 
 # --- rotary embedding -----------------------------------------------------------------

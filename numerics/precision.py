@@ -30,6 +30,8 @@ import dataclasses
 
 import torch
 
+from numerics import fp8
+
 TYPES = ('fp32', 'bf16SR', 'mixed_precision', 'mixed_precisionSR', 'autocast', 'manual')
 PARAMETER_DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16}
 # The knobs `manual` reads, with the defaults of configs/base.py; other types ignore them.
@@ -104,6 +106,7 @@ def check(cfg) -> list:
              f'valid: None (the activations\' dtype), {", ".join(REDUCE_DTYPES)}')
   if kind not in TYPES:
     return p + [f'precision.type={kind!r} is unknown; valid: {", ".join(TYPES)}']
+  p += _check_fp8(cfg)
   if kind != 'manual':
     # A knob set under another type would be silently ignored; the user meant something.
     for name, default in MANUAL_KNOBS.items():
@@ -124,6 +127,19 @@ def check(cfg) -> list:
       p.append("precision.stochastic_rounding=True with parameter_dtype='fp32': nothing is "
                "rounded to bf16; set stochastic_rounding=False or parameter_dtype='bf16'")
   return p
+
+
+def _check_fp8(cfg) -> list:
+  name = getattr(cfg, 'fp8', None)
+  if name is None:
+    return []
+  if name not in fp8.RECIPES:
+    return [f'precision.fp8={name!r} is unknown; valid: {", ".join(fp8.RECIPES)}, or None (off)']
+  params = PARAMETER_DTYPES.get(_knob(cfg, 'parameter_dtype'))
+  if cfg.type == 'fp32' or (cfg.type == 'manual' and params == torch.float32):
+    return [f'precision.fp8={name!r} needs 16-bit compute, and precision.type={cfg.type!r} computes in fp32: '
+            'use bf16SR, mixed_precision(SR) or autocast, or unset precision.fp8']
+  return []
 
 
 def recipe(cfg) -> Recipe:

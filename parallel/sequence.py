@@ -17,6 +17,8 @@ linears run as F.linear (autocast's casts are what its backward needs).
 import torch
 import torch.nn.functional as F
 
+from numerics import fp8
+
 
 class _Regather:
   """The gathered input, built again from the saved shard on first use in the backward and
@@ -48,33 +50,38 @@ def gather(x_shard, build):
 class _KeepShardLinear(torch.autograd.Function):
 
   @staticmethod
-  def forward(ctx, x, w, b, shard, regather):  # pylint: disable=arguments-differ
+  def forward(ctx, x, w, b, shard, regather, gemms):  # pylint: disable=arguments-differ
     # the shard is saved as a tensor, so that recompute (torch.utils.checkpoint) drops and restores it
-    ctx.regather, ctx.x_shape, ctx.has_bias = regather, x.shape, b is not None
+    ctx.regather, ctx.x_shape, ctx.has_bias, ctx.gemms = regather, x.shape, b is not None, gemms
     ctx.save_for_backward(w, shard)
     if ctx.needs_input_grad[1]:     # a frozen weight (LoRA's base) needs no input in backward
       regather.readers += 1
-    return F.linear(x, w, b)
+    if gemms is None:
+      return F.linear(x, w, b)
+    out = gemms.forward(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    return out if b is None else out + b.to(out.dtype)
 
   @staticmethod
   def backward(ctx, grad):  # pylint: disable=arguments-differ
     w, shard = ctx.saved_tensors
     g2 = grad.reshape(-1, grad.shape[-1])
     grad_x = grad_w = grad_b = None
+    gemms = ctx.gemms
     if ctx.needs_input_grad[0]:
-      grad_x = g2.mm(w).view(ctx.x_shape)
+      grad_x = (g2.mm(w) if gemms is None else gemms.grad_input(g2, w)).view(ctx.x_shape)
     if ctx.needs_input_grad[1]:
-      x = ctx.regather.take(shard)
-      grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
+      x = ctx.regather.take(shard).reshape(-1, ctx.x_shape[-1])
+      grad_w = g2.t().mm(x) if gemms is None else gemms.grad_weight(g2, x)
     if ctx.has_bias and ctx.needs_input_grad[2]:
       grad_b = g2.sum(0)
-    return grad_x, grad_w, grad_b, None, None
+    return grad_x, grad_w, grad_b, None, None, None
 
 
-def linear(x, w, b=None):
-  """F.linear(x, w, b), saving the shard `x` was gathered from (when `gather` made it)."""
+def linear(x, w, b=None, gemms=None):
+  """F.linear(x, w, b) (in float8 with numerics/fp8.py's `gemms`), saving the shard `x` was
+  gathered from (when `gather` made it)."""
   tagged = getattr(x, '_flatron_shard', None)
   # [b, s, h] and contiguous (as gathered): F.linear's own path is then addmm / mm on its 2-D view
   if tagged is None or torch.is_autocast_enabled(x.device.type) or x.dim() != 3 or not x.is_contiguous():
-    return F.linear(x, w, b)
-  return _KeepShardLinear.apply(x, w, b, *tagged)
+    return fp8.linear(x, w, b, gemms)
+  return _KeepShardLinear.apply(x, w, b, *tagged, gemms)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from model import layers, lora, moe, transformer
-from numerics import precision
+from numerics import fp8, precision
 from parallel import comm, context, experts, sequence
 
 COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
@@ -191,10 +191,11 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
     enter = lambda x: sequence.gather(x, build)
   else:
     enter = copy
-  column = sequence.linear if sp else F.linear
+  column = sequence.linear if sp else fp8.linear
 
-  def row_linear(x, w, b=None, partial=None):
-    out = leave(F.linear(x, w) if partial is None else F.linear(x, w) + partial)
+  def row_linear(x, w, b=None, partial=None, gemms=None):
+    out = fp8.linear(x, w, gemms=gemms)
+    out = leave(out if partial is None else out + partial)
     return out if b is None else out + b
 
   def mask_for_slice(mask_b_, kind):
@@ -220,10 +221,31 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
   ), mesh)
 
 
+def fp8_gemms(name, mesh):
+  """precision.fp8's GEMMs for the column- and row-parallel linears, each amax taken over a split
+  dim completed (MAX) over its group: N of a column-parallel weight and K of a row-parallel one
+  over TP, M (tokens) over CP; so every layout scales as one device."""
+  why = fp8.probe(mesh.device)
+  if why:
+    raise fp8.Float8Unsupported(f'precision.fp8={name!r} cannot run on {mesh.device} (torch {torch.__version__}): '
+                                f'{why}; FP8 GEMMs need an sm_89+ GPU (H100, L4, ...) or the CPU: unset precision.fp8')
+
+  def over(group, what):
+    if group is None:
+      return None
+    return lambda amax: comm.all_reduce_(amax.clone(), group, op=torch.distributed.ReduceOp.MAX,
+                                         name=f'all_reduce(fp8 amax over {what})')
+  tp, cp = over(mesh.tp_group, 'tp'), over(mesh.cp_group, 'cp')
+  rec = fp8.recipe(name)
+  return {'column': fp8.Gemms(rec, {'M': cp, 'N': tp}), 'row': fp8.Gemms(rec, {'M': cp, 'K': tp})}
+
+
 def config_ops(config, mesh):
   """make_ops as a config asks: sequence parallel, and the TP reductions' dtype."""
   ops = make_ops(mesh, config.distributed_strategy.sequence_parallel,
                  precision.parallel_layers_reduce_dtype(config.precision))
+  if config.precision.get('fp8'):
+    ops = dataclasses.replace(ops, fp8=fp8_gemms(config.precision.fp8, mesh))
   if mesh.ep > 1:
     ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep),
                               expert_buffers=experts.expert_buffers(mesh.ep_group, mesh.ep))
