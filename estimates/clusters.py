@@ -24,7 +24,7 @@ class Cluster:
   name: str
   device: str               # config.device the ranks run ('cuda', 'xla', 'cpu'): the memory model reads it
   devices_per_node: int
-  peak: dict                # dtype name ('fp32', 'bf16') -> dense FLOP/s per device
+  peak: dict                # dtype name ('fp32', 'bf16', 'fp8' where the device has FP8 GEMMs) -> dense FLOP/s
   memory_bytes: float       # per device
   mem_bw: float             # bytes/s per device
   intra_bw: float           # bytes/s per device, one way, inside a node
@@ -53,27 +53,28 @@ class Cluster:
 
 CLUSTERS = {
     # Neuron docs, "Trainium Architecture" and "Trn1/Trn1n Architecture": 16 chips of 2
-    # NeuronCore-v2; per chip 190 BF16 / 47.5 FP32 TFLOPS, 32 GiB at 820 GiB/s; 800 Gbps EFA per
+    # NeuronCore-v2; per chip 190 BF16 (and cFP8: no faster) / 47.5 FP32 TFLOPS, 32 GiB at 820 GiB/s; 800 Gbps EFA per
     # instance. One rank per NeuronCore (NxD: devices 32), so halve the per-chip figures.
     # NeuronLink-v2 bandwidth is not in the docs: 4 links per chip; we assume ~96 GB/s per core
     # one way (AWS's 768 GB/s per chip at launch, shared by its 2 cores and both directions).
     # matmul_eff 0.55: NxD's public MFU on trn1 (~25-40%) with our collective terms; judgement.
-    'trn1.32xlarge': Cluster('trn1.32xlarge', 'xla', 32, {'bf16': 95e12, 'fp32': 23.75e12}, 16 * GiB,
+    'trn1.32xlarge': Cluster('trn1.32xlarge', 'xla', 32, {'bf16': 95e12, 'fp32': 23.75e12, 'fp8': 95e12}, 16 * GiB,
                              410 * GiB, 96 * GB, 10e-6, 100 * GB / 32, 30e-6, matmul_eff=0.55, attn_eff=0.35,
                              source='Neuron docs trainium.html / trn1-arch (datasheet); NeuronLink bandwidth assumed'),
-    # Neuron docs, "Trainium2 Architecture": 16 chips of 8 NeuronCore-v3; per chip 667 BF16 / 181
-    # FP32 TFLOPS, 96 GiB at 2.9 TB/s; 3.2 Tbps EFAv3 per trn2.48xlarge. NxD's trn2 recipes run
+    # Neuron docs, "Trainium2 Architecture": 16 chips of 8 NeuronCore-v3; per chip 1,299 FP8 / 667 BF16 / 181
+    # FP32 TFLOPS (dense), 96 GiB at 2.9 TB/s; 3.2 Tbps EFAv3 per trn2.48xlarge. NxD's trn2 recipes run
     # LNC=2 (2 physical cores per rank): 64 ranks per node, a quarter of a chip each.
     # NeuronLink-v3: 1 TB/s per chip assumed (AWS re:Invent 2024), a quarter per rank.
-    'trn2.48xlarge': Cluster('trn2.48xlarge', 'xla', 64, {'bf16': 667e12 / 4, 'fp32': 181e12 / 4}, 24 * GiB,
-                             2.9e12 / 4, 256 * GB, 10e-6, 400 * GB / 64, 30e-6, matmul_eff=0.55, attn_eff=0.35,
+    'trn2.48xlarge': Cluster('trn2.48xlarge', 'xla', 64, {'bf16': 667e12 / 4, 'fp32': 181e12 / 4, 'fp8': 1299e12 / 4},
+                             24 * GiB, 2.9e12 / 4, 256 * GB, 10e-6, 400 * GB / 64, 30e-6, matmul_eff=0.55,
+                             attn_eff=0.35,
                              source='Neuron docs trainium2.html (datasheet); NeuronLink-v3 bandwidth assumed'),
-    # NVIDIA H100 SXM5 datasheet: 989 TFLOPS BF16 dense, 67 FP32 (non-tensor; TF32 is 494), 80 GB
-    # HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (both ways: 450 one way); p5.48xlarge / DGX H100: 8 GPUs,
-    # 3,200 Gbps EFA or 8 x 400 Gb/s IB per node = 50 GB/s per GPU. matmul_eff 0.7: cuBLAS bf16 GEMMs
-    # at LLM shapes reach ~650-750 TFLOPS (NVIDIA's and public microbenchmarks).
-    'h100': Cluster('h100', 'cuda', 8, {'bf16': 989e12, 'fp32': 67e12}, 80 * GB, 3.35e12, 450 * GB, 5e-6,
-                    50 * GB, 10e-6, matmul_eff=0.6, attn_eff=0.35,
+    # NVIDIA H100 SXM5 datasheet: 1,979 TFLOPS FP8 dense (3,958 with sparsity), 989 BF16 dense, 67 FP32
+    # (non-tensor; TF32 is 494), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s (both ways: 450 one way);
+    # p5.48xlarge / DGX H100: 8 GPUs, 3,200 Gbps EFA or 8 x 400 Gb/s IB per node = 50 GB/s per GPU.
+    # matmul_eff 0.7: cuBLAS bf16 GEMMs at LLM shapes reach ~650-750 TFLOPS (NVIDIA's and public microbenchmarks).
+    'h100': Cluster('h100', 'cuda', 8, {'bf16': 989e12, 'fp32': 67e12, 'fp8': 1979e12}, 80 * GB, 3.35e12, 450 * GB,
+                    5e-6, 50 * GB, 10e-6, matmul_eff=0.6, attn_eff=0.35,
                     source='NVIDIA H100 SXM datasheet; AWS p5 / DGX H100 networking'),
     # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOPS BF16 dense, 19.5 FP32, 2,039 GB/s, NVLink 3 600 GB/s
     # (300 one way); DGX A100: 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU (p4d: 400 Gbps per node).

@@ -73,7 +73,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'activations': (math.ceil(m.num_layers / pp) * in_flight
                       * activations.activation_bytes_per_layer(config, param_bytes, tp)),
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
-      'grad_transient': grad_transient,
+      'grad_transient': grad_transient + fp8_transient_bytes(config, tp),
       'reduction': reduction_bytes(config, sizes, group),
       'update_temporaries': update_temporaries(config, sizes, group),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
@@ -99,6 +99,21 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   out['peak_phase'] = max(PHASES, key=phases.get)
   out['total'] = phases[out['peak_phase']]
   return out
+
+
+def fp8_transient_bytes(config, tp) -> int:
+  """precision.fp8's largest GEMM's float8 copies (numerics/fp8.py; the 16-bit input and weight
+  are saved as without FP8, and scales are a few bytes): forward the input and weight, backward
+  the gradient with the weight or the input, and under `rowwise` the GEMM's fp32 product of the
+  scales, as large as its output."""
+  if not config.precision.get('fp8'):
+    return 0
+  m, a, d = config.model, config.data, config.distributed_strategy
+  n = a.micro_batch_size * a.seq_length // d.get('context_parallel_size', 1)
+  width = max(m.num_attention_heads * transformer.head_dim(m), m.ffn_hidden_size) // tp
+  k, o = m.hidden_size, width                          # the widest linear, either way round
+  post = 4 if config.precision.fp8 == 'rowwise' else 0
+  return max(n * k + k * o, n * o + k * o + post * n * k, n * o + n * k + post * k * o)
 
 
 def components(est) -> dict:

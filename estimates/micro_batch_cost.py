@@ -72,6 +72,23 @@ def elementwise_bytes(config, tp, cp=1, is_moe=False) -> tuple:
           w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h)
 
 
+def fp8_cast_bytes(config, tp, cp=1, is_moe=False) -> tuple:
+  """(forward, backward) bytes precision.fp8's scaling moves per layer and micro batch on one rank
+  (numerics/fp8.py): each cast reads its 16-bit tensor twice (amax, then scale and cast) and
+  writes 1 byte, 5 bytes per element; forward the input and weight of every linear, backward the
+  gradient twice (one cast per GEMM) and the input and weight again (kept in 16 bits, cast anew)."""
+  m, a = config.model, config.data
+  n, h, hd = a.micro_batch_size * a.seq_length // cp, m.hidden_size, transformer.head_dim(m)
+  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
+  dims = [(h, heads * hd / tp), (h, kv * hd / tp), (h, kv * hd / tp), (heads * hd / tp, h)]       # q, k, v, o
+  if not is_moe:           # the experts' GEMMs stay in 16 bits
+    f = m.ffn_hidden_size / tp
+    dims += [(h, f)] * (2 if m.activation in layers.GATED else 1) + [(f, h)]
+  fwd = sum(5 * (n * k + k * o) for k, o in dims)
+  bwd = sum(5 * (2 * n * o + n * k + k * o) for k, o in dims)
+  return fwd, bwd
+
+
 def _blocking(cluster, op, n, tp):
   """A TP/SP collective the code waits on: its cost, plus local's measured wait for the other
   rank (sync_wait; 0 on the datasheet clusters, and nothing where there is no TP)."""
@@ -97,14 +114,20 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
     mlp_lin = 2 * n * (e * h + (k * 3 * h * fe + 3 * h * shared) / tp + (h if shared else 0))
   sp = tp > 1 and d.sequence_parallel
   ew_attn, ew_mlp = elementwise_bytes(config, tp, cp, is_moe)
+  ew_bw = cluster.ew_bw or cluster.mem_bw
   t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
+  cast_f = cast_b = 0.0
+  if config.precision.get('fp8'):    # the linears' GEMMs at the FP8 peak (a MoE's experts stay 16-bit)
+    fp8_gemm = cluster.peak.get('fp8', peak) * cluster.matmul_eff
+    t_attn_lin = attn_lin / fp8_gemm
+    t_mlp = t_mlp if is_moe else mlp_lin / fp8_gemm
+    cast_f, cast_b = (x / ew_bw for x in fp8_cast_bytes(config, tp, cp, is_moe))
   if cp > 1:       # the ring: fp32 matmuls on materialized score blocks, not a fused kernel
     t_core = (attn_flops / (cluster.peak['fp32'] * cluster.matmul_eff)
               + _ring_score_bytes(b, s, heads, tp, cp) / cluster.mem_bw)
-  ew_bw = cluster.ew_bw or cluster.mem_bw
   t_ew_attn, t_ew_mlp = ew_attn / ew_bw, ew_mlp / ew_bw
-  fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3
-  bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3)
+  fwd = t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3 + cast_f
+  bwd = 2 * (t_attn_lin + t_mlp + t_core + t_ew_attn + t_ew_mlp + cluster.layer_overhead / 3) + cast_b
   granularity = m.activations_checkpoint_granularity
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
   gather = _blocking(cluster, 'all_gather', n * h * w, tp)
@@ -129,7 +152,7 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
     ring_b += ring_f
     a2a_b += a2a
   else:                                          # selective: what the named regions recompute
-    bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 if 'mlp' in parts else 0)
+    bwd += (t_core if 'attention' in parts else 0) + (t_mlp + t_ew_mlp / 2 + cast_f / 2 if 'mlp' in parts else 0)
     comm_b += one if 'mlp' in parts else 0  # the MLP's region holds its gather and its reduction
     ring_b += ring_f if 'attention' in parts else 0
     a2a_b += a2a if 'mlp' in parts else 0

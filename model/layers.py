@@ -18,10 +18,6 @@ from model import cross_entropy, lora
 from numerics import fp8
 
 
-def _linear(x, w, b=None, gemms=None):
-  return fp8.linear(x, w, b, gemms)
-
-
 def _row_linear(x, w, b=None, partial=None, gemms=None):
   out = fp8.linear(x, w, b, gemms)
   return out if partial is None else out + partial
@@ -35,7 +31,7 @@ def _identity(x):
   return x
 
 
-def _one_shard(x, op):
+def _one_shard(x, op):  # pylint: disable=unused-argument
   return x
 
 
@@ -47,13 +43,12 @@ def no_recompute(fn, *args):
 class Ops:
   """The parallelism-aware operations the model is built from, and its recompute hooks
   (single-device, no-recompute defaults)."""
-  column_linear: Callable = _linear    # output features sharded under TP; gemms=: numerics/fp8.py's
+  column_linear: Callable = fp8.linear  # output features sharded under TP; gemms=: numerics/fp8.py's
   row_linear: Callable = _row_linear   # input features sharded under TP; output reduced, with
                                        # `partial` (an adapter's share) added before the reduction
-  fp8: dict = None                     # precision.fp8: {'column': Gemms, 'row': Gemms} for the
-                                       # transformer's linears (not the head, embedding or adapters)
+  fp8_gemms: dict = None               # {'column': Gemms, 'row': Gemms} for the block's linears (precision.fp8)
   embed: Callable = _embed             # vocab-sharded under TP
-  lm_head: Callable = _linear          # vocab-sharded logits
+  lm_head: Callable = fp8.linear       # vocab-sharded logits
   cross_entropy: Callable = cross_entropy.per_token  # over (possibly vocab-sharded) logits
   vocab_reduce: Callable = _one_shard  # (x, 'max' | 'sum'): x reduced in place over the vocab shards
                                        # (the TP group); model/chunked_ce.py's loss pieces
@@ -189,11 +184,11 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
 
   first = ops.column_linear if parallel == 'column' else F.linear   # A reads what the base layer reads
   extra = lora.delta(params, name, x_bs_, cfg, adapter_dropout, first)
-  gemms = ops.fp8[parallel] if ops.fp8 else None
+  in_fp8 = {'gemms': ops.fp8_gemms[parallel]} if ops.fp8_gemms else {}     # (a plain F.linear still plugs in)
   if parallel == 'column':
-    out = ops.column_linear(x_bs_, w, b, gemms=gemms)
+    out = ops.column_linear(x_bs_, w, b, **in_fp8)
     return out if extra is None else out + extra
-  return ops.row_linear(x_bs_, w, b, extra, gemms=gemms)
+  return ops.row_linear(x_bs_, w, b, extra, **in_fp8)
 
 
 # --- rotary embedding -----------------------------------------------------------------

@@ -245,7 +245,7 @@ def config_ops(config, mesh):
   ops = make_ops(mesh, config.distributed_strategy.sequence_parallel,
                  precision.parallel_layers_reduce_dtype(config.precision))
   if config.precision.get('fp8'):
-    ops = dataclasses.replace(ops, fp8=fp8_gemms(config.precision.fp8, mesh))
+    ops = dataclasses.replace(ops, fp8_gemms=fp8_gemms(config.precision.fp8, mesh))
   if mesh.ep > 1:
     ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep),
                               expert_buffers=experts.expert_buffers(mesh.ep_group, mesh.ep))

@@ -19,10 +19,10 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
                   family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
-                  nll_reduction='pair', fixed_buffers=False):
+                  nll_reduction='pair', fixed_buffers=False, fp8=None, steps=STEPS):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
-  c.trainer.max_steps = STEPS
+  c.trainer.max_steps = steps
   c.trainer.val_check_interval = 0
   c.trainer.gradient_clip_val = 0.3          # below the early grad norms: clipping is active
   c.exp_manager.create_tensorboard_logger = False
@@ -39,6 +39,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.context_parallel_size = cp               # context parallelism: the ring over cp ranks
   c.model.fusions.ring_attention = cp > 1
   c.precision.type = precision
+  c.precision.fp8 = fp8                      # numerics/fp8.py's recipe for the linears
   c.model.qkv_bias = qkv_bias                # Qwen2's biases on q, k, v only
   if rope_llama3:                            # Llama 3.1's RoPE scaling
     c.model.rope_scaling.update(dict(type='llama3', factor=8.0, original_max_position_embeddings=8))
@@ -156,7 +157,7 @@ def reference(tmp_path_factory, **model_layout):
 
 # what the reference run depends on
 MODEL_KEYS = ('dropout', 'attention_dropout', 'nll_reduction', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
-              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux')
+              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux', 'fp8', 'steps')
 
 
 def train_layouts_on_rank(workdirs, layouts):

@@ -92,6 +92,7 @@ PINNED = {
     'Llama-3.1-8B, NxD, 32 x trn1.32xlarge': 46.22,
     'Llama-3.1-70B, NxD, 32 x trn1.32xlarge': 7.113,
     'Llama-3.1-8B, torchtitan FSDP, 8 x H100': 6299,
+    'Llama-3.1-8B, torchtitan FSDP + Float8, 8 x H100': 8533,
     'GPT 18.4B, Megatron-LM, 256 x A100 (t8 p1)': 134.7,
     'GPT 145.6B, Megatron-LM, 1536 x A100 (t8 p8)': 161.2,
 }

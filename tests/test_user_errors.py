@@ -408,8 +408,8 @@ def test_train_py_reads_damaged_data_and_steps_in_one_line_leaving_no_workdir(fl
     c.exp_manager.init_from = str(step)
     target = step / (_index_file(step) if name.endswith('index') else 'metadata.json')
   _damage_all(target, how)
-  _refused(capsys, train.run, c, str(tmp_path / 'run'), names=str(target.parent if how_used == 'init_from' else
-                                                                   tmp_path / 'corpus'), also=())
+  _refused(capsys, train.run, c, str(tmp_path / 'run'), names=str(tmp_path / ('step' if how_used == 'init_from' else
+                                                                               'corpus')), also=())
   assert not os.path.exists(tmp_path / 'run') or not os.listdir(tmp_path / 'run')
 
 

@@ -48,11 +48,12 @@ class Layout:
   recompute: str = 'none'
   cp: int = 1
   ep: int = 1
+  fp8: str = None            # precision.fp8's recipe, or None (16-bit linears)
 
   def describe(self) -> str:
     parts = [f'dp{self.dp}'] + [f'cp{self.cp}'] * (self.cp > 1) + [f'ep{self.ep}'] * (self.ep > 1)
     parts += [f'tp{self.tp}' + ('+sp' if self.sp else ''), f'pp{self.pp}' + (f'v{self.vpp}' if self.vpp > 1 else '')]
-    parts += ['zero1'] * self.zero1 + [f'mb{self.micro_batch}', self.recompute]
+    parts += ['zero1'] * self.zero1 + [f'mb{self.micro_batch}', self.recompute] + [f'fp8-{self.fp8}'] * bool(self.fp8)
     return ' '.join(parts)
 
   def apply(self, config):
@@ -67,6 +68,7 @@ class Layout:
     kv = transformer.kv_heads(config.model)
     d.kv_replicator = self.tp // kv if self.tp > kv and self.tp % kv == 0 else 1
     config.data.micro_batch_size = self.micro_batch
+    config.precision.fp8 = self.fp8
     granularity, parts = RECOMPUTE[self.recompute]
     config.model.activations_checkpoint_granularity = granularity
     if parts:
@@ -110,9 +112,12 @@ def expert_degrees(config, dp):
   return [e for e in _divisors(dp) if experts and experts % e == 0] or [1]
 
 
-def layouts(config, world_size):
-  """Every layout of `world_size` devices the search tries (validity is checked after)."""
+def layouts(config, world_size, fp8=None):
+  """Every layout of `world_size` devices the search tries (validity is checked after): with the
+  config's precision.fp8, and also with the `fp8` recipe (the planner's --fp8) or without FP8."""
   m, a = config.model, config.data
+  own = config.precision.get('fp8')
+  recipes = list(dict.fromkeys([own] + [r for r in (None, fp8) if r or own]))   # FP8 beside 16-bit, either way
   for tp in _divisors(world_size):
     if tp > m.num_attention_heads:
       continue
@@ -129,7 +134,8 @@ def layouts(config, world_size):
               for sp in ((False, True) if tp > 1 else (False,)):
                 for mb in micro:
                   for recompute in reversed(RECOMPUTE):      # least memory first (see search)
-                    yield Layout(dp, tp, pp, vpp, zero1, sp, mb, recompute, cp, ep)
+                    for recipe in recipes:
+                      yield Layout(dp, tp, pp, vpp, zero1, sp, mb, recompute, cp, ep, recipe)
 
 
 def _reason(message):
@@ -137,8 +143,9 @@ def _reason(message):
   return re.sub(r'\d+(\.\d+)?', 'N', message.split(';')[0])[:140]
 
 
-def search(config, cluster, world_size, keep=10) -> Plan:
-  """Rank every valid layout of `config` on `world_size` devices of `cluster` that fits."""
+def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
+  """Rank every valid layout of `config` on `world_size` devices of `cluster` that fits (`fp8`: a
+  recipe to plan beside the config's own precision.fp8)."""
   work = copy.deepcopy(config)
   work.device = cluster.device
   refused, found, searched, fitting = collections.Counter(), [], 0, 0
@@ -146,7 +153,7 @@ def search(config, cluster, world_size, keep=10) -> Plan:
             transformer.flops_per_token(work.model, work.data.seq_length))
   specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
   too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
-  for layout in layouts(config, world_size):
+  for layout in layouts(config, world_size, fp8):
     searched += 1
     if layout.tp > cluster.devices_per_node:    # TP's per-layer collectives over the network: never a win
       refused['tp > devices per node: TP stays inside a node'] += 1
@@ -158,7 +165,7 @@ def search(config, cluster, world_size, keep=10) -> Plan:
       continue
     # Memory only grows with the micro batch (in flight: min(pp x mb, batch per replica)) and
     # as recompute keeps more: a layout above one that did not fit does not fit either.
-    family = (layout.tp, layout.pp, layout.vpp, layout.zero1, layout.sp, layout.cp, layout.ep)
+    family = (layout.tp, layout.pp, layout.vpp, layout.zero1, layout.sp, layout.cp, layout.ep, layout.fp8)
     more = list(RECOMPUTE).index
     if any(layout.micro_batch >= mb and more(layout.recompute) <= more(r) for mb, r in too_big.get(family, ())):
       refused[MEMORY] += 1
@@ -223,6 +230,8 @@ def define_flags():
   flags.DEFINE_integer('nodes', 0, 'Nodes of the cluster.')
   flags.DEFINE_integer('devices', 0, 'Devices (ranks) in all, instead of --nodes.')
   flags.DEFINE_integer('top', 10, 'Layouts to print.')
+  flags.DEFINE_enum('fp8', None, ['tensorwise', 'rowwise'], 'Also plan the layouts with this precision.fp8 '
+                    'recipe (a config with FP8 on is planned without it too).')
   flags.DEFINE_bool('calibrate', False, 'Measure this machine and write the `local` entry, then exit.')
 
 
@@ -244,7 +253,7 @@ def _main(argv):
   world_size = world(cluster, FLAGS.nodes, FLAGS.devices)
   config = FLAGS.config
   resolve(config)
-  plan = search(config, cluster, world_size, keep=FLAGS.top)
+  plan = search(config, cluster, world_size, keep=FLAGS.top, fp8=FLAGS.fp8)
   print(report(config, cluster, world_size, plan, FLAGS.top))
   if not plan.ranked:
     tools.fail(f'no layout of {world_size} {cluster.name} devices fits {config.name}: use more devices, '

@@ -50,6 +50,13 @@ def _torchtitan():
   return c
 
 
+def _torchtitan_float8():
+  """The same with torchao's Float8 linears, tensorwise dynamic scaling (their compiled run)."""
+  c = _torchtitan()
+  c.precision.fp8 = 'tensorwise'
+  return c
+
+
 def _megatron(heads, hidden, layers, tp, pp, gbs):
   c = gpt_345m.get_config()
   m = c.model
@@ -96,6 +103,8 @@ ROWS = (
         clusters.CLUSTERS['trn1.32xlarge'], 1024, 7.94, 'seq/s', 'Neuron docs, trn1 training performance (NxD Training)'),
     Row('Llama-3.1-8B, torchtitan FSDP, 8 x H100', _torchtitan, GRAND_TETON, 8, 5762, 'tokens/s/GPU',
         'torchtitan docs/performance.md, Table 1', fsdp=True),
+    Row('Llama-3.1-8B, torchtitan FSDP + Float8, 8 x H100', _torchtitan_float8, GRAND_TETON, 8, 8532,
+        'tokens/s/GPU', 'torchtitan docs/performance.md, Table 1 (compiled + Float8 tensorwise)', fsdp=True),
     Row('GPT 18.4B, Megatron-LM, 256 x A100 (t8 p1)', lambda: _megatron(48, 6144, 40, 8, 1, 1024),
         clusters.CLUSTERS['a100'], 256, 135, 'TFLOP/s/GPU', 'Narayanan et al. 2021, Table 1'),
     Row('GPT 145.6B, Megatron-LM, 1536 x A100 (t8 p8)', lambda: _megatron(96, 12288, 80, 8, 8, 2304),
