@@ -54,6 +54,8 @@ def _check_fp8(config) -> list:
   tp, hd = config.distributed_strategy.tensor_model_parallel_size, layers.head_dim(m)
   dims = {'hidden_size': m.hidden_size, 'num_attention_heads x head_dim / tp': m.num_attention_heads * hd // tp,
           'ffn_hidden_size / tp': m.ffn_hidden_size // tp}
+  if moe.enabled(m):
+    dims['the experts\' ffn size / tp'] = moe.expert_ffn_size(m) // tp
   odd = [f'{k}={v}' for k, v in dims.items() if v % 16]
   if config.device == 'cuda' and odd:
     return [f'precision.fp8={name!r} on CUDA needs each linear dim a multiple of 16 (torch._scaled_mm): '

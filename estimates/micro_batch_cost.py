@@ -72,20 +72,25 @@ def elementwise_bytes(config, tp, cp=1, is_moe=False) -> tuple:
           w * (local * h * (2 + 6) + 4 * n * ffn_act) + 8 * local * h)
 
 
-def fp8_cast_bytes(config, tp, cp=1, is_moe=False) -> tuple:
+def fp8_cast_bytes(config, tp, cp=1, ep=1, is_moe=False) -> tuple:
   """(forward, backward) bytes precision.fp8's scaling moves per layer and micro batch on one rank
   (numerics/fp8.py): each cast reads its 16-bit tensor twice (amax, then scale and cast) and
   writes 1 byte, 5 bytes per element; forward the input and weight of every linear, backward the
-  gradient twice (one cast per GEMM) and the input and weight again (kept in 16 bits, cast anew)."""
+  gradient twice (one cast per GEMM) and the input and weight again (kept in 16 bits, cast anew).
+  A MoE layer's experts read the routed tokens (top_k per token); its router and shared expert stay
+  16-bit."""
   m, a = config.model, config.data
   n, h, hd = a.micro_batch_size * a.seq_length // cp, m.hidden_size, transformer.head_dim(m)
   heads, kv = m.num_attention_heads, transformer.kv_heads(m)
-  dims = [(h, heads * hd / tp), (h, kv * hd / tp), (h, kv * hd / tp), (heads * hd / tp, h)]       # q, k, v, o
-  if not is_moe:           # the experts' GEMMs stay in 16 bits
+  dims = [(n, h, heads * hd / tp), (n, h, kv * hd / tp), (n, h, kv * hd / tp), (n, heads * hd / tp, h)]   # q k v o
+  if is_moe:               # a rank's experts see the routed tokens, however EP spreads them
+    f, experts = moe.expert_ffn_size(m) / tp, m.moe.num_experts // ep
+    dims += [(n * m.moe.top_k / experts, h, f)] * 2 * experts + [(n * m.moe.top_k / experts, f, h)] * experts
+  else:
     f = m.ffn_hidden_size / tp
-    dims += [(h, f)] * (2 if m.activation in layers.GATED else 1) + [(f, h)]
-  fwd = sum(5 * (n * k + k * o) for k, o in dims)
-  bwd = sum(5 * (2 * n * o + n * k + k * o) for k, o in dims)
+    dims += [(n, h, f)] * (2 if m.activation in layers.GATED else 1) + [(n, f, h)]
+  fwd = sum(5 * (t * k + k * o) for t, k, o in dims)
+  bwd = sum(5 * (2 * t * o + t * k + k * o) for t, k, o in dims)
   return fwd, bwd
 
 
@@ -112,16 +117,17 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   if is_moe:       # every TP rank routes all tokens (the router is whole) through its slice of the experts
     e, k, fe, shared = m.moe.num_experts, m.moe.top_k, moe.expert_ffn_size(m), m.moe.shared_expert_intermediate_size
     mlp_lin = 2 * n * (e * h + (k * 3 * h * fe + 3 * h * shared) / tp + (h if shared else 0))
+  expert_lin = 2 * n * k * 3 * h * fe / tp if is_moe else 0
   sp = tp > 1 and d.sequence_parallel
   ew_attn, ew_mlp = elementwise_bytes(config, tp, cp, is_moe)
   ew_bw = cluster.ew_bw or cluster.mem_bw
   t_attn_lin, t_mlp, t_core = attn_lin / gemm, mlp_lin / gemm, attn_flops / attn_rate
   cast_f = cast_b = 0.0
-  if config.precision.get('fp8'):    # the linears' GEMMs at the FP8 peak (a MoE's experts stay 16-bit)
+  if config.precision.get('fp8'):    # the linears' GEMMs at the FP8 peak (a MoE's router and shared expert: 16-bit)
     fp8_gemm = cluster.peak.get('fp8', peak) * cluster.matmul_eff
     t_attn_lin = attn_lin / fp8_gemm
-    t_mlp = t_mlp if is_moe else mlp_lin / fp8_gemm
-    cast_f, cast_b = (x / ew_bw for x in fp8_cast_bytes(config, tp, cp, is_moe))
+    t_mlp = mlp_lin / fp8_gemm if not is_moe else t_mlp - expert_lin / gemm + expert_lin / fp8_gemm
+    cast_f, cast_b = (x / ew_bw for x in fp8_cast_bytes(config, tp, cp, ep, is_moe))
   if cp > 1:       # the ring: fp32 matmuls on materialized score blocks, not a fused kernel
     t_core = (attn_flops / (cluster.peak['fp32'] * cluster.matmul_eff)
               + _ring_score_bytes(b, s, heads, tp, cp) / cluster.mem_bw)

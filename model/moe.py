@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from config_checks import one_of, positive
+from numerics import fp8
 
 ROUTING = ('top_k',)
 ACTIVATIONS = ('softmax', 'sigmoid')
@@ -126,13 +127,13 @@ def route(logits_bse, cfg):
   return probs, weights, experts, kept
 
 
-def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf):
+def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf, gemms=None):
   """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU: one
   grouped GEMM per projection where the build has one for these tensors (torch._grouped_mm:
-  exact against per-expert matmuls), else one matmul triple per expert. The stacks are unbound
-  once: indexing them per expert would make each expert's backward write a whole-stack
-  gradient (E^2 traffic)."""
-  if _grouped_mm_fits(x_th, gate_efh, down_ehf):
+  exact against per-expert matmuls), else one matmul triple per expert (in float8 with
+  precision.fp8's `gemms`, each expert its own scales). The stacks are unbound once: indexing
+  them per expert would make each expert's backward write a whole-stack gradient (E^2 traffic)."""
+  if gemms is None and _grouped_mm_fits(x_th, gate_efh, down_ehf):
     offs = torch.tensor(counts, device=x_th.device).cumsum(0).to(torch.int32)
     hidden = F.silu(torch._grouped_mm(x_th, gate_efh.transpose(1, 2), offs=offs)) * \
         torch._grouped_mm(x_th, up_efh.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
@@ -140,8 +141,13 @@ def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf):
   outs = []
   for chunk, gate, up, down in zip(x_th.split(counts), gate_efh.unbind(0), up_efh.unbind(0), down_ehf.unbind(0)):
     if chunk.shape[0]:
-      outs.append(F.linear(F.silu(F.linear(chunk, gate)) * F.linear(chunk, up), down))
+      outs.append(_swiglu(chunk, gate, up, down, gemms))
   return torch.cat(outs) if outs else x_th[:0]
+
+
+def _swiglu(x, gate, up, down, gemms):
+  column, row = (gemms['column'], gemms['row']) if gemms else (None, None)
+  return fp8.linear(F.silu(fp8.linear(x, gate, gemms=column)) * fp8.linear(x, up, gemms=column), down, gemms=row)
 
 
 def mlp(params, prefix, x_bsh, cfg, ops):
@@ -201,7 +207,7 @@ def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
   slot = slot[torch.sort(expert, stable=True).indices]    # ... sorted by expert
   counts = torch.bincount(expert, minlength=cfg.moe.num_experts).tolist()
   token = slot // cfg.moe.top_k
-  out = (ops.expert_ffn or local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks)
+  out = (ops.expert_ffn or local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks, ops.fp8_gemms)
   weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial
   return _Combine.apply(out, weight, token, n)
 
@@ -234,13 +240,17 @@ def _static_experts(flat_x, experts_bsk, weights_bsk, cfg, stacks, ops):
   h = flat_x.shape[1]
   slots_x = flat_x[:, None, :].expand(b * s, k, h).reshape(b * s * k, h)
   buffers = flat_x.new_zeros(e * rows + 1, h).index_copy(0, dest, slots_x)[:-1].view(e, rows, h)
-  out = (ops.expert_buffers or grouped_expert_ffn)(buffers, *stacks).reshape(e * rows, h)
+  out = (ops.expert_buffers or grouped_expert_ffn)(buffers, *stacks, ops.fp8_gemms).reshape(e * rows, h)
   picked = torch.cat([out, out.new_zeros(1, h)])[dest].view(b * s, k, h)
   return (picked * weights_bsk.reshape(b * s, k, 1).to(picked.dtype)).sum(1)
 
 
-def grouped_expert_ffn(buffers_erh, gate_efh, up_efh, down_ehf):
-  """Each expert's SwiGLU on its buffer: batched matmuls, [E, R, h] -> [E, R, h]."""
+def grouped_expert_ffn(buffers_erh, gate_efh, up_efh, down_ehf, gemms=None):
+  """Each expert's SwiGLU on its buffer: batched matmuls, [E, R, h] -> [E, R, h] (in float8 with
+  `gemms`: an expert at a time, each its own scales)."""
+  if gemms:
+    return torch.stack([_swiglu(*parts, gemms) for parts in zip(buffers_erh.unbind(0), gate_efh.unbind(0),
+                                                                 up_efh.unbind(0), down_ehf.unbind(0))])
   hidden = F.silu(torch.bmm(buffers_erh, gate_efh.transpose(1, 2))) * torch.bmm(buffers_erh, up_efh.transpose(1, 2))
   return torch.bmm(hidden, down_ehf.transpose(1, 2))
 

@@ -52,7 +52,7 @@ def expert_ffn(group, ep):
   """Ops.expert_ffn over an ep group: tokens sorted by (global) expert go to the ranks holding
   their experts and come back in the same order."""
 
-  def ffn(x_th, counts, gate_efh, up_efh, down_ehf):
+  def ffn(x_th, counts, gate_efh, up_efh, down_ehf, gemms=None):
     local = gate_efh.shape[0]
     send_counts = torch.tensor(counts, dtype=torch.int64, device=x_th.device).view(ep, local)
     recv_counts = torch.empty_like(send_counts)
@@ -63,7 +63,7 @@ def expert_ffn(group, ep):
     # received rows are ordered (source rank, expert): regroup them by expert, stably
     expert_of = torch.arange(local, device=x_th.device).repeat(ep).repeat_interleave(recv_counts.view(-1))
     order = torch.sort(expert_of, stable=True).indices
-    y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf)
+    y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf, gemms)
     back = torch.zeros_like(y).index_copy(0, order, y)
     return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
 
@@ -76,14 +76,14 @@ def expert_buffers(group, ep):
   all-to-all of equal splits: no counts to exchange), runs its experts on the ep x R rows
   they received, and sends the outputs back the same way."""
 
-  def ffn(buffers_erh, gate_efh, up_efh, down_ehf):
+  def ffn(buffers_erh, gate_efh, up_efh, down_ehf, gemms=None):
     e, rows, h = buffers_erh.shape
     local = e // ep
     split = [local * rows] * ep
     received = comm.all_to_all(buffers_erh.reshape(e * rows, h), group, split, split, 'all_to_all(expert buffers)')
     # received: [source rank, local expert, R, h] -> each local expert's rows from every source
     mine = received.view(ep, local, rows, h).transpose(0, 1).reshape(local, ep * rows, h)
-    out = moe.grouped_expert_ffn(mine, gate_efh, up_efh, down_ehf)
+    out = moe.grouped_expert_ffn(mine, gate_efh, up_efh, down_ehf, gemms)
     back = out.view(local, ep, rows, h).transpose(0, 1).reshape(e * rows, h)
     return comm.all_to_all(back, group, split, split, 'all_to_all(expert buffers back)').view(e, rows, h)
 

@@ -95,11 +95,32 @@ FP8_LAYOUTS = {
     'tensorwise_cp2': (2, {'cp': 2, 'precision': 'bf16SR', 'fp8': 'tensorwise', 'steps': 5}),
     'rowwise_dp2_zero1': (2, {'zero1': True, 'precision': 'mixed_precision', 'fp8': 'rowwise', 'steps': 5}),
     'rowwise_tp2': (2, {'tp': 2, 'precision': 'mixed_precision', 'fp8': 'rowwise', 'steps': 5}),
+    'tensorwise_moe_ep2': (2, {'moe': 4, 'ep': 2, 'precision': 'bf16SR', 'fp8': 'tensorwise', 'steps': 5}),
 }
 
 
 def test_fp8_layouts_train_like_one_device_within_bf16_rounding(tmp_path, tmp_path_factory):
   parity.check_layouts(FP8_LAYOUTS, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2, norm_rtol=0.25)
+
+
+def test_each_expert_runs_in_float8_with_its_own_scales():
+  from model import moe  # pylint: disable=import-outside-toplevel
+  g = torch.Generator().manual_seed(2)
+  gate, up = (torch.randn(3, 24, 16, generator=g).bfloat16() for _ in range(2))
+  down = torch.randn(3, 16, 24, generator=g).bfloat16()
+  x, counts = torch.randn(9, 16, generator=g).bfloat16(), [4, 0, 5]
+  gemms = {'column': fp8.Gemms(fp8.recipe('tensorwise')), 'row': fp8.Gemms(fp8.recipe('tensorwise'))}
+
+  def swiglu(t, e):
+    column = gemms['column']
+    hidden = torch.nn.functional.silu(fp8.linear(t, gate[e], gemms=column)) * fp8.linear(t, up[e], gemms=column)
+    return fp8.linear(hidden, down[e], gemms=gemms['row'])
+  expected = torch.cat([swiglu(x[:4], 0), swiglu(x[4:], 2)])
+  assert torch.equal(moe.local_expert_ffn(x, counts, gate, up, down, gemms), expected)
+  assert not torch.equal(moe.local_expert_ffn(x, counts, gate, up, down), expected)
+  buffers = torch.stack([x[:4], x[4:8], x[5:]])
+  assert torch.equal(moe.grouped_expert_ffn(buffers, gate, up, down, gemms),
+                     torch.stack([swiglu(buffers[e], e) for e in range(3)]))
 
 
 def test_fp8_compiles_to_one_graph_per_block_and_trains_like_eager():
