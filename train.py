@@ -120,6 +120,7 @@ def run(config, workdir=None):
     logging.info('%s=%s: %s', key, value, effect)
   host_malloc = devices.configure_host_malloc(config)     # before anything big is allocated
   mesh = meshes.init(config)
+  before = memory_check.measured_peak_bytes(mesh.device)   # the process before the run: not in the estimate
   lead = mesh.rank == 0                    # the one rank that writes files (and prints, by default)
   logs.configure_logging(mesh.rank, int(os.environ.get('LOCAL_RANK', '0')),
                              config.exp_manager.log_local_rank_0_only)
@@ -164,8 +165,10 @@ def run(config, workdir=None):
       workdirs.write_config(workdir, config)
     log = logs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
                               resumed_at=start_step if start_step > 0 else None, name=config.name)
-    return _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data,
-                 start_step, consumed_samples, frozen_ref), params
+    record = _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data,
+                   start_step, consumed_samples, frozen_ref)
+    logging.info('%s', memory_check.peak_report(mesh, est['total'], before))   # every rank's peak against its estimate
+    return record, params
   finally:
     if checkpoints is not None:
       checkpoints.close()

@@ -85,3 +85,34 @@ def check_fits(config, mesh, est, check, target=None):
       f'this run needs an estimated {memory.human_bytes(est["total"])} per rank but a rank has '
       f'{memory.human_bytes(budget)} ({source}); {hint}. Set --config.trainer.memory_check=False '
       'to try anyway.')
+
+
+def measured_peak_bytes(device):
+  """This process's peak so far: resident set (CPU; Linux reports KiB), or the device's peak
+  allocation (CUDA); None elsewhere."""
+  if device.type == 'cuda':
+    return torch.cuda.max_memory_allocated(device)
+  if device.type == 'cpu':
+    import resource  # pylint: disable=import-outside-toplevel
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return None
+
+
+def peak_report(mesh, estimate_bytes, before_bytes) -> str:
+  """Every rank's measured peak beside its start-up estimate, one line (collective: every rank
+  calls it; rank 0's string is the whole world's). The estimate is of the run's own memory: on
+  the CPU, the peak RSS less the process's before the run (`before_bytes`: Python, torch and
+  the libraries, ~300-450 MiB) is set against it."""
+  peak = measured_peak_bytes(mesh.device)
+  if peak is None:
+    return ''
+  mine = torch.tensor([float(peak - (before_bytes or 0)), float(estimate_bytes), float(peak)], dtype=torch.float64)
+  if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(every, mine)
+  else:
+    every = [mine]
+  what = 'peak RSS over the process before the run' if mesh.device.type == 'cpu' else 'peak allocated'
+  parts = [f'rank {r}: {memory.human_bytes(p)} ({p / e - 1:+.1%} of {memory.human_bytes(e)}; {memory.human_bytes(a)} '
+           'in all)' for r, (p, e, a) in enumerate(t.tolist() for t in every)]
+  return f'{what}, against the start-up estimate: ' + ', '.join(parts)

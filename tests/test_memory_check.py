@@ -1,4 +1,6 @@
 """estimates/memory_check.py: the layouts that fit a budget, what a rank may use."""
+import torch
+
 from configs import llama7b
 from estimates import memory_check
 
@@ -20,3 +22,13 @@ def test_available_bytes_splits_host_ram_between_local_ranks(monkeypatch):
   assert memory_check.host_available_bytes() > 0
   monkeypatch.setattr(memory_check, 'host_available_bytes', lambda: 8 * 2**30)
   assert memory_check.available_bytes(torch.device('cpu'), 4) == (2 * 2**30, 'available host RAM / 4 local rank(s)')
+
+
+def test_the_measured_peak_is_set_against_the_estimate_less_the_process_before_the_run():
+  from parallel import mesh as meshes  # pylint: disable=import-outside-toplevel
+  peak = memory_check.measured_peak_bytes(torch.device('cpu'))
+  assert peak > 100 * 2**20                                  # torch alone is more than this
+  line = memory_check.peak_report(meshes.Mesh(), 2**20, peak - 2**20)
+  grown = float(line.split('rank 0: ')[1].split(' MiB')[0])
+  assert line.startswith('peak RSS over the process before the run, against the start-up estimate: rank 0: ')
+  assert grown >= 1.0 and '% of 1.0 MiB;' in line         # the peak only grows
