@@ -113,6 +113,7 @@ def peak_report(mesh, estimate_bytes, before_bytes) -> str:
   else:
     every = [mine]
   what = 'peak RSS over the process before the run' if mesh.device.type == 'cpu' else 'peak allocated'
-  parts = [f'rank {r}: {memory.human_bytes(p)} ({p / e - 1:+.1%} of {memory.human_bytes(e)}; {memory.human_bytes(a)} '
-           'in all)' for r, (p, e, a) in enumerate(t.tolist() for t in every)]
+  mib = lambda n: f'{n / 2**20:,.0f} MiB'     # pylint: disable=unnecessary-lambda-assignment
+  parts = [f'rank {r}: {mib(p)} ({p / e - 1:+.1%} of {mib(e)}; {mib(a)} in all)'
+           for r, (p, e, a) in enumerate(t.tolist() for t in every)]
   return f'{what}, against the start-up estimate: ' + ', '.join(parts)

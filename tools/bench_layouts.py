@@ -7,12 +7,17 @@
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1   # context parallelism
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1 --mmap_threshold=65536
 
-Runs tools/bench.py once in one process with 2 threads, then under torchrun with 2
+Runs train.py itself (`--runner=train`, the default: the loop a user runs, logging every step,
+no validation or checkpoints; its steps after `--warmup` timed from metrics.jsonl, and every
+rank's peak RSS beside its start-up estimate from the run's last line) or tools/bench.py's copy
+of the step (`--runner=bench`), once in one process with 2 threads, then under torchrun with 2
 processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
 peak RSS per rank, and for pipelines the measured bubble (1 - efficiency) beside the 1F1B
 formula (p - 1) / (m + p - 1) for p stages and m micro batches. Every process is killed
-(its process group) if the bench fails or times out.
+(its process group) if the run fails or times out.
 """
+import json
+import tempfile
 import os
 import re
 import signal
@@ -59,6 +64,28 @@ SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4), 'long16k': (LONG_1
 
 
 def _run(cmd, env, timeout):
+  out = _output(cmd, env, timeout)
+  tok = [float(x.replace(',', '')) for x in re.findall(r'\| ([\d,]+) tokens/s', out)]
+  rss = [float(x) for x in re.findall(r'peak RSS (\d+) MiB', out)]
+  growth = [float(x) for x in re.findall(r'\(\+(\d+) MiB over the process before the run\)', out)]
+  return min(tok), max(rss), max(growth)
+
+
+def _run_train(cmd, env, timeout, steps):
+  """(tokens/s of the timed steps, largest peak RSS of a rank, its growth over the process before
+  the run, the largest estimate error) of a train.py run whose command ends before --workdir."""
+  with tempfile.TemporaryDirectory() as workdir:
+    out = _output(cmd + [f'--workdir={workdir}'], env, timeout)
+    with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+      records = [r for r in map(json.loads, f) if r.get('loss') is not None]
+  timed = records[-steps:]
+  tokens = timed[0]['tokens_per_sec'] * timed[0]['step_time']          # tokens per step
+  ranks = re.findall(r'rank \d+: ([\d,]+) MiB \(([+-][\d.]+)% of [\d,]+ MiB; ([\d,]+) MiB in all\)', out)
+  grown, error, whole = zip(*[(float(g.replace(',', '')), float(e), float(a.replace(',', ''))) for g, e, a in ranks])
+  return tokens * len(timed) / sum(r['step_time'] for r in timed), max(whole), max(grown), max(error, key=abs)
+
+
+def _output(cmd, env, timeout):
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           start_new_session=True)
   try:
@@ -69,10 +96,7 @@ def _run(cmd, env, timeout):
       proc.wait()
   if proc.returncode:
     raise RuntimeError(f'{" ".join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}')
-  tok = [float(x.replace(',', '')) for x in re.findall(r'\| ([\d,]+) tokens/s', out)]
-  rss = [float(x) for x in re.findall(r'peak RSS (\d+) MiB', out)]
-  growth = [float(x) for x in re.findall(r'\(\+(\d+) MiB over the process before the run\)', out)]
-  return min(tok), max(rss), max(growth)
+  return out
 
 
 def define_flags():
@@ -82,6 +106,8 @@ def define_flags():
   tools.define_list_of('layouts', ['dp2', 'tp2', 'tp2_sp', 'pp2', 'pp2_dealloc'], LAYOUTS, 'Layouts to run')
   flags.DEFINE_integer('steps', 5, 'Timed steps.')
   flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps.')
+  flags.DEFINE_enum('runner', 'train', ['train', 'bench'], 'train: time train.py itself (what a user gets); bench: '
+                    'tools/bench.py\'s copy of the step.')
   flags.DEFINE_integer('timeout', 900, 'Seconds each bench may take before its processes are killed.')
   flags.DEFINE_integer('mmap_threshold', 0, 'glibc MALLOC_MMAP_THRESHOLD_ (bytes) for every process; 0 = glibc\'s '
                        'dynamic one, which rises after big frees so that later temporaries stay in the heap: peak '
@@ -92,25 +118,32 @@ def main(argv):
   tools.no_arguments(argv)
   tools.exit_on_sigterm()
   shape, micro = SHAPES[FLAGS.shape]
-  bench_flags = [f'--config={FLAGS.config}', f'--steps={FLAGS.steps}', f'--warmup={FLAGS.warmup}'] + shape
-  bench = ['-m', 'tools.bench']
   env = dict(os.environ, **({'MALLOC_MMAP_THRESHOLD_': str(FLAGS.mmap_threshold)} if FLAGS.mmap_threshold else {}))
   if FLAGS.mmap_threshold:
     print(f'MALLOC_MMAP_THRESHOLD_={FLAGS.mmap_threshold} in every process')
-  one, one_rss, one_growth = _run([sys.executable, *bench] + bench_flags, dict(env, OMP_NUM_THREADS='2'),
-                                  FLAGS.timeout)
-  print(f'1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB (+{one_growth:.0f} MiB over the '
-        'process before the run: the run\'s own memory, activations included)')
-  print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | its run\'s own | bubble measured '
-        '| 1F1B formula |')
-  print('|---|---|---|---|---|---|---|')
+  if FLAGS.runner == 'train':     # the loop itself, every step logged; its last line: each rank's peak
+    program = ['train.py', f'--config={FLAGS.config}', f'--config.trainer.max_steps={FLAGS.warmup + FLAGS.steps}',
+               '--config.trainer.log_every_n_steps=1', '--config.trainer.val_check_interval=0',
+               '--config.exp_manager.create_tensorboard_logger=False', '--config.model.optim.sched.warmup_steps=0'] + shape
+    run = lambda cmd, threads: _run_train(cmd, dict(env, OMP_NUM_THREADS=threads), FLAGS.timeout, FLAGS.steps)
+  else:
+    program = ['-m', 'tools.bench', f'--config={FLAGS.config}', f'--steps={FLAGS.steps}',
+               f'--warmup={FLAGS.warmup}'] + shape
+    run = lambda cmd, threads: _run(cmd, dict(env, OMP_NUM_THREADS=threads), FLAGS.timeout) + (None,)
+  one, one_rss, one_growth, one_error = run([sys.executable] + program, '2')
+  print(f'{FLAGS.runner}, 1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB (+{one_growth:.0f} '
+        'MiB over the process before the run: the run\'s own memory, activations included'
+        + (f'; {one_error:+.1f}% of the estimate)' if one_error is not None else ')'))
+  print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | its run\'s own | vs estimate '
+        '| bubble measured | 1F1B formula |')
+  print('|---|---|---|---|---|---|---|---|')
   for name in FLAGS.layouts:
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', *bench]
-    tok, rss, growth = _run(cmd + bench_flags + LAYOUTS[name], dict(env, OMP_NUM_THREADS='1'),
-                            FLAGS.timeout)
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] + program
+    tok, rss, growth, error = run(cmd + LAYOUTS[name], '1')
     bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
-    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | +{growth:.0f} MiB | {bubble} |', flush=True)
-
+    versus = f'{error:+.1f}%' if error is not None else ''
+    print(f'| {name} | {tok:,.0f} | {tok / one:.0%} | {rss:.0f} MiB | +{growth:.0f} MiB | {versus} | {bubble} |',
+          flush=True)
 
 if __name__ == '__main__':
   define_flags()
