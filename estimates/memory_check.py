@@ -106,7 +106,8 @@ def peak_report(mesh, estimate_bytes, before_bytes) -> str:
   peak = measured_peak_bytes(mesh.device)
   if peak is None:
     return ''
-  mine = torch.tensor([float(peak - (before_bytes or 0)), float(estimate_bytes), float(peak)], dtype=torch.float64)
+  mine = torch.tensor([float(peak - (before_bytes or 0)), float(estimate_bytes), float(peak)], dtype=torch.float64,
+                      device=mesh.device)      # (NCCL gathers device tensors)
   if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
     every = [torch.zeros_like(mine) for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather(every, mine)
