@@ -60,7 +60,12 @@ LONG_16K = ['--config.model.num_layers=2', '--config.model.hidden_size=128', '--
             '--config.model.num_attention_heads=4', '--config.model.num_kv_heads=2', '--config.model.vocab_size=512',
             '--config.model.max_position_embeddings=16384', '--config.data.seq_length=16384',
             '--config.data.micro_batch_size=1', '--config.data.global_batch_size=2']
-SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4), 'long16k': (LONG_16K, 2)}   # (flags, the pipeline's m at pp2)
+# configs/llama_50m.py's model and batch (8 x 512, seq 512, 8 sequences a step).
+SHAPE_50M = ['--config.model.num_layers=8', '--config.model.hidden_size=512', '--config.model.ffn_hidden_size=1408',
+             '--config.model.num_attention_heads=8', '--config.model.num_kv_heads=4', '--config.model.vocab_size=32000',
+             '--config.model.max_position_embeddings=1024', '--config.data.seq_length=512',
+             '--config.data.micro_batch_size=2', '--config.data.global_batch_size=8']
+SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4), 'llama_50m': (SHAPE_50M, 4), 'long16k': (LONG_16K, 2)}   # (flags, the pipeline's m at pp2)
 
 
 def _run(cmd, env, timeout):
@@ -102,10 +107,11 @@ def _output(cmd, env, timeout):
 def define_flags():
   flags.DEFINE_string('config', 'configs/llama_tiny.py', 'Config file for tools/bench.py (--shape resizes it).')
   flags.DEFINE_enum('shape', 'small', list(SHAPES), 'small: 4 x 256, seq 256, 16 sequences a step; 207m: 12 x 1024; '
-                    'long16k: 2 x 128 at seq 16384, 2 sequences a step.')
+                    'llama_50m: 8 x 512, seq 512; long16k: 2 x 128 at seq 16384, 2 sequences a step.')
   tools.define_list_of('layouts', ['dp2', 'tp2', 'tp2_sp', 'pp2', 'pp2_dealloc'], LAYOUTS, 'Layouts to run')
   flags.DEFINE_integer('steps', 5, 'Timed steps.')
   flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps.')
+  flags.DEFINE_multi_string('set', [], 'A config override for every run, e.g. --set=precision.type=bf16SR.')
   flags.DEFINE_enum('runner', 'train', ['train', 'bench'], 'train: time train.py itself (what a user gets); bench: '
                     'tools/bench.py\'s copy of the step.')
   flags.DEFINE_integer('timeout', 900, 'Seconds each bench may take before its processes are killed.')
@@ -118,6 +124,7 @@ def main(argv):
   tools.no_arguments(argv)
   tools.exit_on_sigterm()
   shape, micro = SHAPES[FLAGS.shape]
+  shape = shape + [f'--config.{item}' for item in FLAGS.set]
   env = dict(os.environ, **({'MALLOC_MMAP_THRESHOLD_': str(FLAGS.mmap_threshold)} if FLAGS.mmap_threshold else {}))
   if FLAGS.mmap_threshold:
     print(f'MALLOC_MMAP_THRESHOLD_={FLAGS.mmap_threshold} in every process')
