@@ -27,7 +27,7 @@ from data.loader import Loader
 from estimates import memory, memory_check, summary as summaries
 from model import lora, objectives, transformer
 from optim import update
-from parallel import comm, grads, mesh as meshes, passes, reference as references, tensor
+from parallel import comm, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, training, xla
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (configs/*.py[:preset]).',
@@ -196,14 +196,13 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   for step in range(start_step, total):
     # ZeRO-1's parameter gathers stay in flight into the next step's forward (overlap_param_gather):
     # whatever reads the parameters in between waits for them first (updater.wait_params).
-    out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
-                              reference, defer_param_gather=True)
     last = step + 1 == total
+    norm = config.exp_manager.log_parameter_norm and (logs.every(step + 1, t.log_every_n_steps) or last)
+    # the parameter norm of a ZeRO-1 step from the rows each rank owns: no wait for the gathers
+    out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
+                              reference, defer_param_gather=True, param_norm=norm)
     if last:
       updater.wait_params()
-    if config.exp_manager.log_parameter_norm and (logs.every(step + 1, t.log_every_n_steps) or last):
-      updater.wait_params()
-      out['param_norm'] = grads.global_norm(params, mesh)      # of this step's parameters, read later
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',

@@ -13,10 +13,9 @@ A step:
   3. optimizer.step() on the masters;
   4. masters rounded to the parameter dtype (nearest, or stochastically keyed by each
      element's global index, so every layout rounds alike) and all-gathered back.
-bf16SR keeps nothing in fp32 (as NxD Training runs it: 2 bytes of parameter and 4 of moments
-per parameter): for one update the owned rows and the moments are widened to fp32 working
-copies, and after it rounded back (stochastically, keyed like the parameters). Frozen
-parameters (not in `trainable`) get no gradient, state or rows.
+bf16SR keeps nothing in fp32 (NxD's: 2 bytes of parameter and 4 of moments per parameter): for
+one update the owned rows and moments are widened to fp32 copies, then rounded back
+(stochastically). Frozen parameters (not in `trainable`) get no gradient, state or rows.
 """
 import math
 import typing
@@ -61,17 +60,17 @@ class Updater:
     # by wait_params: the next forward's layers, or anything else that reads the parameters.
     self.overlap_gather = bool(strategy.get('overlap_param_gather', True) and mesh.device.type != 'xla')
     self.pending = {}
+    self.param_squares = None       # step(param_squares=True): this rank's owned rows' sum of squares
     # Gradients accumulate in the recipe's dtype in flat buckets, DP-reduced during the backward;
     # each domain (dense: DP, experts: expert DP) has its buckets, ZeRO-1 parts and group.
     self.zero1, self.domains = zero1, {}
     for n in self.trainable:
       self.domains.setdefault(experts.domain(mesh, n, zero1), []).append(n)
-    self.grads = grad_buffer.Domains([grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group,
-                                                  self.bucket_bytes,
-                                                  grad_buffer.collective_for(strategy.zero1_collectives,
-                                                                             group if parts > 1 else None),
-                                                  strategy.overlap_grad_reduce)
-                           for (group, parts, index), names in self.domains.items()])
+    self.grads = grad_buffer.Domains([
+        grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group, self.bucket_bytes,
+                               grad_buffer.collective_for(strategy.zero1_collectives, group if parts > 1 else None),
+                               strategy.overlap_grad_reduce)
+        for (group, parts, index), names in self.domains.items()])
     self.rows = {n: owned_rows(params[n].shape[0], parts, index)
                  for (_, parts, index), names in self.domains.items() for n in names}
     # Without a master copy the shard is a view of the parameter's rows.
@@ -95,8 +94,8 @@ class Updater:
 
   def lr(self, step):
     """The learning rate of optimizer step `step` (counted from 0) under model.optim.sched."""
-    c = self.config
-    return schedules.lr_at(step, c.model.optim.sched, c.model.optim.lr, c.trainer.max_steps, c.model.hidden_size)
+    m = self.config.model
+    return schedules.lr_at(step, m.optim.sched, m.optim.lr, self.config.trainer.max_steps, m.hidden_size)
 
   def wait_params(self, match=None):
     """Wait for the parameter gathers left in flight (distributed_strategy.overlap_param_gather)
@@ -105,11 +104,12 @@ class Updater:
       work, group = self.pending.pop(n)
       comm.wait(work, 'all_reduce(bitwise OR: params over dp, ZeRO-1)', group)
 
-  def step(self, gradients, lr, step, loss=None, defer_gather=False):
+  def step(self, gradients, lr, step, loss=None, defer_gather=False, param_squares=False):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.
     Returns (grad norm, whether the update happened): the one host sync of a step on eager
     devices; on XLA a device bool (read on log steps). `defer_gather`: ZeRO-1's parameter
-    gathers stay in flight (overlap_param_gather); the caller waits (wait_params)."""
+    gathers stay in flight (overlap_param_gather); the caller waits (wait_params). `param_squares`:
+    the updated rows' sum of squares is taken before their gather, for param_norm."""
     for group in self.optimizer.param_groups:
       group['lr'] = lr
     # The one-pass update reads the gradients as they are (bf16SR's bf16) and applies the clip
@@ -128,7 +128,7 @@ class Updater:
     else:
       ok = bool(finite)
       if ok:
-        self._update(owned, step, fused=fused, scale=coefficient)
+        self._update(owned, step, fused=fused, scale=coefficient, squares=param_squares)
     self._clear()
     if not defer_gather:
       self.wait_params()
@@ -153,7 +153,17 @@ class Updater:
       torch._foreach_mul_(scaled, coefficient)
     return norm, coefficient
 
-  def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None):
+  def param_norm(self, params):
+    """The global L2 norm of `params` after the step; after step(param_squares=True) under ZeRO-1, from
+    the owned rows' squares (taken before the gathers started) and the frozen ones: no wait."""
+    squares, self.param_squares = self.param_squares, None
+    if squares is None:
+      self.wait_params()
+      return grad_ops.global_norm(params, self.mesh)
+    return grad_ops.sharded_norm(squares, {n: t for n, t in params.items() if n not in self.master}, self.mesh,
+                                 self.group)
+
+  def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None, squares=False):
     if fused:
       self._fused_step(fused, owned, step, scale)
     narrow = self._widen(skip=fused)
@@ -187,6 +197,8 @@ class Updater:
       self.master[n].data = self._owned(n)         # a view of the parameter's rows again
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
+      if squares and self.overlap_gather and self.mesh.ep == 1:     # the rows the gathers are about to share
+        self.param_squares = grad_ops.squares_total(rounded, self.mesh)
     for names, buf in zip(self.domains.values(), self.grads.buffers):   # each domain's group and collective
       group = buf.group if buf.parts > 1 else None
       works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, buf.parts,
@@ -294,8 +306,7 @@ class Updater:
   def named_state(self, state_keys=None):
     """This rank's owned rows of masters and optimizer state under checkpoint names:
     `master.<name>` (separate copies only) and `optim.<key>.<name>`."""
-    out = {}
-    keys = self.state_keys() if state_keys is None else state_keys
+    out, keys = {}, (self.state_keys() if state_keys is None else state_keys)
     for n, m in self.master.items():
       if self.has_master_copy(n):
         out[f'master.{n}'] = m.detach()

@@ -97,6 +97,22 @@ def global_norm(tensors_by_name, mesh, extra_group=None, squares_of=square_sum):
   return total.sqrt()
 
 
+def squares_total(tensors_by_name, mesh):
+  """This rank's fp32 sum of squares of the tensors it counts in global norms (counts_once)."""
+  mine = [t for n, t in tensors_by_name.items() if counts_once(n, mesh)]
+  return torch.stack(square_sums(mine)).sum() if mine else torch.zeros((), device=mesh.device)
+
+
+def sharded_norm(owned_squares, whole, mesh, group):
+  """L2 norm of a model whose rows are shared out over `group` (`owned_squares`: this rank's rows'
+  sum of squares, squares_total) beside tensors every member holds whole (`whole`: name -> tensor)."""
+  total = comm.all_reduce_(owned_squares, group, name='all_reduce(norm over dp shards)')
+  if whole:
+    total = total + squares_total(whole, mesh)
+  total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
+  return comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)').sqrt()
+
+
 def clip_coefficient(norm, max_norm):
   """The factor gradients of global norm `norm` are scaled by so it is at most `max_norm`
   (an fp32 0-dim tensor), or None where clipping is off (max_norm 0)."""

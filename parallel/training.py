@@ -14,11 +14,14 @@ from numerics import precision
 from parallel import grads, passes, pipeline, tensor
 
 
-def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None, defer_param_gather=False):
+def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None, defer_param_gather=False,
+               param_norm=False):
   """One optimizer step. Returns metrics as tensors (the finite check is the one host sync).
   `defer_param_gather`: ZeRO-1's gathers of the updated parameters are left in flight
   (distributed_strategy.overlap_param_gather) for the next step's forward to wait on layer by
-  layer; the caller calls updater.wait_params() before it reads the parameters otherwise."""
+  layer; the caller calls updater.wait_params() before it reads the parameters otherwise.
+  `param_norm`: the step's parameter norm, read without waiting for those gathers
+  (updater.param_norm)."""
   updater.start(len(micro_batches))
   loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
                                                   reference=reference, wait_params=updater.wait_params)
@@ -28,12 +31,16 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
              config.model.share_embeddings_and_output_weights)
   lr = updater.lr(step)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
-  grad_norm, updated = updater.step(gradients, lr, step, loss, defer_gather=defer_param_gather)
+  grad_norm, updated = updater.step(gradients, lr, step, loss, defer_gather=defer_param_gather,
+                                    param_squares=param_norm)
   lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
   if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
     raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')
-  return {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated if lazy else not updated,
-          'metrics': metrics}
+  out = {'loss': loss, 'grad_norm': grad_norm, 'lr': lr, 'skipped': ~updated if lazy else not updated,
+         'metrics': metrics}
+  if param_norm:
+    out['param_norm'] = updater.param_norm(params)
+  return out
 
 
 def nonfinite_error(step, values=''):
