@@ -102,7 +102,7 @@ class Updater:
     of the names `match(name)` accepts (None: all); until then their other ranks' rows are zeros."""
     for n in [n for n in self.pending if match is None or match(n)]:
       work, group = self.pending.pop(n)
-      comm.wait(work, 'all_reduce(bitwise OR: params over dp, ZeRO-1)', group)
+      comm.wait(work, 'parameter gather over dp (ZeRO-1)', group)
 
   def step(self, gradients, lr, step, loss=None, defer_gather=False, param_squares=False):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.

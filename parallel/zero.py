@@ -28,14 +28,40 @@ def _in_place(p):
   return p.is_contiguous() and p.numel() * p.element_size() % 4 == 0
 
 
-def _gather_in_place(p, v, parts, index, group, async_op):
-  """The bitwise-OR gather of `p` in place: its owned rows take `v`, the other ranks' rows are
-  zeroed, and the all-reduce ORs every rank's rows in (x | 0 = x, rows are disjoint)."""
+class _Works:
+  """Several point-to-point works waited on as one."""
+
+  def __init__(self, works):
+    self.works = works
+
+  def wait(self):
+    for work in self.works:
+      work.wait()
+
+
+def _gather_in_place(p, v, parts, index, group, async_op, tag=0):
+  """The gather of `p` in place: its owned rows take `v`, then on gloo each rank sends them to
+  every other rank and receives theirs into place (point to point: at two ranks half the bytes
+  of an all-reduce, and no OR pass: 0.15 s against 0.47 s for 828 MB here); elsewhere the other
+  ranks' rows are zeroed and a bitwise-OR all-reduce brings them in (x | 0 = x, rows disjoint).
+  Either way every rank ends with the owners' bits."""
   rows, _ = shard_rows(p.shape[0], parts, index)
   flat = p.view(p.shape[0], -1)
   own = flat[rows]
   if own.data_ptr() != v.data_ptr():         # without a master copy the update wrote them already
     own.copy_(v.reshape(own.shape))
+  if dist.get_backend(group) == 'gloo':
+    ranks, works = dist.get_process_group_ranks(group), []
+    for q in range(parts):
+      theirs = shard_rows(p.shape[0], parts, q)[0]
+      if q != index and rows.stop > rows.start:
+        works.append(dist.isend(own, ranks[q], group=group, tag=tag))
+      if q != index and theirs.stop > theirs.start:
+        works.append(dist.irecv(flat[theirs], ranks[q], group=group, tag=tag))
+    done = _Works(works)
+    if not async_op:
+      comm.wait(done, 'send / receive(params over dp, ZeRO-1)', group)
+    return done if async_op else None
   flat[:rows.start].zero_()
   flat[rows.stop:].zero_()
   return comm.all_reduce_(p.view(-1).view(torch.int32), group, op=dist.ReduceOp.BOR, async_op=async_op,
@@ -58,9 +84,9 @@ def gather_rows(values, params, names, parts, index, group, collective, bucket_b
         params[n].copy_(v)
       return pending
     if collective == 'all_reduce':
-      for n in names:
+      for tag, n in enumerate(names):
         if n in values and _in_place(params[n]):
-          pending[n] = _gather_in_place(params[n], values[n], parts, index, group, async_op)
+          pending[n] = _gather_in_place(params[n], values[n], parts, index, group, async_op, tag)
       names = [n for n in names if n not in pending]
     per = {n: shard_rows(params[n].shape[0], parts, index)[1] for n in names}
     sizes = {n: per[n] * row_size(params[n]) * params[n].element_size() * parts for n in names}
