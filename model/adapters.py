@@ -94,8 +94,6 @@ def read_settings(path) -> dict:
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (a peft adapter directory needs one)')
   c = hf_files.read_json(config_path)
-  if not isinstance(c, dict):
-    raise hf_files.HFFileError(f'{config_path}: expected a JSON object of adapter settings, found {type(c).__name__}')
   unsupported = [f'peft_type={c.get("peft_type")!r}'] if c.get('peft_type', 'LORA') != 'LORA' else []
   unsupported += [f'{k}={c[k]!r}' for k, off in UNSUPPORTED.items() if c.get(k) not in (off, None, [], {}, False)]
   layers_pattern = c.get('layers_pattern')

@@ -82,8 +82,6 @@ def read_config(path, base_model=None):
   if not os.path.isfile(config_path):
     raise FileNotFoundError(f'{config_path} not found (an HF model directory needs one)')
   hf_config = read_json(config_path)
-  if not isinstance(hf_config, dict):
-    raise HFFileError(f'{config_path}: expected a JSON object of settings, found {type(hf_config).__name__}')
   try:
     return config_from_hf(hf_config, base_model)
   except KeyError as e:

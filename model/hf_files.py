@@ -26,11 +26,15 @@ def open_safetensors(file):
 
 
 def read_json(file, what='JSON'):
-  """The JSON file `file`; a syntax error is one line with its line and column."""
+  """The JSON object in `file` (every HF settings file is one); a syntax error is one line with
+  its line and column."""
   try:
     with open(file, encoding='utf-8') as f:
-      return json.load(f)
+      value = json.load(f)
   except json.JSONDecodeError as e:
     raise HFFileError(f'{file}: not valid {what} at line {e.lineno} column {e.colno}: {e.msg}') from None
   except UnicodeDecodeError as e:
     raise HFFileError(f'{file}: not valid {what}: not UTF-8 text (byte {e.start})') from None
+  if not isinstance(value, dict):
+    raise HFFileError(f'{file}: expected a JSON object of settings, found {type(value).__name__}')
+  return value
