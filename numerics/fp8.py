@@ -21,7 +21,6 @@ the caller passes ({'M': fn, 'K': fn, 'N': fn}; process groups are parallel/'s),
 scales as one device does.
 """
 import dataclasses
-from typing import Callable
 
 import torch
 
@@ -96,23 +95,26 @@ class Gemms:
   rec: Recipe
   reduce: dict = None
 
-  def forward(self, x2, w):
+  def _cast(self, t, dims, axis, dtype=E4M3):
+    """`t` [dims[0], dims[1]] cast with one scale, or (rowwise) with one per slice, its amax over
+    `axis` (a tensorwise scale is 0-dim: its .t() is itself)."""
     r = self.rec
-    xq, xs = cast(x2, E4M3, -1 if r.rowwise else None, r, self.reduce, ('K',) if r.rowwise else ('M', 'K'))
-    wq, ws = cast(w, E4M3, -1 if r.rowwise else None, r, self.reduce, ('K',) if r.rowwise else ('N', 'K'))
-    return _mm(xq, xs, wq.t(), ws.t() if r.rowwise else ws, x2.dtype, True)
+    return cast(t, dtype, axis if r.rowwise else None, r, self.reduce, (dims[axis],) if r.rowwise else dims)
+
+  def forward(self, x2, w):
+    xq, xs = self._cast(x2, ('M', 'K'), -1)
+    wq, ws = self._cast(w, ('N', 'K'), -1)
+    return _mm(xq, xs, wq.t(), ws.t(), x2.dtype, True)
 
   def grad_input(self, g2, w):
-    r = self.rec
-    gq, gs = cast(g2, r.grad_dtype, -1 if r.rowwise else None, r, self.reduce, ('N',) if r.rowwise else ('M', 'N'))
-    wq, ws = cast(w, E4M3, 0 if r.rowwise else None, r, self.reduce, ('N',) if r.rowwise else ('N', 'K'))
+    gq, gs = self._cast(g2, ('M', 'N'), -1, self.rec.grad_dtype)
+    wq, ws = self._cast(w, ('N', 'K'), 0)
     return _mm(gq, gs, wq, ws, g2.dtype, False)
 
   def grad_weight(self, g2, x2):
-    r = self.rec
-    gq, gs = cast(g2, r.grad_dtype, 0 if r.rowwise else None, r, self.reduce, ('M',) if r.rowwise else ('M', 'N'))
-    xq, xs = cast(x2, E4M3, 0 if r.rowwise else None, r, self.reduce, ('M',) if r.rowwise else ('M', 'K'))
-    return _mm(gq.t(), gs.t() if r.rowwise else gs, xq, xs, g2.dtype, False)
+    gq, gs = self._cast(g2, ('M', 'N'), 0, self.rec.grad_dtype)
+    xq, xs = self._cast(x2, ('M', 'K'), 0)
+    return _mm(gq.t(), gs.t(), xq, xs, g2.dtype, False)
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -146,9 +148,6 @@ def linear(x, w, b=None, gemms: Gemms = None):
   with torch.autocast(x.device.type, enabled=False):
     out = _Float8Linear.apply(x, w, gemms)
     return out if b is None else out + b.to(out.dtype)
-
-
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def probe(device) -> str:
