@@ -87,20 +87,19 @@ def global_norm(tensors_by_name, mesh, extra_group=None, squares_of=square_sum):
   """L2 norm of the global model's tensors, each element counted once (`extra_group`: a
   group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP; `squares_of`: how a
   tensor's fp32 sum of squares is taken, but on CUDA: square_sums)."""
-  device = mesh.device
-  squares = square_sums([t for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh)],
-                        squares_of)
-  total = torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+  total = _over_tp_pp(squares_total(tensors_by_name, mesh, squares_of), mesh)
+  return comm.all_reduce_(total, extra_group, name='all_reduce(norm over dp shards)').sqrt()
+
+
+def _over_tp_pp(total, mesh):
   total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
-  total = comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
-  total = comm.all_reduce_(total, extra_group, name='all_reduce(norm over dp shards)')
-  return total.sqrt()
+  return comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
 
 
-def squares_total(tensors_by_name, mesh):
+def squares_total(tensors_by_name, mesh, squares_of=square_sum):
   """This rank's fp32 sum of squares of the tensors it counts in global norms (counts_once)."""
-  mine = [t for n, t in tensors_by_name.items() if counts_once(n, mesh)]
-  return torch.stack(square_sums(mine)).sum() if mine else torch.zeros((), device=mesh.device)
+  mine = [t for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh)]
+  return torch.stack(square_sums(mine, squares_of)).sum() if mine else torch.zeros((), device=mesh.device)
 
 
 def sharded_norm(owned_squares, whole, mesh, group):
@@ -109,8 +108,7 @@ def sharded_norm(owned_squares, whole, mesh, group):
   total = comm.all_reduce_(owned_squares, group, name='all_reduce(norm over dp shards)')
   if whole:
     total = total + squares_total(whole, mesh)
-  total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
-  return comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)').sqrt()
+  return _over_tp_pp(total, mesh).sqrt()
 
 
 def clip_coefficient(norm, max_norm):
