@@ -60,7 +60,6 @@ from absl import app, flags
 
 import tools
 import user_errors
-from user_errors import UserError
 
 FLAGS = flags.FLAGS
 DEFAULT_PORT = 29500
@@ -70,7 +69,7 @@ SLURM_NNODES = ('SLURM_STEP_NUM_NODES', 'SLURM_JOB_NUM_NODES', 'SLURM_NNODES')
 SLURM_NODELIST = ('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST', 'SLURM_NODELIST')
 
 
-class LaunchError(UserError, ValueError):
+class LaunchError(user_errors.UserError, ValueError):
   """Settings that cannot start a job; the message names the variable and the fix."""
 
 

@@ -34,7 +34,6 @@ import tools
 import user_errors
 from data import sft_records
 from data.errors import DataError
-from user_errors import UserError
 
 FLAGS = flags.FLAGS
 INSTALL = 'pip install rouge-score sacrebleu (both are in requirements.txt)'
@@ -94,7 +93,7 @@ def example(record) -> Example:
 
 # ---- scoring: lists of strings in, numbers out
 
-class MissingLibrary(UserError, ImportError):
+class MissingLibrary(user_errors.UserError, ImportError):
   """A scoring library is not installed (not any ImportError: those keep their traceback)."""
 
 
