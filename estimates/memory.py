@@ -173,10 +173,11 @@ def _largest_bucket(sizes_bytes, limit):
 
 def reduction_bytes(config, sizes, dp=1) -> int:
   """The DP gradient reduction's transient (parallel/grad_buffer.py). Buckets are reduced in
-  place: an all-reduce (plain DP, and ZeRO-1's `all_reduce`, auto's choice on gloo) needs
-  none. ZeRO-1's reduce-scatter (auto's choice on NCCL and XLA) writes each bucket's own part
-  to a 1/dp output until it is copied back (with overlap every bucket can be in flight: the
-  gradients / dp), and gloo stages a full-size copy of the bucket it reduces (one bucket)."""
+  place: an all-reduce (plain DP, and ZeRO-1's `all_reduce`) needs none. ZeRO-1's
+  reduce-scatter (`auto`) on NCCL and XLA writes each bucket's own part to a 1/dp output until
+  it is copied back (with overlap every bucket can be in flight: the gradients / dp); on gloo
+  it is point to point, one bucket at a time, receiving the other ranks' copies of this rank's
+  part: (dp - 1) / dp of the largest bucket."""
   d = config.distributed_strategy
   backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
   if dp == 1 or not d.zero1 or grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
@@ -184,8 +185,9 @@ def reduction_bytes(config, sizes, dp=1) -> int:
   recipe = precision.recipe(config.precision)
   trained = set(lora.trainable(config.model, sizes))
   grads = [v * recipe.grad_acc_dtype.itemsize for n, v in sizes.items() if n in trained]
-  outputs = sum(grads) // dp if d.overlap_grad_reduce else _largest_bucket(grads, _bucket_bytes(config)) // dp
-  return outputs + (_largest_bucket(grads, _bucket_bytes(config)) if backend == 'gloo' else 0)
+  if backend == 'gloo':
+    return _largest_bucket(grads, _bucket_bytes(config)) * (dp - 1) // dp
+  return sum(grads) // dp if d.overlap_grad_reduce else _largest_bucket(grads, _bucket_bytes(config)) // dp
 
 
 FUSED = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adagrad')   # fused on CUDA: no temporaries
@@ -216,8 +218,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
   rounded bf16 results held until all are rounded (6 bytes) plus the stochastic rounding of
   one bucket of rows and moments (~24 bytes per element: fp32 input, int32 noise, bits and
   clamps, the bf16 result, the hash; a bucket may pass bucket_size by one tensor). With
-  ZeRO-1, the parameters' all-gather through one bucket (the bitwise-OR all-reduce, auto's
-  choice on gloo, gathers each parameter in its own storage: nothing)."""
+  ZeRO-1, the parameters' all-gather through one bucket (on gloo, point to point, and with
+  `all_reduce`, a bitwise-OR all-reduce, each parameter is gathered in its own storage: nothing)."""
   recipe = precision.recipe(config.precision)
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
   trained = set(lora.trainable(config.model, sizes))
@@ -246,7 +248,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
   backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
-  if shards > 1 and grad_buffer.backend_choice(config.distributed_strategy.zero1_collectives, backend) != 'all_reduce':
+  if (shards > 1 and backend != 'gloo'
+      and grad_buffer.backend_choice(config.distributed_strategy.zero1_collectives, backend) != 'all_reduce'):
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += _largest_bucket(full, _bucket_bytes(config))
   return temporaries

@@ -203,7 +203,7 @@ class Updater:
       group = buf.group if buf.parts > 1 else None
       works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, buf.parts,
                                buf.index, group, buf.collective, self.bucket_bytes,
-                               async_op=self.overlap_gather and buf.collective == 'all_reduce')
+                               async_op=self.overlap_gather and zero.gathers_in_place(buf.collective, group))
       self.pending.update({n: (w, group) for n, w in works.items()})
 
   def _fusable(self):

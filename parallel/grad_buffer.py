@@ -15,11 +15,15 @@ of it (the optimizer steps on them; nothing is copied out).
 
 Reduction over `group` (DP), per bucket, in place:
   no ZeRO-1                 all-reduce
-  ZeRO-1, 'reduce_scatter'  reduce-scatter, own part copied back into the bucket
+  ZeRO-1, 'reduce_scatter'  reduce-scatter, own part copied back into the bucket; on gloo
+                            point to point: part k sent to rank k, the others' parts of
+                            this rank's received and added into it in rank order
   ZeRO-1, 'all_reduce'      all-reduce of the whole bucket, own part read from it
 Both ZeRO-1 choices give the same sums (bitwise at two ranks, where each element is one
-addition a + b either way). `collective_for` picks one per backend by measurement
-(docs/performance.md): gloo's reduce-scatter and all-gather are slower than its all-reduce.
+addition a + b either way). `auto` is the reduce-scatter: it moves half the bytes of the
+all-reduce (measured on gloo, 2 ranks, 828 MB in 32 MiB buckets: 0.32 s against 0.54 s;
+docs/performance.md). On gloo at most one bucket's point-to-point reduction is in flight, so
+its receive buffer is one bucket's (parts - 1) / parts.
 
 Overlap: after `start(backwards)`, a parameter is complete once its hook has run that many
 times (one backward per micro batch through its pipeline chunk); a bucket whose parameters
@@ -35,24 +39,52 @@ from config_checks import one_of
 from parallel import comm, zero
 
 COLLECTIVES = ('auto', 'reduce_scatter', 'all_reduce')
-# Measured on gloo (2 ranks; docs/memory-and-precision.md): a 200 MB fp32 all-reduce took
-# 0.09-0.12 s, reduce_scatter_tensor 0.2-1.6 s (with a full-size temporary); gathering 828 MB,
-# the bitwise-OR all-reduce 0.45 s and all_gather_into_tensor 0.83-4.5 s. At 207M parameters
-# ZeRO-1 ran at 99 tokens/s this way, 83 with reduce-scatter + all-gather
-# (`python -m tools.bench_layouts --shape=207m --layouts=dp2_zero1,dp2_zero1_reduce_scatter`).
-_FASTEST = {'gloo': 'all_reduce'}
+_TAGS = 1 << 20      # point-to-point tags of the gradient buckets, apart from the gather's (zero.py)
 
 
 def collective_for(choice, group):
-  """ZeRO-1's reduction and gather collective under `zero1_collectives` (auto: by backend)."""
-  if choice != 'auto' or group is None:
+  """ZeRO-1's reduction collective under `zero1_collectives`."""
+  if group is None:
     return choice
   return backend_choice(choice, dist.get_backend(group))
 
 
-def backend_choice(choice, backend):
-  """`zero1_collectives` resolved for a backend ('gloo', 'nccl', 'xla')."""
-  return _FASTEST.get(backend, 'reduce_scatter') if choice == 'auto' else choice
+def backend_choice(choice, backend):   # pylint: disable=unused-argument
+  """`zero1_collectives` resolved for a backend ('gloo', 'nccl', 'xla'): auto is the
+  reduce-scatter on each (gloo's point to point)."""
+  return 'reduce_scatter' if choice == 'auto' else choice
+
+
+class _PointToPoint:
+  """A bucket's reduce-scatter on gloo, point to point (gloo's reduce_scatter_tensor stages a
+  full-size copy and ran 2-10x slower than this): part k of `data` ([parts, S]) is sent to rank
+  k, the others' copies of this rank's part are received, and `wait` adds them into it in rank
+  order ((c0 + c1) + c2 ...: the same sum on every layout of the same dp)."""
+
+  def __init__(self, data, index, group, tag):
+    self.data, self.index = data, index
+    ranks = dist.get_process_group_ranks(group)
+    peers = [q for q in range(data.shape[0]) if q != index]
+    self.received = torch.empty(len(peers), data.shape[1], dtype=data.dtype, device=data.device)
+    self.works = []
+    for j, q in enumerate(peers):
+      self.works.append(dist.isend(data[q], ranks[q], group=group, tag=tag))
+      self.works.append(dist.irecv(self.received[j], ranks[q], group=group, tag=tag))
+
+  def wait(self):
+    if self.received is None:
+      return
+    for work in self.works:
+      work.wait()
+    mine, received = self.data[self.index], self.received
+    if self.index > 0:
+      before = received[0]
+      for c in received[1:self.index]:
+        before.add_(c)
+      mine.add_(before)
+    for c in received[self.index:]:
+      mine.add_(c)
+    self.received, self.works = None, []
 
 
 class Bucket:
@@ -154,6 +186,14 @@ class GradBuffer:
     name = f'{self.collective}(grads over dp, bucket {self.launched - 1})'
     if self.collective == 'all_reduce':
       work = comm.all_reduce_(bucket.data, self.group, name=name, async_op=async_op)
+    elif dist.get_backend(self.group) == 'gloo':
+      if self.launched > 1:                  # one receive buffer at a time: the previous bucket's done
+        previous = self.buckets[self.launched - 2]
+        comm.wait(previous.work, name, self.group)
+        previous.work = None
+      work = _PointToPoint(bucket.data, self.index, self.group, _TAGS + self.launched)
+      if not async_op:
+        comm.wait(work, name, self.group)
     else:
       bucket.mine = torch.empty(bucket.size, dtype=bucket.data.dtype, device=bucket.data.device)
       work = comm.reduce_scatter_into(bucket.mine, bucket.data.view(-1), self.group, name=name, async_op=async_op)

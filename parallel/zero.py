@@ -28,6 +28,12 @@ def _in_place(p):
   return p.is_contiguous() and p.numel() * p.element_size() % 4 == 0
 
 
+def gathers_in_place(collective, group) -> bool:
+  """Whether gather_rows gathers in each parameter's own storage (and can be left in flight):
+  on gloo (point to point) whatever the collective, elsewhere with 'all_reduce' (bitwise OR)."""
+  return group is not None and (collective == 'all_reduce' or dist.get_backend(group) == 'gloo')
+
+
 class _Works:
   """Several point-to-point works waited on as one."""
 
@@ -71,11 +77,11 @@ def _gather_in_place(p, v, parts, index, group, async_op, tag=0):
 def gather_rows(values, params, names, parts, index, group, collective, bucket_bytes, async_op=False):
   """ZeRO-1's parameter gather: each rank's updated rows (`values`: name -> owned rows in the
   parameter dtype, or fp32 masters that the copy rounds to it, to nearest) written into every
-  rank's parameters. Collective 'all_reduce': a bitwise-OR
-  all-reduce of each parameter in its own storage, this rank's rows in it and the others'
-  zeroed, which is exact (x | 0 = x) and needs no buffer (a 16-bit parameter of odd size goes
-  the buffered way below). Else bucket by bucket through one transient [parts, bucket] buffer
-  and an all-gather. With `async_op` the in-place all-reduces are left in flight: returns
+  rank's parameters. In place (gathers_in_place: gloo, or collective 'all_reduce'): each
+  parameter in its own storage, point to point on gloo, else by a bitwise-OR all-reduce with
+  the others' rows zeroed, which is exact (x | 0 = x); neither needs a buffer (a 16-bit
+  parameter of odd size goes the buffered way below). Else bucket by bucket through one
+  transient [parts, bucket] buffer and an all-gather. With `async_op` the in-place gathers are left in flight: returns
   name -> work (wait on each before the parameter is read: its other rows are zeros until then)."""
   pending = {}
   with torch.no_grad():
@@ -83,7 +89,7 @@ def gather_rows(values, params, names, parts, index, group, collective, bucket_b
       for n, v in values.items():
         params[n].copy_(v)
       return pending
-    if collective == 'all_reduce':
+    if gathers_in_place(collective, group):
       for tag, n in enumerate(names):
         if n in values and _in_place(params[n]):
           pending[n] = _gather_in_place(params[n], values[n], parts, index, group, async_op, tag)

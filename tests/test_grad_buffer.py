@@ -8,7 +8,7 @@ from configs import validate
 from data.loader import Loader
 from model import lora
 from optim import update
-from parallel import mesh as meshes, passes, tensor, training
+from parallel import grad_buffer, mesh as meshes, passes, tensor, training
 from tests import parity, world
 
 VARIANTS = [(zero1, collective, overlap) for zero1, collective in
@@ -121,3 +121,23 @@ def test_param_gather_overlap_off_without_zero1_is_refused_with_both_keys():
              for p in problems), problems
   config.distributed_strategy.zero1 = True
   assert not validate.check(config)
+
+
+
+CONTRIBUTIONS = (1e8, -1e8, 1.0)   # in fp32 (c0 + c1) + c2 = 1, while c0 + (c1 + c2) = (c2 + c0) + c1 = 0
+
+
+def _point_to_point_sum():
+  torch.distributed.init_process_group('gloo')
+  rank = torch.distributed.get_rank()
+  data = torch.tensor([[CONTRIBUTIONS[rank] * 2.0 ** k] * 2 for k in range(3)])    # [parts, S]: part k
+  grad_buffer._PointToPoint(data, rank, torch.distributed.group.WORLD, tag=7).wait()  # pylint: disable=protected-access
+  return data[rank]
+
+
+def test_point_to_point_reduce_scatter_adds_in_rank_order():
+  """gloo's ZeRO-1 reduce-scatter: each rank's part summed over ranks in rank order, whichever rank owns it."""
+  for k, got in enumerate(world.run(_point_to_point_sum, 3)):
+    c = [torch.tensor([v * 2.0 ** k] * 2) for v in CONTRIBUTIONS]
+    torch.testing.assert_close(got, (c[0] + c[1]) + c[2], rtol=0, atol=0)
+    assert got.sum() == 2.0 ** (k + 1) and (c[0] + (c[1] + c[2])).sum() == ((c[2] + c[0]) + c[1]).sum() == 0

@@ -83,10 +83,12 @@ def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
   c = llama_tiny.get_config()
   sizes = {'a': 1000, 'b': 5000, 'c': 10}
   assert memory.update_temporaries(c, sizes) == 2 * 4 * 5000
-  c.distributed_strategy.zero1 = True       # owned rows: half of each; gloo's OR gather is in place
+  c.distributed_strategy.zero1 = True       # owned rows: half of each; gloo's gather is in place
   assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500
-  c.distributed_strategy.zero1_collectives = 'reduce_scatter'     # the all-gather's bucket
-  assert memory.update_temporaries(c, sizes, dp=2) == 2 * 4 * 2500 + 4 * 6010   # one bucket holds all
+  c.device = 'cuda'                         # NCCL's all-gather goes through a bucket; CUDA's fused Adam has none
+  assert memory.update_temporaries(c, sizes, dp=2) == 4 * 6010   # one bucket holds all
+  c.distributed_strategy.zero1_collectives = 'all_reduce'         # the OR all-reduce is in place
+  assert memory.update_temporaries(c, sizes, dp=2) == 0
 
 
 @pytest.mark.parametrize('recipe', ['fp32', 'mixed_precision'])
@@ -169,3 +171,17 @@ def test_moe_estimate_counts_every_expert_and_a_share_of_them_under_expert_paral
   mesh = meshes.Mesh(dp=2, ep=2, rank=1)
   sizes = training.local_sizes(c, mesh)
   assert sum(v for n, v in sizes.items() if moe.is_expert_param(n)) == experts // 2
+
+
+def test_zero1_reduction_buffers_per_backend():
+  c = llama_tiny.get_config()
+  c.bucket_size_collectives = 20000 / 2**20             # bytes: buckets (a, b) and (c)
+  sizes = {'a': 1000, 'b': 4000, 'c': 10}               # fp32 gradients: 4,000, 16,000, 40 bytes
+  assert memory.reduction_bytes(c, sizes, dp=4) == 0    # plain DP all-reduces in place
+  c.distributed_strategy.zero1 = True
+  # gloo, point to point: one bucket at a time receives the other ranks' 3/4 of it
+  assert memory.reduction_bytes(c, sizes, dp=4) == 20000 * 3 // 4
+  c.device = 'cuda'                                     # NCCL: every bucket's 1/dp output in flight
+  assert memory.reduction_bytes(c, sizes, dp=4) == (4000 + 16000 + 40) // 4
+  c.distributed_strategy.zero1_collectives = 'all_reduce'
+  assert memory.reduction_bytes(c, sizes, dp=4) == 0
