@@ -56,9 +56,19 @@ def counts_once(name, mesh):
   return True
 
 
+SQUARE_PIECE = 1 << 20      # elements an eager sum of squares widens and squares at a time
+
+
 def square_sum(t):
-  """The fp32 sum of squares of `t`'s elements."""
-  return t.detach().float().pow(2).sum()
+  """The fp32 sum of squares of `t`'s elements: eagerly in pieces of SQUARE_PIECE elements, the
+  pieces' sums summed, so a large tensor is not widened and squared whole (a 32M-element bf16
+  embedding: 250 MiB of fp32 temporaries a parameter norm, which also left that much in holes
+  of the CPU heap); traced (torch.compile: optim/sr_update.square_sum) in one expression."""
+  t = t.detach()
+  if t.numel() <= SQUARE_PIECE or t.dim() == 0 or torch.compiler.is_compiling():
+    return t.float().pow(2).sum()
+  rows = max(1, SQUARE_PIECE // (t.numel() // max(t.shape[0], 1) or 1))     # pieces of whole rows: no copy of a view
+  return torch.stack([piece.float().pow(2).sum() for piece in t.split(rows)]).sum()
 
 
 def square_sums(tensors, squares_of=square_sum, multi_tensor=None):
