@@ -28,6 +28,11 @@ PHASES = ('init', 'forward_backward', 'grad_reduction', 'update', 'checkpoint_sa
 RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20,
                  '16-bit': 12 * 2**20,       # + bf16 kernels' code
                  'inductor': 72 * 2**20}     # + torch._inductor and its compiled kernels (fused bf16SR, model.compile)
+# CPU with keep_freed_host_memory: the holes glibc's kept heap holds beside a step's live tensors,
+# as a fraction of the forward and backward's transient bytes (activations, logits, the largest
+# gradient). Measured 0.2-0.9 (median 0.4) over dp2, dp2 + ZeRO-1, tp2 and pp2 at llama_50m and
+# 207M, fp32 and bf16SR (docs/memory-and-precision.md); CUDA's allocated peak has none.
+HEAP_HOLES = 0.4
 
 
 def even_share(elements, tp, pp, ep=1) -> dict:
@@ -86,11 +91,13 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
     part = objectives.reference_copy(config)   # DPO's frozen copy of the starting model or adapters
     if part != 'none':
       out['reference'] = out['params'] if part == 'model' else n['adapters'] * 4
+  out['heap_holes'] = heap_holes_bytes(config, out['activations'] + out['logits'] + out['grad_transient'])
   held = out['params'] + out['master'] + out.get('reference', 0)      # from init to the end
   steady = held + out['optimizer'] + out['runtime']                  # from the first update on
   phases = {
       'init': held + (RUNTIME_BYTES['init'] if out['runtime'] else 0),
-      'forward_backward': steady + out['grads'] + out['activations'] + out['logits'] + out['grad_transient'],
+      'forward_backward': (steady + out['grads'] + out['activations'] + out['logits'] + out['grad_transient']
+                           + out['heap_holes']),
       'grad_reduction': steady + out['grads'] + out['reduction'],
       'update': steady + out['grads'] + out['update_temporaries'],
       'checkpoint_save': steady + out['checkpoint_copy'],
@@ -99,6 +106,17 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   out['peak_phase'] = max(PHASES, key=phases.get)
   out['total'] = phases[out['peak_phase']]
   return out
+
+
+def heap_holes_bytes(config, transient) -> int:
+  """What the CPU heap holds beyond live tensors at the step's peak (HEAP_HOLES x `transient`)
+  where train.py keeps freed host memory (keep_freed_host_memory, on the CPU, the environment
+  not setting malloc itself: parallel/device.py): glibc serves a step's tensors from the blocks
+  the last one freed, which its tensors of other sizes fit only in part. None elsewhere."""
+  if (devices.kind(config.device) != 'cpu' or not config.get('keep_freed_host_memory', True)
+      or devices.malloc_from_environment()):
+    return 0
+  return int(HEAP_HOLES * transient)
 
 
 def fp8_transient_bytes(config, tp) -> int:

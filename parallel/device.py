@@ -68,6 +68,17 @@ _KEPT_MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 MALLOC_ENV = ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TOP_PAD_')
 
 
+def malloc_from_environment() -> list:
+  """The environment's settings of the C library's malloc (MALLOC_ENV, GLIBC_TUNABLES, a
+  preloaded allocator), which keep_freed_host_memory leaves alone."""
+  chosen = [k for k in MALLOC_ENV if os.environ.get(k)]
+  if 'glibc.malloc' in os.environ.get('GLIBC_TUNABLES', ''):
+    chosen.append('GLIBC_TUNABLES')
+  if 'malloc' in os.environ.get('LD_PRELOAD', ''):
+    chosen.append('LD_PRELOAD')
+  return chosen
+
+
 def keep_freed_host_memory() -> str:
   """Make glibc's malloc keep what a step frees for the next step; returns what it did, for the log.
 
@@ -85,11 +96,7 @@ def keep_freed_host_memory() -> str:
   allocator is preloaded (jemalloc, tcmalloc: LD_PRELOAD), or the C library is not glibc,
   nothing changes.
   """
-  chosen = [k for k in MALLOC_ENV if os.environ.get(k)]
-  if 'glibc.malloc' in os.environ.get('GLIBC_TUNABLES', ''):
-    chosen.append('GLIBC_TUNABLES')
-  if 'malloc' in os.environ.get('LD_PRELOAD', ''):
-    chosen.append('LD_PRELOAD')
+  chosen = malloc_from_environment()
   if chosen:
     return f'as the environment sets it ({", ".join(chosen)})'
   try:

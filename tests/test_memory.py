@@ -185,3 +185,22 @@ def test_zero1_reduction_buffers_per_backend():
   assert memory.reduction_bytes(c, sizes, dp=4) == (4000 + 16000 + 40) // 4
   c.distributed_strategy.zero1_collectives = 'all_reduce'
   assert memory.reduction_bytes(c, sizes, dp=4) == 0
+
+
+def test_heap_holes_are_counted_where_train_py_keeps_freed_host_memory(monkeypatch):
+  for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TOP_PAD_', 'LD_PRELOAD',
+            'GLIBC_TUNABLES'):
+    monkeypatch.delenv(k, raising=False)
+  c = llama_tiny.get_config()
+  est = memory.estimate(c)
+  transient = est['activations'] + est['logits'] + est['grad_transient']
+  assert est['heap_holes'] == int(memory.HEAP_HOLES * transient) > 0
+  assert est['phases']['forward_backward'] == (est['params'] + est['optimizer'] + est['runtime'] + est['grads']
+                                               + transient + est['heap_holes'])
+  monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '65536')      # the environment's malloc: train.py keeps nothing
+  assert memory.estimate(c)['heap_holes'] == 0
+  monkeypatch.delenv('MALLOC_MMAP_THRESHOLD_')
+  c.keep_freed_host_memory = False
+  assert memory.estimate(c)['heap_holes'] == 0
+  c.keep_freed_host_memory, c.device = True, 'cuda'          # the allocated peak holds no holes
+  assert memory.estimate(c)['heap_holes'] == 0
