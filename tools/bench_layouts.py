@@ -37,7 +37,7 @@ LAYOUTS = {
     'dp2_zero1': [STRATEGY + 'zero1=True'],
     'dp2_zero1_no_overlap': [STRATEGY + 'zero1=True', STRATEGY + 'overlap_grad_reduce=False'],
     'dp2_zero1_no_param_overlap': [STRATEGY + 'zero1=True', STRATEGY + 'overlap_param_gather=False'],
-    'dp2_zero1_reduce_scatter': [STRATEGY + 'zero1=True', STRATEGY + 'zero1_collectives=reduce_scatter'],
+    'dp2_zero1_all_reduce': [STRATEGY + 'zero1=True', STRATEGY + 'zero1_collectives=all_reduce'],
     'tp2': [STRATEGY + 'tensor_model_parallel_size=2'],
     'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
     'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
