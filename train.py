@@ -129,7 +129,7 @@ def run(config, workdir=None):
   log, checkpoints = None, None
   try:
     sizes = training.local_sizes(config, mesh)
-    est = memory.estimate(config, sizes, mesh.dp)
+    est = memory.estimate(config, sizes, mesh.dp, mesh.pp_rank)     # this stage: 1F1B keeps pp - pp_rank in flight
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory_check.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
