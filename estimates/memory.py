@@ -198,7 +198,7 @@ def reduction_bytes(config, sizes, dp=1) -> int:
   part: (dp - 1) / dp of the largest bucket."""
   d = config.distributed_strategy
   backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
-  if dp == 1 or not d.zero1 or grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
+  if dp == 1 or not d.zero1 or grad_buffer.resolved(d.zero1_collectives) == 'all_reduce':
     return 0
   recipe = precision.recipe(config.precision)
   trained = set(lora.trainable(config.model, sizes))
@@ -267,7 +267,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
   backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
   if (shards > 1 and backend != 'gloo'
-      and grad_buffer.backend_choice(config.distributed_strategy.zero1_collectives, backend) != 'all_reduce'):
+      and grad_buffer.resolved(config.distributed_strategy.zero1_collectives) != 'all_reduce'):
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += _largest_bucket(full, _bucket_bytes(config))
   return temporaries

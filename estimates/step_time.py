@@ -35,8 +35,6 @@ from model import moe, transformer
 from numerics import precision
 from parallel import grad_buffer
 
-BACKENDS = {'cpu': 'gloo', 'cuda': 'nccl', 'xla': 'xla'}
-
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
@@ -85,13 +83,13 @@ def pipeline(p, mb, v, fwd, bwd, comm) -> float:
   return f * (b + (mb - long) * (b - a) / (long - short))
 
 
-def _reduce(zero1, d, backend, params, gsize, pbytes, cluster, g, stride):
+def _reduce(zero1, d, params, gsize, pbytes, cluster, g, stride):
   """(gradient reduction s, ZeRO-1 parameter gather s) of `params` trained parameters over g
   ranks `stride` apart."""
   on = lambda op, n: collective(cluster, op, n, g, stride)     # pylint: disable=unnecessary-lambda-assignment
   if not zero1 or g == 1:
     return on('all_reduce', params * gsize), 0.0
-  if grad_buffer.backend_choice(d.zero1_collectives, backend) == 'all_reduce':
+  if grad_buffer.resolved(d.zero1_collectives) == 'all_reduce':
     return on('all_reduce', params * gsize), on('all_reduce', params * pbytes)
   return on('reduce_scatter', params * gsize), on('all_gather', params * pbytes)
 
@@ -150,16 +148,15 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
     scatter = reduce_scatter(per_layer_params * 4, dp, dp_bw, dp_lat)
     fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf) / layers_here)
                                           + max(0.0, gather + scatter - (lb + cb) / layers_here))
-  backend = BACKENDS.get(cluster.device, 'nccl')
   zero1 = d.zero1 and not fsdp
   gather = 0.0
   if fsdp:
     reduction = 0.0
   else:
     pbytes = recipe.param_dtype.itemsize
-    reduction, gather = _reduce(zero1, d, backend, dense_trained, gsize, pbytes, cluster, group, tp * pp)
+    reduction, gather = _reduce(zero1, d, dense_trained, gsize, pbytes, cluster, group, tp * pp)
     if expert_trained:
-      r, g = _reduce(zero1, d, backend, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)
+      r, g = _reduce(zero1, d, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)
       reduction, gather = reduction + r, gather + g
   buckets = max(1, math.ceil(grads / (config.bucket_size_collectives * 2**20)))
   if d.overlap_grad_reduce and cluster.device != 'xla':

@@ -68,7 +68,7 @@ class Updater:
       self.domains.setdefault(experts.domain(mesh, n, zero1), []).append(n)
     self.grads = grad_buffer.Domains([
         grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group, self.bucket_bytes,
-                               grad_buffer.collective_for(strategy.zero1_collectives, group if parts > 1 else None),
+                               strategy.zero1_collectives,
                                strategy.overlap_grad_reduce)
         for (group, parts, index), names in self.domains.items()])
     self.rows = {n: owned_rows(params[n].shape[0], parts, index)

@@ -42,16 +42,8 @@ COLLECTIVES = ('auto', 'reduce_scatter', 'all_reduce')
 _TAGS = 1 << 20      # point-to-point tags of the gradient buckets, apart from the gather's (zero.py)
 
 
-def collective_for(choice, group):
-  """ZeRO-1's reduction collective under `zero1_collectives`."""
-  if group is None:
-    return choice
-  return backend_choice(choice, dist.get_backend(group))
-
-
-def backend_choice(choice, backend):   # pylint: disable=unused-argument
-  """`zero1_collectives` resolved for a backend ('gloo', 'nccl', 'xla'): auto is the
-  reduce-scatter on each (gloo's point to point)."""
+def resolved(choice):
+  """`zero1_collectives` resolved: auto is the reduce-scatter on every backend (gloo's point to point)."""
   return 'reduce_scatter' if choice == 'auto' else choice
 
 
@@ -102,7 +94,7 @@ class GradBuffer:
     """Buckets for `params[n]` for n in `names` (in forward order), accumulating in `dtype` (or
     the parameter's own, if wider); hooks on those parameters add each backward's gradient in."""
     self.params, self.parts, self.index, self.group = params, parts, index, group
-    self.collective = collective if parts > 1 else 'all_reduce'       # collective_for's choice
+    self.collective = resolved(collective) if parts > 1 else 'all_reduce'
     self.overlap = overlap and group is not None and next(iter(params.values())).device.type != 'xla'
     self.layout = {}             # name -> (offset in its bucket's part, elements per part, rows per part)
     for n in names:
