@@ -7,7 +7,7 @@ import torch
 from estimates import activations
 from model import lora, moe, objectives, transformer
 from numerics import precision
-from parallel import comm, device as devices, grad_buffer
+from parallel import comm, device as devices, grad_buffer, zero
 
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
                'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1}
@@ -266,8 +266,8 @@ def update_temporaries(config, sizes, dp=1) -> int:
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
   backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
-  if (shards > 1 and backend != 'gloo'
-      and grad_buffer.resolved(config.distributed_strategy.zero1_collectives) != 'all_reduce'):
+  if shards > 1 and not zero.in_place_on(grad_buffer.resolved(config.distributed_strategy.zero1_collectives),
+                                         backend):
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += _largest_bucket(full, _bucket_bytes(config))
   return temporaries

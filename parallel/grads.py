@@ -62,11 +62,12 @@ SQUARE_PIECE = 1 << 20      # elements an eager sum of squares widens and square
 def square_sum(t):
   """The fp32 sum of squares of `t`'s elements: eagerly in pieces of whole rows of about
   SQUARE_PIECE elements, each widened into one fp32 buffer and squared there, the pieces' sums
-  summed, so a large tensor is not widened and squared whole (a 32M-element bf16 embedding:
-  250 MiB of fp32 temporaries a parameter norm, and on the CPU as much again in heap holes);
-  traced (torch.compile: optim/sr_update.square_sum) in one expression."""
+  summed, so a large tensor is not widened and squared whole on the CPU (a 32M-element bf16
+  embedding: 250 MiB of fp32 temporaries a parameter norm, and as much again in heap holes);
+  elsewhere (XLA fuses it, CUDA takes square_sums' multi-tensor norm) and traced (torch.compile:
+  optim/sr_update.square_sum) in one expression."""
   t = t.detach()
-  if t.numel() <= SQUARE_PIECE or t.dim() == 0 or torch.compiler.is_compiling():
+  if t.numel() <= SQUARE_PIECE or t.dim() == 0 or t.device.type != 'cpu' or torch.compiler.is_compiling():
     return t.float().pow(2).sum()
   rows = max(1, SQUARE_PIECE // max(t.numel() // t.shape[0], 1))     # whole rows: no copy of a view
   buffer = torch.empty((min(rows, t.shape[0]),) + t.shape[1:], dtype=torch.float32, device=t.device)

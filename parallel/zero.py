@@ -28,10 +28,15 @@ def _in_place(p):
   return p.is_contiguous() and p.numel() * p.element_size() % 4 == 0
 
 
+def in_place_on(collective, backend) -> bool:
+  """Whether the gather runs in each parameter's own storage on `backend`: on gloo (point to
+  point) whatever the collective, elsewhere with 'all_reduce' (bitwise OR)."""
+  return collective == 'all_reduce' or backend == 'gloo'
+
+
 def gathers_in_place(collective, group) -> bool:
-  """Whether gather_rows gathers in each parameter's own storage (and can be left in flight):
-  on gloo (point to point) whatever the collective, elsewhere with 'all_reduce' (bitwise OR)."""
-  return group is not None and (collective == 'all_reduce' or dist.get_backend(group) == 'gloo')
+  """Whether gather_rows gathers in place (and can be left in flight): in_place_on `group`'s backend."""
+  return group is not None and in_place_on(collective, dist.get_backend(group))
 
 
 class _Works:
