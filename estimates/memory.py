@@ -28,11 +28,14 @@ PHASES = ('init', 'forward_backward', 'grad_reduction', 'update', 'checkpoint_sa
 RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20,
                  '16-bit': 12 * 2**20,       # + bf16 kernels' code
                  'inductor': 72 * 2**20}     # + torch._inductor and its compiled kernels (fused bf16SR, model.compile)
-# CPU with keep_freed_host_memory: the holes glibc's kept heap holds beside a step's live tensors,
-# as a fraction of the forward and backward's transient bytes (activations, logits, the largest
-# gradient). Measured 0.2-0.9 (median 0.4) over dp2, dp2 + ZeRO-1, tp2 and pp2 at llama_50m and
-# 207M, fp32 and bf16SR (docs/memory-and-precision.md); CUDA's allocated peak has none.
+# CPU with keep_freed_host_memory: the holes glibc's kept heap holds resident beside a step's live
+# tensors at its peak, as a fraction of the forward and backward's transient bytes (activations,
+# logits, the largest gradient). With trim_host_heap (the default) the free pages go back at each
+# micro batch, and only the holes of the micro batch in flight remain: HEAP_HOLES, measured
+# (docs/memory-and-precision.md). Without it they pile up over the step's micro batches, 0.2-1.6x
+# measured, a different amount each run: HEAP_HOLES_KEPT counts the upper half. CUDA's allocated peak has none.
 HEAP_HOLES = 0.4
+HEAP_HOLES_KEPT = 1.0
 
 
 def even_share(elements, tp, pp, ep=1) -> dict:
@@ -109,14 +112,15 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
 
 
 def heap_holes_bytes(config, transient) -> int:
-  """What the CPU heap holds beyond live tensors at the step's peak (HEAP_HOLES x `transient`)
-  where train.py keeps freed host memory (keep_freed_host_memory, on the CPU, the environment
-  not setting malloc itself: parallel/device.py): glibc serves a step's tensors from the blocks
-  the last one freed, which its tensors of other sizes fit only in part. None elsewhere."""
+  """What the CPU heap holds resident beyond live tensors at the step's peak where train.py keeps
+  freed host memory (keep_freed_host_memory, on the CPU, the environment not setting malloc
+  itself: parallel/device.py): HEAP_HOLES x `transient` with trim_host_heap, else
+  HEAP_HOLES_KEPT x. glibc serves a micro batch's tensors from the blocks the last one freed,
+  which tensors of other sizes fit only in part. None elsewhere."""
   if (devices.kind(config.device) != 'cpu' or not config.get('keep_freed_host_memory', True)
       or devices.malloc_from_environment()):
     return 0
-  return int(HEAP_HOLES * transient)
+  return int((HEAP_HOLES if config.get('trim_host_heap', True) else HEAP_HOLES_KEPT) * transient)
 
 
 def fp8_transient_bytes(config, tp) -> int:

@@ -66,6 +66,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEPT_MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 # the environment's say over glibc's malloc, which keep_freed_host_memory then leaves alone
 MALLOC_ENV = ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TOP_PAD_')
+# glibc's malloc_trim where the kept heap's free pages go back, and the resident set past which they do
+_HEAP = {'trim': None, 'limit': None}
 
 
 def malloc_from_environment() -> list:
@@ -79,42 +81,80 @@ def malloc_from_environment() -> list:
   return chosen
 
 
-def keep_freed_host_memory() -> str:
+def keep_freed_host_memory(trim_past_limit=True) -> str:
   """Make glibc's malloc keep what a step frees for the next step; returns what it did, for the log.
 
   By default glibc maps a block above a threshold (128 KiB, raised to the size of a freed mapped
   block, at most 32 MiB) with its own mmap and unmaps it on free, and gives the heap's free top
   back to the kernel once it passes twice that threshold. A training step frees its
   activations and allocates them again the next step, so every step faulted them in again,
-  page by page, zeroed by the kernel: ~54k faults (~210 MB) a step of bench_hf's compiled bf16
-  32M model, ~78k in mixed precision, 0-15% of the step (docs/performance.md). Here blocks up
-  to 1 GiB come from the heap and its top is never trimmed, so the next step reuses them: no
-  faults after the first steps. The cost: resident memory stays at its high-water mark, as a
-  GPU's caching allocator holds its pool. Process-wide: call it once at start-up (train.py does
-  on the CPU unless keep_freed_host_memory=False). Where the environment sets glibc's malloc
-  itself (MALLOC_ENV, GLIBC_TUNABLES: e.g. tools/bench_memory.py's threshold), another
-  allocator is preloaded (jemalloc, tcmalloc: LD_PRELOAD), or the C library is not glibc,
-  nothing changes.
+  page by page, zeroed by the kernel, with the system calls (docs/performance.md). Here blocks
+  up to 1 GiB come from the heap and its top is never trimmed, so the next step reuses them.
+
+  The kept heap fragments: each micro batch's tensors land in the holes the last one left,
+  never quite where they were, so over a step's micro batches the pages it has touched grow to
+  0.2-1.6x the step's transient bytes beyond the live tensors, a different amount each run.
+  With `trim_past_limit`, release_freed_host_memory (the passes call it before each layer's
+  forward) hands the heap's free pages back (malloc_trim: the layout stays, its holes stop
+  being resident) once the resident set has passed limit_resident_memory's bound (train.py:
+  the start-up estimate), so the holes cost nothing until a run would pass its estimate, and
+  past it the run pays for faulting pages in again instead. Process-wide: call it once at
+  start-up (train.py does on the CPU unless keep_freed_host_memory=False). Where the
+  environment sets glibc's malloc itself (MALLOC_ENV, GLIBC_TUNABLES: e.g.
+  tools/bench_memory.py's threshold), another allocator is preloaded (jemalloc, tcmalloc:
+  LD_PRELOAD), or the C library is not glibc, nothing changes.
   """
   chosen = malloc_from_environment()
   if chosen:
     return f'as the environment sets it ({", ".join(chosen)})'
   try:
-    mallopt = ctypes.CDLL(None).mallopt
+    libc = ctypes.CDLL(None)
+    mallopt, trim = libc.mallopt, libc.malloc_trim
   except (OSError, AttributeError):
     return 'as the C library has it (no mallopt: not glibc)'
   mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+  trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
   for threshold in _KEPT_MMAP_THRESHOLDS:
     if mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1:
-      return f'freed memory kept for reuse (blocks up to {threshold >> 20} MiB from the heap, never trimmed)'
+      _HEAP.update(trim=trim if trim_past_limit else None, limit=None)
+      return (f'freed memory kept for reuse (blocks up to {threshold >> 20} MiB from the heap, '
+              + ('its free pages released past the estimate)' if trim_past_limit else 'never trimmed)'))
   return 'as the C library has it (mallopt refused)'
+
+
+def limit_resident_memory(limit_bytes):
+  """The resident set (bytes) past which release_freed_host_memory hands the kept heap's free
+  pages back; None: at every call."""
+  _HEAP['limit'] = limit_bytes
+
+
+def resident_bytes():
+  """This process's resident set now (Linux; None where /proc can't tell)."""
+  try:
+    with open('/proc/self/statm', encoding='ascii') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def release_freed_host_memory():
+  """Hand the kept heap's free pages back to the kernel where keep_freed_host_memory trims and
+  the resident set is past limit_resident_memory's bound (or none is set, or /proc can't
+  tell); nothing otherwise. The passes call it before each layer's forward."""
+  if _HEAP['trim'] is None:
+    return
+  resident = _HEAP['limit'] is not None and resident_bytes()
+  if not resident or resident > _HEAP['limit']:
+    _HEAP['trim'](0)
 
 
 def configure_host_malloc(config):
   """keep_freed_host_memory() where config.keep_freed_host_memory is on and the run's device is the
-  CPU (a GPU's or XLA's tensors are not the host C library's); what it did, or None."""
+  CPU (a GPU's or XLA's tensors are not the host C library's), its free pages released past
+  the estimate unless config.trim_host_heap is off; what it did, or None."""
+  _HEAP.update(trim=None, limit=None)
   if config.get('keep_freed_host_memory', True) and kind(config.device) == 'cpu':
-    return keep_freed_host_memory()
+    return keep_freed_host_memory(config.get('trim_host_heap', True))
   return None
 
 

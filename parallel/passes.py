@@ -13,7 +13,7 @@ import torch
 
 from model import layers, moe, objectives, router_losses, transformer
 from numerics import precision
-from parallel import comm, compiled, context, pipeline, pipeline_schedule, remat
+from parallel import comm, compiled, context, device as devices, pipeline, pipeline_schedule, remat
 
 
 def to_device(batch, device):
@@ -36,6 +36,26 @@ def _waiting(layer_fn, wait_params, hi):
   return run
 
 
+def _releasing(layer_fn, hi):
+  """layer_fn that offers the kept CPU heap's free pages back (parallel/device.py: past the
+  start-up estimate they stop being resident) before each layer's forward, after the stage's
+  last layer `hi - 1` (before the head's logits), and as each layer's backward starts."""
+  def run(fn, params, i, *args):
+    devices.release_freed_host_memory()
+    out = layer_fn(fn, params, i, *args)
+    if i == hi - 1:
+      devices.release_freed_host_memory()
+    if out.requires_grad:
+      out.register_hook(_release_in_backward)
+    return out
+  return run
+
+
+def _release_in_backward(grad):
+  devices.release_freed_host_memory()
+  return grad
+
+
 def model_batch(batch, mesh):
   """A micro batch as this rank's model sees it: on its device, cut to its cp slice."""
   return context.slice_batch(to_device(batch, mesh.device), mesh.cp, mesh.cp_rank)
@@ -52,6 +72,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   bounds = pipeline.config_bounds(config, mesh.pp)
   last = len(bounds) - 1
   layer_fn = compiled.layer_fn(m, mesh.device, layer_fn) or (lambda fn, *args: fn(*args))
+
   ops = compiled.loss_ops(m, ops)
 
   b = config.data.micro_batch_size
@@ -65,12 +86,12 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
     if carry_shape is not None:
       x, carry = (None, torch.zeros(carry_shape, device=mesh.device)) if x is None else \
           pipeline.unpack(x, act_shape, carry_shape)
-    run_layer = layer_fn
+    lo, hi = bounds[vs]
+    run_layer = _releasing(layer_fn, hi)
     if wait_params is not None:
-      lo, hi = bounds[vs]
       # the embedding first; the final norm and head after the last layer (all of it: no layers)
       wait_params(lambda n: _not_layer(n) and (lo == hi or n.startswith('embed_')))
-      run_layer = _waiting(layer_fn, wait_params, hi)
+      run_layer = _waiting(run_layer, wait_params, hi)
     with precision.compute_context(recipe, mesh.device.type):
       out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x, last=vs == last,
                               layer_fn=run_layer, dropout_key=dropout_key, objective=objective, moe_carry=carry)
@@ -137,6 +158,7 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   tallied = not (objective.whole_rows and mesh.cp_rank > 0)
 
   def accumulate(i, out):
+    devices.release_freed_host_memory()     # after the head and the loss, before the backward
     loss, metrics = out
     for name, value in [('loss', loss)] + list(metrics.items()):
       if tallied:

@@ -197,6 +197,8 @@ def test_heap_holes_are_counted_where_train_py_keeps_freed_host_memory(monkeypat
   assert est['heap_holes'] == int(memory.HEAP_HOLES * transient) > 0
   assert est['phases']['forward_backward'] == (est['params'] + est['optimizer'] + est['runtime'] + est['grads']
                                                + transient + est['heap_holes'])
+  c.trim_host_heap = False                                   # the holes of every micro batch stay resident
+  assert memory.estimate(c)['heap_holes'] == int(memory.HEAP_HOLES_KEPT * transient) > est['heap_holes']
   monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '65536')      # the environment's malloc: train.py keeps nothing
   assert memory.estimate(c)['heap_holes'] == 0
   monkeypatch.delenv('MALLOC_MMAP_THRESHOLD_')
