@@ -131,7 +131,7 @@ def run(config, workdir=None):
     sizes = training.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp, mesh.pp_rank)     # this stage: 1F1B keeps pp - pp_rank in flight
     if host_malloc and before is not None:      # near its estimate, the kept heap's free pages go back
-      devices.limit_resident_memory(before + est['total'] - est['logits'])   # room for the head's burst
+      devices.limit_resident_memory(memory.host_heap_limit(est, before))
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory_check.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')

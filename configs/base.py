@@ -30,7 +30,7 @@ def get_config(arg=None):
   c.neuron_rt_exec_timeout = 0
   c.neuron_experimental_compress_rg = False
   c.keep_freed_host_memory = True     # CPU: glibc malloc keeps freed blocks for the next step instead of handing them back (parallel/device.py): steps stop faulting their activations in again; resident memory stays at its peak
-  c.trim_host_heap = True             # CPU, with keep_freed_host_memory: once a rank's resident memory passes its start-up estimate, the heap's free pages go back (malloc_trim, checked before each layer), so the kept heap's holes never take a run past its estimate; off: resident memory 0.2-1.6x the step's transient above the live tensors, differently each run
+  c.trim_host_heap = True             # CPU, with keep_freed_host_memory: once a rank's resident memory comes within one copy of the head's logits of its start-up estimate, the heap's free pages go back (malloc_trim; checked before each layer's forward and backward, the head and the loss), so the kept heap's holes stay within the estimate; off: resident memory 0.2-1.6x the step's transient above the live tensors, differently each run
   c.bucket_size_collectives = 32.0   # MiB: DP gradient all-reduce and ZeRO-1's collectives go through flat buffers of this size
 
   c.trainer = config_dict.ConfigDict()

@@ -29,11 +29,9 @@ RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20,
                  '16-bit': 12 * 2**20,       # + bf16 kernels' code
                  'inductor': 72 * 2**20}     # + torch._inductor and its compiled kernels (fused bf16SR, model.compile)
 # CPU with keep_freed_host_memory: the holes glibc's kept heap holds resident beside a step's live
-# tensors at its peak, as a fraction of the forward and backward's transient bytes (activations,
-# logits, the largest gradient). With trim_host_heap (the default) the free pages go back at each
-# micro batch, and only the holes of the micro batch in flight remain: HEAP_HOLES, measured
-# (docs/memory-and-precision.md). Without it they pile up over the step's micro batches, 0.2-1.6x
-# measured, a different amount each run: HEAP_HOLES_KEPT counts the upper half. CUDA's allocated peak has none.
+# tensors, as a fraction of its transient bytes (activations, logits, the largest gradient): 0.2-1.6x
+# measured, run to run. HEAP_HOLES with trim_host_heap (the default), which hands the free pages back
+# near this estimate (host_heap_limit); HEAP_HOLES_KEPT, the upper half, without. CUDA has none.
 HEAP_HOLES = 0.4
 HEAP_HOLES_KEPT = 1.0
 
@@ -121,6 +119,12 @@ def heap_holes_bytes(config, transient) -> int:
       or devices.malloc_from_environment()):
     return 0
   return int((HEAP_HOLES if config.get('trim_host_heap', True) else HEAP_HOLES_KEPT) * transient)
+
+
+def host_heap_limit(est, before_bytes) -> int:
+  """The resident set past which trim_host_heap hands the kept heap's free pages back: the process
+  before the run + its estimate - one fp32 copy of the logits (the head's burst between two checks)."""
+  return before_bytes + est['total'] - est['logits'] // 2
 
 
 def fp8_transient_bytes(config, tp) -> int:

@@ -95,10 +95,10 @@ def keep_freed_host_memory(trim_past_limit=True) -> str:
   never quite where they were, so over a step's micro batches the pages it has touched grow to
   0.2-1.6x the step's transient bytes beyond the live tensors, a different amount each run.
   With `trim_past_limit`, release_freed_host_memory (the passes call it before each layer's
-  forward) hands the heap's free pages back (malloc_trim: the layout stays, its holes stop
-  being resident) once the resident set has passed limit_resident_memory's bound (train.py:
-  the start-up estimate), so the holes cost nothing until a run would pass its estimate, and
-  past it the run pays for faulting pages in again instead. Process-wide: call it once at
+  forward and backward, the head and the loss) hands the heap's free pages back (malloc_trim:
+  the layout stays, its holes stop being resident) once the resident set has passed
+  limit_resident_memory's bound (train.py: near the start-up estimate), so the holes cost
+  nothing until a run nears its estimate, and past it the run pays in page faults instead. Process-wide: call it once at
   start-up (train.py does on the CPU unless keep_freed_host_memory=False). Where the
   environment sets glibc's malloc itself (MALLOC_ENV, GLIBC_TUNABLES: e.g.
   tools/bench_memory.py's threshold), another allocator is preloaded (jemalloc, tcmalloc:
@@ -140,7 +140,7 @@ def resident_bytes():
 def release_freed_host_memory():
   """Hand the kept heap's free pages back to the kernel where keep_freed_host_memory trims and
   the resident set is past limit_resident_memory's bound (or none is set, or /proc can't
-  tell); nothing otherwise. The passes call it before each layer's forward."""
+  tell); nothing otherwise. The passes call it between layers (parallel/passes.py)."""
   if _HEAP['trim'] is None:
     return
   resident = _HEAP['limit'] is not None and resident_bytes()

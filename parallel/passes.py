@@ -72,7 +72,6 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   bounds = pipeline.config_bounds(config, mesh.pp)
   last = len(bounds) - 1
   layer_fn = compiled.layer_fn(m, mesh.device, layer_fn) or (lambda fn, *args: fn(*args))
-
   ops = compiled.loss_ops(m, ops)
 
   b = config.data.micro_batch_size

@@ -38,6 +38,7 @@ import torch
 import tools
 from configs import validate
 from data.loader import Loader
+from estimates import memory, memory_check
 from model import hf, moe, transformer
 from optim import update
 from parallel import compiled, device as devices, mesh as meshes, tensor, training
@@ -59,8 +60,12 @@ class Run:
   @classmethod
   def build(cls, config, count):
     validate.validate(config, int(os.environ.get('WORLD_SIZE', '1')))
-    devices.configure_host_malloc(config)        # as train.py does
+    malloc = devices.configure_host_malloc(config)        # as train.py does
     mesh = meshes.init(config)
+    before = memory_check.measured_peak_bytes(mesh.device)
+    if malloc and before is not None:
+      est = memory.estimate(config, training.local_sizes(config, mesh), mesh.dp, mesh.pp_rank)
+      devices.limit_resident_memory(memory.host_heap_limit(est, before))
     params = training.init_params(config, mesh)
     loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
     return cls(config, mesh, tensor.config_ops(config, mesh), params, update.Updater(params, config, mesh),

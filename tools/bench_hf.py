@@ -27,8 +27,8 @@ replaying it as one CUDA graph (optim/graphed.py): the A/B of that.
 torch.compile); the ceiling stays the eager GEMMs and attention.
 --nokeep_freed_host_memory leaves glibc's malloc as it comes (train.py's keep_freed_host_memory
 is on by default on the CPU, and so is this, for both sides: one process): both sides then
-fault the blocks they freed in again every step. Neither side releases the heap's free pages
-at each micro batch (train.py's trim_host_heap): HF's step has no such hook.
+fault the blocks they freed in again every step. Neither side hands the heap's free pages back
+near its memory estimate (train.py's trim_host_heap): HF's step has no such hook.
 --device=cuda runs both sides on the GPU (HF's AdamW fused, as flatron's fp32-master recipes
 step there; fp32 matmuls in fp32, TF32 off on both); MFU is then against the card's datasheet
 bf16 dense peak (parallel/device.py), which the line above the table names beside a measured
@@ -296,7 +296,7 @@ def main(argv):
   device = devices.resolve(FLAGS.device)
   graphed.ENABLED = FLAGS.cuda_graph_update
   malloc = (FLAGS.keep_freed_host_memory and device.type == 'cpu'
-            and devices.keep_freed_host_memory(trim_per_micro_batch=False))
+            and devices.keep_freed_host_memory(trim_past_limit=False))
   if device.type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     peak, source = devices.peak_flops(device)
