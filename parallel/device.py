@@ -98,11 +98,11 @@ def keep_freed_host_memory(trim_past_limit=True) -> str:
   forward and backward, the head and the loss) hands the heap's free pages back (malloc_trim:
   the layout stays, its holes stop being resident) once the resident set has passed
   limit_resident_memory's bound (train.py: near the start-up estimate), so the holes cost
-  nothing until a run nears its estimate, and past it the run pays in page faults instead. Process-wide: call it once at
-  start-up (train.py does on the CPU unless keep_freed_host_memory=False). Where the
-  environment sets glibc's malloc itself (MALLOC_ENV, GLIBC_TUNABLES: e.g.
-  tools/bench_memory.py's threshold), another allocator is preloaded (jemalloc, tcmalloc:
-  LD_PRELOAD), or the C library is not glibc, nothing changes.
+  nothing until a run nears its estimate, and past it the run pays in page faults instead.
+  Process-wide: call it once at start-up (train.py does on the CPU unless
+  keep_freed_host_memory=False). Where the environment sets glibc's malloc itself (MALLOC_ENV,
+  GLIBC_TUNABLES: e.g. tools/bench_memory.py's threshold), another allocator is preloaded
+  (jemalloc, tcmalloc: LD_PRELOAD), or the C library is not glibc, nothing changes.
   """
   chosen = malloc_from_environment()
   if chosen:
@@ -135,6 +135,12 @@ def resident_bytes():
       return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
   except (OSError, ValueError, IndexError):
     return None
+
+
+def trims_host_heap() -> bool:
+  """Whether release_freed_host_memory can do anything in this process (the passes check it
+  only where it does: GPU and XLA steps carry none of it)."""
+  return _HEAP['trim'] is not None
 
 
 def release_freed_host_memory():

@@ -86,7 +86,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
       x, carry = (None, torch.zeros(carry_shape, device=mesh.device)) if x is None else \
           pipeline.unpack(x, act_shape, carry_shape)
     lo, hi = bounds[vs]
-    run_layer = _releasing(layer_fn, hi)
+    run_layer = _releasing(layer_fn, hi) if devices.trims_host_heap() else layer_fn
     if wait_params is not None:
       # the embedding first; the final norm and head after the last layer (all of it: no layers)
       wait_params(lambda n: _not_layer(n) and (lo == hi or n.startswith('embed_')))

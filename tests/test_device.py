@@ -7,10 +7,10 @@ from ml_collections import config_dict
 import pytest
 import torch
 
-MIB = 1 << 20
-
 from parallel import device
 from tests import procs
+
+MIB = 1 << 20
 
 
 def test_cpu_resolution_backend_and_peak():
