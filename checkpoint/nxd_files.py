@@ -1,8 +1,11 @@
 """NxD Training checkpoints on disk, read without torch-xla or the NxD package.
 
 A checkpoint is a tag directory (NxD Training names it after Lightning's file name, e.g.
-`hf_llama3_8B--step=5-consumed_samples=160.0.ckpt/`) holding
-  checkpoint, done                 markers: `done` is written last, by rank 0, once every rank saved
+`hf_llama3_8B--step=5-consumed_samples=160.0.ckpt/`; NxD's checkpoint_converter.py writes only
+its model/ folder, into --output_dir) holding
+  checkpoint, done                 markers: `done` is written last, by rank 0, once every rank saved;
+                                   it picks the newest finished tag of a run, while a tag named
+                                   itself is read without it, as NxD's load_checkpoint reads a tag
   model/dp_rank_00[_ep_rank_EE]_tp_rank_TT_pp_rank_PP.pt    one state dict per (ep, tp, pp) rank:
                                    that rank's shards under the module's global names
   optim/dp_rank_DD[_ep_rank_EE]_tp_rank_TT_pp_rank_PP.pt    its optimizer state
@@ -70,7 +73,9 @@ def is_nxd_checkpoint(path) -> bool:
 
 
 def find_tag(path) -> str:
-  """`path` when it is a tag; else the newest tag in it that has its `done` marker."""
+  """`path` when it is a tag (named, so read as it is: NxD's converter writes no `done`); else
+  the newest tag in it that has its `done` marker (a run's tags: one without it is a save that
+  did not finish)."""
   if not os.path.isdir(path):
     raise NxDCheckpointError(f'{path}: no such directory (an NxD checkpoint is a tag directory holding model/)')
   if is_tag(path):
@@ -79,17 +84,16 @@ def find_tag(path) -> str:
   done = [t for t in tags if os.path.exists(os.path.join(t, 'done'))]
   if not done:
     raise NxDCheckpointError(f'{path}: no NxD checkpoint tag with a `done` marker in it'
-                             + (f' ({len(tags)} unfinished: {", ".join(sorted(map(os.path.basename, tags)))})'
-                                if tags else ''))
+                             + (f' ({len(tags)} unfinished: {", ".join(sorted(map(os.path.basename, tags)))}; '
+                                'to read one whose save did finish as it is, name its directory)' if tags else ''))
   return max(done, key=lambda t: (_progress_from_name(t)[0], os.path.getmtime(os.path.join(t, 'done'))))
 
 
 def open_tag(path) -> Tag:
-  """The tag at (or newest in) `path`, checked: finished (`done`), every rank file present."""
+  """The tag at (or newest finished in) `path`, checked: every rank file present. A tag named
+  itself needs no `done` (NxD's converter output has none); its rank files and tensors are
+  checked as any tag's, and a cut-short file fails to unpickle."""
   path = find_tag(path)
-  if not os.path.exists(os.path.join(path, 'done')):
-    raise NxDCheckpointError(f'{path}: no `done` marker: NxD writes it last, once every rank has saved, so this '
-                             'save did not finish; use an earlier tag (or the run\'s checkpoints directory)')
   files, legacy = {}, False
   model_dir = os.path.join(path, 'model')
   if os.path.isdir(model_dir):

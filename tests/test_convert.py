@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpoint import nxd_write
 from configs import llama_tiny
 from model import hf, transformer
 from tests import procs
@@ -145,6 +146,22 @@ def test_an_export_carries_the_run_tokenizer_when_there_is_no_source_model(kind,
   assert theirs.eos_token_id == ours.eos_id
   assert json.load(open(tmp_path / 'hf' / 'config.json'))['eos_token_id'] == ours.eos_id
   assert json.load(open(tmp_path / 'hf' / 'generation_config.json'))['eos_token_id'] == ours.eos_id
+
+
+def test_nxd_converter_output_converts_as_it_is(tmp_path):
+  """NxD's checkpoint_converter.py --output_dir DIR writes DIR/model/ rank files only (no tag, no
+  `done`): --src=DIR reads it, bit-exact."""
+  c = llama_tiny.get_config('test')
+  params = transformer.init(c.model, 3)
+  hf.save_hf(str(tmp_path / 'hf'), c.model, params)
+  os.makedirs(tmp_path / 'pretrained_ckpt' / 'model')
+  for (_, r, s), state in nxd_write.split(params, c.model, 2, 2).items():
+    torch.save(state, tmp_path / 'pretrained_ckpt' / 'model' / f'dp_rank_00_tp_rank_{r:02d}_pp_rank_{s:02d}.pt')
+  done = procs.run([sys.executable, '-m', 'tools.convert', 'nxd-to-hf', f'--src={tmp_path / "pretrained_ckpt"}',
+                    f'--model_config={tmp_path / "hf" / "config.json"}', f'--dst={tmp_path / "back"}'], timeout=120)
+  assert done.returncode == 0, done.stderr
+  before, after = load_file(str(tmp_path / 'hf' / 'model.safetensors')), load_file(str(tmp_path / 'back' / 'model.safetensors'))
+  assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
 
 def test_nxd_checkpoints_convert_both_ways_at_any_layout(tmp_path):

@@ -1,13 +1,16 @@
 """checkpoint/nxd_files.py: NxD Training's tag directories read without torch-xla: torch-xla's
 own xser files (tests/fixtures/nxd_ckpt/make_xser.py), markers and progress, and damaged or
-incomplete checkpoints ending in one error naming the file and the fix."""
+incomplete checkpoints ending in one error naming the file and the fix; NxD's converter output
+(model/ rank files only, no markers) read as it is."""
 import os
 import shutil
 
 import pytest
 import torch
 
-from checkpoint import nxd_files
+from checkpoint import nxd_files, nxd_params, nxd_write
+from configs import llama_tiny
+from model import transformer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'nxd_ckpt', 'xser_tag')
 TAG = 'tiny--step=3-consumed_samples=24.0.ckpt'
@@ -33,7 +36,6 @@ def test_torch_xla_xser_files_load_with_their_aliases_and_inline_tensors():
 
 
 @pytest.mark.parametrize('damage, message', [
-    (lambda t: os.remove(t / 'done'), 'no `done` marker'),
     (lambda t: os.remove(t / 'model' / 'dp_rank_00_tp_rank_01_pp_rank_00.pt'), MISSING_RANK),
     (lambda t: _truncate(t / (RANK0 + '.tensors') / 'tensor_0.pt'), 'tensor_0.pt: unreadable xser tensor'),
     (lambda t: os.remove(t / (RANK0 + '.tensors') / 'tensor_1.pt'), 'its xser tensor 1 is missing'),
@@ -58,6 +60,51 @@ def test_the_newest_finished_tag_is_taken_and_unfinished_ones_named(tmp_path):
   os.remove(tag / 'done')
   with pytest.raises(nxd_files.NxDCheckpointError, match=r'no NxD checkpoint tag with a `done` marker.*2 unfinished'):
     nxd_files.open_tag(str(tag.parent))
+
+
+def test_a_run_directory_whose_only_tag_lacks_done_is_refused_but_the_tag_named_itself_loads(tmp_path):
+  tag = _copy(tmp_path)
+  os.remove(tag / 'done')
+  says = rf'ckpts: no NxD .* \(1 unfinished: {TAG}; to read one whose save did finish as it is, name its directory\)$'
+  with pytest.raises(nxd_files.NxDCheckpointError, match=says):
+    nxd_files.open_tag(str(tag.parent))
+  assert not os.path.exists(tag / 'done') and nxd_files.open_tag(str(tag)).name == TAG      # as NxD reads a named tag
+
+
+def _converter_output(out, tp, pp):
+  """(config, params) of a tiny Llama written as NxD's checkpoint_converter.py --output_dir writes
+  it: out/model/dp_rank_00_tp_rank_TT_pp_rank_PP.pt and nothing else (no tag, no markers)."""
+  c = llama_tiny.get_config('test')                     # 2 layers, 4 query and 2 KV heads
+  params = transformer.init(c.model, 5)
+  os.makedirs(out / 'model')
+  for (_, r, s), state in nxd_write.split(params, c.model, tp, pp).items():
+    torch.save(state, out / 'model' / f'dp_rank_00_tp_rank_{r:02d}_pp_rank_{s:02d}.pt')
+  return c, params
+
+
+def test_nxd_converter_output_loads_as_it_is_and_exactly(tmp_path):
+  c, params = _converter_output(tmp_path / 'pretrained_ckpt', 2, 2)
+  assert nxd_files.is_nxd_checkpoint(str(tmp_path / 'pretrained_ckpt'))
+  tag = nxd_files.open_tag(str(tmp_path / 'pretrained_ckpt'))
+  assert (tag.tp, tag.pp, tag.ep) == (2, 2, 1)
+  assert nxd_files.progress(tag) == {'step': 0, 'consumed_samples': None, 'lr_schedulers': None}
+  merged = nxd_params.merge(tag, c.model)
+  vocab = c.model.vocab_size
+  assert merged.keys() == params.keys()
+  assert all(torch.equal(merged[n][:vocab], params[n][:vocab]) for n in params)
+
+
+@pytest.mark.parametrize('removed', ['dp_rank_00_tp_rank_01_pp_rank_00.pt', 'dp_rank_00_tp_rank_00_pp_rank_01.pt'])
+@pytest.mark.parametrize('done', [False, True])
+def test_converter_output_missing_a_rank_file_is_refused_by_name(tmp_path, removed, done):
+  out = tmp_path / 'pretrained_ckpt'
+  _converter_output(out, 2, 2)
+  os.remove(out / 'model' / removed)
+  if done:
+    (out / 'done').write_text('1')
+  with pytest.raises(nxd_files.NxDCheckpointError, match=rf'missing rank file model/{removed} \(the others say tp=2, '
+                                                         r'pp=2\); copy the whole tag directory$'):
+    nxd_files.open_tag(str(out))
 
 
 class _Payload:
