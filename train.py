@@ -130,8 +130,7 @@ def run(config, workdir=None):
   try:
     sizes = training.local_sizes(config, mesh)
     est = memory.estimate(config, sizes, mesh.dp, mesh.pp_rank)     # this stage: 1F1B keeps pp - pp_rank in flight
-    if host_malloc and before is not None:      # near its estimate, the kept heap's free pages go back
-      devices.limit_resident_memory(memory.host_heap_limit(est, before))
+    est, heap = memory_check.heap_trim(config, mesh, est, before)   # where memory is short, trimmed near it
     logging.info('\n%s', summaries.startup(config, mesh, sizes, est))
     comm.on_every_rank(lambda: memory_check.check_fits(config, mesh, est, config_validation.check), mesh.host_group,
                        'the memory check')
@@ -140,7 +139,7 @@ def run(config, workdir=None):
     peak = devices.peak_flops(mesh.device)
     logging.info('MFU peak: %.3e FLOP/s per process (%s)', *peak)
     if host_malloc:
-      logging.info('host malloc: %s (keep_freed_host_memory)', host_malloc)
+      logging.info('host malloc: %s (keep_freed_host_memory)%s', host_malloc, f'; kept heap: {heap}' if heap else '')
 
     # --- data: each DP rank reads its slice of every global batch
     # (an empty test split fails here, naming data.splits_string or data.test_dir)

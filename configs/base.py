@@ -30,7 +30,7 @@ def get_config(arg=None):
   c.neuron_rt_exec_timeout = 0
   c.neuron_experimental_compress_rg = False
   c.keep_freed_host_memory = True     # CPU: glibc malloc keeps freed blocks for the next step instead of handing them back (parallel/device.py): steps stop faulting their activations in again; resident memory stays at its peak
-  c.trim_host_heap = True             # CPU, with keep_freed_host_memory: once a rank's resident memory comes within one copy of the head's logits of its start-up estimate, the heap's free pages go back (malloc_trim; checked before each layer's forward and backward, the head and the loss), so the kept heap's holes stay within the estimate; off: resident memory 0.2-1.6x the step's transient above the live tensors, differently each run
+  c.trim_host_heap = config_dict.FieldReference('auto', field_type=object)  # CPU, with keep_freed_host_memory: auto | True | False. True: once a rank's resident memory comes within one copy of the head's logits of its start-up estimate, the heap's free pages go back (malloc_trim, checked before each layer's forward and backward, the head and the loss; costs page faults), the estimate counting 0.4x the step's transient for the heap's holes; False: never, the estimate counting 1.6x; auto: True only where memory is short (the untrimmed estimate past 90% of what a rank has: available RAM or the cgroup's limit, over the host's ranks), else False
   c.bucket_size_collectives = 32.0   # MiB: DP gradient all-reduce and ZeRO-1's collectives go through flat buffers of this size
 
   c.trainer = config_dict.ConfigDict()

@@ -12,7 +12,7 @@ from estimates import clusters
 from model import checks as model_checks, layers, lora, moe, objectives
 from numerics import precision
 from optim import optimizers, schedules
-from parallel import compiled, context, grad_buffer, mesh as meshes, pipeline, remat, tensor
+from parallel import compiled, context, device as devices, grad_buffer, mesh as meshes, pipeline, remat, tensor
 from user_errors import UserError
 
 DEVICES = ('auto', 'cpu', 'cuda', 'xla')
@@ -68,6 +68,8 @@ def _check_run(config) -> list:
   problems, model, trainer = [], config.model, config.trainer
   one_of(problems, 'device', config.device, DEVICES)
   one_of(problems, 'model_source', config.model_source, MODEL_SOURCES)
+  if devices.trim_setting(config) not in ('auto', True, False):
+    problems.append(f'trim_host_heap={config.trim_host_heap!r}: one of auto, True, False')
   for key in model.model_config_overrides:
     section, _, leaf = key.rpartition('.')        # a dotted key names one inside a section (moe.dropless)
     holder = model if not section else model[section] if section in model else {}

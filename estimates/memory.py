@@ -30,10 +30,11 @@ RUNTIME_BYTES = {'init': 80 * 2**20, 'step': 90 * 2**20,
                  'inductor': 72 * 2**20}     # + torch._inductor and its compiled kernels (fused bf16SR, model.compile)
 # CPU with keep_freed_host_memory: the holes glibc's kept heap holds resident beside a step's live
 # tensors, as a fraction of its transient bytes (activations, logits, the largest gradient): 0.2-1.6x
-# measured, run to run. HEAP_HOLES with trim_host_heap (the default), which hands the free pages back
-# near this estimate (host_heap_limit); HEAP_HOLES_KEPT, the upper half, without. CUDA has none.
+# measured, run to run. HEAP_HOLES_KEPT, the upper end, for a heap never trimmed (the default where
+# memory is not short); HEAP_HOLES where trim_host_heap hands the free pages back near this
+# estimate (host_heap_limit). CUDA has none.
 HEAP_HOLES = 0.4
-HEAP_HOLES_KEPT = 1.0
+HEAP_HOLES_KEPT = 1.6
 
 
 def even_share(elements, tp, pp, ep=1) -> dict:
@@ -92,7 +93,21 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
     part = objectives.reference_copy(config)   # DPO's frozen copy of the starting model or adapters
     if part != 'none':
       out['reference'] = out['params'] if part == 'model' else n['adapters'] * 4
-  out['heap_holes'] = heap_holes_bytes(config, out['activations'] + out['logits'] + out['grad_transient'])
+  out['heap_holes'] = heap_holes_bytes(config, out['activations'] + out['logits'] + out['grad_transient'],
+                                       devices.trim_setting(config) is True)
+  return _with_phases(out)
+
+
+def with_heap_trimmed(config, est) -> dict:
+  """`est` for a run whose kept heap is trimmed near its estimate (memory_check.heap_trim): its
+  holes counted at HEAP_HOLES instead of HEAP_HOLES_KEPT."""
+  out = dict(est, heap_holes=heap_holes_bytes(config, est['activations'] + est['logits'] + est['grad_transient'],
+                                              trimmed=True))
+  return _with_phases(out)
+
+
+def _with_phases(out) -> dict:
+  """`out` (bytes by component) with the bytes live at each phase's peak, the peak phase and its total."""
   held = out['params'] + out['master'] + out.get('reference', 0)      # from init to the end
   steady = held + out['optimizer'] + out['runtime']                  # from the first update on
   phases = {
@@ -109,20 +124,20 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   return out
 
 
-def heap_holes_bytes(config, transient) -> int:
+def heap_holes_bytes(config, transient, trimmed) -> int:
   """What the CPU heap holds resident beyond live tensors at the step's peak where train.py keeps
   freed host memory (keep_freed_host_memory, on the CPU, the environment not setting malloc
-  itself: parallel/device.py): HEAP_HOLES x `transient` with trim_host_heap, else
-  HEAP_HOLES_KEPT x. glibc serves a micro batch's tensors from the blocks the last one freed,
+  itself: parallel/device.py): HEAP_HOLES x `transient` where it is `trimmed` near the estimate,
+  else HEAP_HOLES_KEPT x. glibc serves a micro batch's tensors from the blocks the last one freed,
   which tensors of other sizes fit only in part. None elsewhere."""
   if (devices.kind(config.device) != 'cpu' or not config.get('keep_freed_host_memory', True)
       or devices.malloc_from_environment()):
     return 0
-  return int((HEAP_HOLES if config.get('trim_host_heap', True) else HEAP_HOLES_KEPT) * transient)
+  return int((HEAP_HOLES if trimmed else HEAP_HOLES_KEPT) * transient)
 
 
 def host_heap_limit(est, before_bytes) -> int:
-  """The resident set past which trim_host_heap hands the kept heap's free pages back: the process
+  """The resident set past which a trimmed heap's free pages go back: the process
   before the run + its estimate - one fp32 copy of the logits (the head's burst between two checks)."""
   return before_bytes + est['total'] - est['logits'] // 2
 

@@ -8,6 +8,7 @@ import os
 import torch
 
 from estimates import clusters, memory
+from parallel import device as devices
 from model import transformer
 
 
@@ -33,13 +34,77 @@ def target_bytes(config):
 
 
 def host_available_bytes():
-  """MemAvailable of /proc/meminfo (Linux), or None."""
+  """MemAvailable of /proc/meminfo (Linux), or less where this process's cgroup sets a memory
+  limit (a container's, or systemd-run -p MemoryMax=): its room left. None where neither tells."""
   try:
     with open('/proc/meminfo') as f:
       info = dict(line.split(':', 1) for line in f)
-    return int(info['MemAvailable'].split()[0]) * 1024
+    available = int(info['MemAvailable'].split()[0]) * 1024
   except (OSError, KeyError, ValueError):
+    available = None
+  room = [b for b in (available, cgroup_room_bytes()) if b is not None]
+  return min(room) if room else None
+
+
+def cgroup_room_bytes(proc_cgroup='/proc/self/cgroup', root='/sys/fs/cgroup'):
+  """The memory this process's cgroup may still take (its limit less its usage), or None where
+  no limit is set or it can't be read. cgroup v2 (`0::/path`: memory.max, memory.current) or
+  v1 (`N:memory:/path`: memory.limit_in_bytes, memory.usage_in_bytes)."""
+  try:
+    with open(proc_cgroup) as f:
+      lines = [line.rstrip('\n').split(':', 2) for line in f]
+  except OSError:
     return None
+  for _, controllers, path in lines:
+    if controllers == '':
+      mount, files = root, ('memory.max', 'memory.current')
+    elif 'memory' in controllers.split(','):
+      mount, files = os.path.join(root, 'memory'), ('memory.limit_in_bytes', 'memory.usage_in_bytes')
+    else:
+      continue
+    # the cgroup's own folder, or the mount's root where a container shows its cgroup as the root
+    for base in (os.path.join(mount, path.lstrip('/')), mount):
+      try:
+        with open(os.path.join(base, files[0])) as f:
+          limit = f.read().strip()
+        with open(os.path.join(base, files[1])) as f:
+          usage = int(f.read())
+      except (OSError, ValueError):
+        continue
+      if limit != 'max' and int(limit) < 1 << 60:       # v1 says "no limit" with a huge number
+        return max(0, int(limit) - usage)
+      break
+  return None
+
+
+# memory is short where the untrimmed estimate passes this share of what a rank has
+SHORT = 0.9
+
+
+def heap_trim(config, mesh, est, before_bytes):
+  """Whether this rank's kept heap (CPU, keep_freed_host_memory) hands its free pages back near the
+  estimate (trim_host_heap: True; auto: only where memory is short, the untrimmed estimate past
+  SHORT of what the rank has), arming the trim where it does. Returns (the estimate that holds
+  for the choice, a line for the log; None where no heap is kept)."""
+  setting = devices.trim_setting(config)
+  if not devices.keeps_host_heap() or before_bytes is None:
+    return est, None
+  if setting == 'auto':
+    budget, source = available_bytes(mesh.device, int(os.environ.get('LOCAL_WORLD_SIZE', '1')))
+    if budget is None or est['total'] <= SHORT * budget:
+      return est, (f'never trimmed (trim_host_heap=auto: the estimate, {memory.human_bytes(est["total"])}, is '
+                   + (f'{est["total"] / budget:.0%} of {memory.human_bytes(budget)}, {source})' if budget else
+                      'all the check has: the host\'s memory is unknown)'))
+    reason = f'memory is short: the untrimmed estimate, {memory.human_bytes(est["total"])}, passes ' \
+             f'{SHORT:.0%} of {memory.human_bytes(budget)}, {source}'
+  elif setting is True:
+    reason = 'trim_host_heap=True'
+  else:
+    return est, 'never trimmed (trim_host_heap=False)'
+  est = memory.with_heap_trimmed(config, est)
+  limit = memory.host_heap_limit(est, before_bytes)
+  devices.trim_heap_past(limit)
+  return est, f'free pages released past {memory.human_bytes(limit)} resident ({reason})'
 
 
 def fitting_layouts(config, world_size, budget, check) -> list:
@@ -61,7 +126,9 @@ def fitting_layouts(config, world_size, budget, check) -> list:
         d.kv_replicator = tp // kv if tp > kv and tp % kv == 0 else 1
         if check(c, world_size):
           continue
-        need = memory.estimate(c, None, dp)['total']
+        est = memory.estimate(c, None, dp)
+        # where memory is short, trim_host_heap's auto trims the kept heap near the estimate
+        need = (memory.with_heap_trimmed(c, est) if devices.trim_setting(c) == 'auto' else est)['total']
         if need <= budget:
           out.append((f'tp={tp} pp={pp}' + (f' cp={cp}' if cp > 1 else '') + (' zero1' if zero1 else ''), need))
   return sorted(out, key=lambda item: item[1])

@@ -67,6 +67,7 @@ _KEPT_MMAP_THRESHOLDS = (1 << 30, 32 << 20)
 # the environment's say over glibc's malloc, which keep_freed_host_memory then leaves alone
 MALLOC_ENV = ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TOP_PAD_')
 # glibc's malloc_trim where the kept heap's free pages go back, and the resident set past which they do
+# (None: never)
 _HEAP = {'trim': None, 'limit': None}
 
 
@@ -81,7 +82,7 @@ def malloc_from_environment() -> list:
   return chosen
 
 
-def keep_freed_host_memory(trim_past_limit=True) -> str:
+def keep_freed_host_memory() -> str:
   """Make glibc's malloc keep what a step frees for the next step; returns what it did, for the log.
 
   By default glibc maps a block above a threshold (128 KiB, raised to the size of a freed mapped
@@ -93,12 +94,9 @@ def keep_freed_host_memory(trim_past_limit=True) -> str:
 
   The kept heap fragments: each micro batch's tensors land in the holes the last one left,
   never quite where they were, so over a step's micro batches the pages it has touched grow to
-  0.2-1.6x the step's transient bytes beyond the live tensors, a different amount each run.
-  With `trim_past_limit`, release_freed_host_memory (the passes call it before each layer's
-  forward and backward, the head and the loss) hands the heap's free pages back (malloc_trim:
-  the layout stays, its holes stop being resident) once the resident set has passed
-  limit_resident_memory's bound (train.py: near the start-up estimate), so the holes cost
-  nothing until a run nears its estimate, and past it the run pays in page faults instead.
+  0.2-1.6x the step's transient bytes beyond the live tensors, a different amount each run
+  (estimates/memory.py counts the upper end). Where memory is short, trim_heap_past arms
+  release_freed_host_memory to hand the heap's free pages back past a bound.
   Process-wide: call it once at start-up (train.py does on the CPU unless
   keep_freed_host_memory=False). Where the environment sets glibc's malloc itself (MALLOC_ENV,
   GLIBC_TUNABLES: e.g. tools/bench_memory.py's threshold), another allocator is preloaded
@@ -116,15 +114,14 @@ def keep_freed_host_memory(trim_past_limit=True) -> str:
   trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
   for threshold in _KEPT_MMAP_THRESHOLDS:
     if mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1:
-      _HEAP.update(trim=trim if trim_past_limit else None, limit=None)
-      return (f'freed memory kept for reuse (blocks up to {threshold >> 20} MiB from the heap, '
-              + ('its free pages released past the estimate)' if trim_past_limit else 'never trimmed)'))
+      _HEAP.update(trim=trim, limit=None)
+      return f'freed memory kept for reuse (blocks up to {threshold >> 20} MiB from the heap)'
   return 'as the C library has it (mallopt refused)'
 
 
-def limit_resident_memory(limit_bytes):
-  """The resident set (bytes) past which release_freed_host_memory hands the kept heap's free
-  pages back; None: at every call."""
+def trim_heap_past(limit_bytes):
+  """Arm release_freed_host_memory: past `limit_bytes` of resident memory the kept heap's free
+  pages go back to the kernel. None disarms it (the default: the heap is never trimmed)."""
   _HEAP['limit'] = limit_bytes
 
 
@@ -137,30 +134,45 @@ def resident_bytes():
     return None
 
 
-def trims_host_heap() -> bool:
-  """Whether release_freed_host_memory can do anything in this process (the passes check it
-  only where it does: GPU and XLA steps carry none of it)."""
+def keeps_host_heap() -> bool:
+  """Whether keep_freed_host_memory took effect in this process (glibc, the environment silent)."""
   return _HEAP['trim'] is not None
 
 
+def trims_host_heap() -> bool:
+  """Whether release_freed_host_memory can do anything in this process (the passes check it
+  only where it does: GPU and XLA steps, and CPU runs with memory to spare, carry none of it)."""
+  return _HEAP['trim'] is not None and _HEAP['limit'] is not None
+
+
 def release_freed_host_memory():
-  """Hand the kept heap's free pages back to the kernel where keep_freed_host_memory trims and
-  the resident set is past limit_resident_memory's bound (or none is set, or /proc can't
-  tell); nothing otherwise. The passes call it between layers (parallel/passes.py)."""
-  if _HEAP['trim'] is None:
+  """Hand the kept heap's free pages back to the kernel once the resident set is past
+  trim_heap_past's bound (or /proc can't tell); nothing otherwise, or where it is not armed.
+  The passes call it between layers (parallel/passes.py)."""
+  if not trims_host_heap():
     return
-  resident = _HEAP['limit'] is not None and resident_bytes()
+  resident = resident_bytes()
   if not resident or resident > _HEAP['limit']:
     _HEAP['trim'](0)
 
 
+TRIM_SETTINGS = {'auto': 'auto', 'true': True, 'on': True, 'false': False, 'off': False}
+
+
+def trim_setting(config):
+  """config.trim_host_heap as 'auto', True or False (a flag may bring it as a string); the value
+  itself where it is none of them (configs/validate.py names it)."""
+  value = config.get('trim_host_heap', 'auto')
+  return TRIM_SETTINGS.get(value.lower(), value) if isinstance(value, str) else value
+
+
 def configure_host_malloc(config):
   """keep_freed_host_memory() where config.keep_freed_host_memory is on and the run's device is the
-  CPU (a GPU's or XLA's tensors are not the host C library's), its free pages released past
-  the estimate unless config.trim_host_heap is off; what it did, or None."""
+  CPU (a GPU's or XLA's tensors are not the host C library's); what it did, or None. Whether the
+  kept heap is trimmed is decided once the run's estimate is known (memory_check.heap_trim)."""
   _HEAP.update(trim=None, limit=None)
   if config.get('keep_freed_host_memory', True) and kind(config.device) == 'cpu':
-    return keep_freed_host_memory(config.get('trim_host_heap', True))
+    return keep_freed_host_memory()
   return None
 
 

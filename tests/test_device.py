@@ -106,46 +106,52 @@ def test_keep_freed_host_memory_leaves_an_environment_that_sets_malloc_alone():
   assert min(r['after']) > 3 * 24 * 256, r          # still faulting: nothing changed
 
 
-# the kept heap after a step: its freed blocks resident until released past a limit, then faulted in again
+# the kept heap after a step: its freed blocks resident until released past a bound, then faulted in again
 _RELEASE = _FAULTS.split('plain = ')[0] + """
 import sys
 resident = device.resident_bytes
 plain = [faults_of_a_step() for _ in range(4)]     # as _FAULTS: from the third step on the kept heap is reused
-did = device.keep_freed_host_memory(trim_past_limit=sys.argv[1] == 'trim')
+did = device.keep_freed_host_memory()
 after = [faults_of_a_step() for _ in range(3)]
 before = resident()
-device.limit_resident_memory(before + 64 * MIB)       # not past it: nothing goes back
+device.trim_heap_past(None if sys.argv[1] == 'keep' else before + 64 * MIB)   # not past it: nothing goes back
+armed = device.trims_host_heap()
 device.release_freed_host_memory()
 kept = before - resident()
-device.limit_resident_memory(before - 64 * MIB)       # past it
+device.trim_heap_past(None if sys.argv[1] == 'keep' else before - 64 * MIB)   # past it
 device.release_freed_host_memory()
-print(json.dumps({'did': did, 'under the limit': kept, 'released': before - resident(),
+print(json.dumps({'did': did, 'armed': armed, 'under the limit': kept, 'released': before - resident(),
                   'next step faults': faults_of_a_step()}))
 """
 
 
 @pytest.mark.parametrize('trim', [True, False])
-def test_the_kept_heap_hands_its_free_pages_back_past_the_limit_only_when_asked(trim):
+def test_the_kept_heap_hands_its_free_pages_back_past_the_bound_only_when_armed(trim):
   out = procs.run([sys.executable, '-c', _RELEASE, 'trim' if trim else 'keep'], timeout=120, env=_clean_env(),
                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert out.returncode == 0, out.stderr
   r = json.loads(out.stdout.splitlines()[-1])
   if 'not glibc' in r['did'] or 'refused' in r['did']:
     pytest.skip(f'the C library: {r["did"]}')
-  assert ('released past the estimate' in r['did']) == trim, r
+  assert r['armed'] == trim, r
   assert abs(r['under the limit']) < 8 * MIB, r
-  if trim:      # past the limit the step's 144 MiB leave the resident set; the next step faults them in again
+  if trim:      # past the bound the step's 144 MiB leave the resident set; the next step faults them in again
     assert r['released'] > 120 * MIB and r['next step faults'] > 5 * 24 * 256, r
   else:         # kept resident and reused
     assert r['released'] < 8 * MIB and r['next step faults'] < 24 * 256, r
 
 
 def test_host_malloc_is_configured_for_cpu_runs_that_ask_only(monkeypatch):
-  monkeypatch.setattr(device, 'keep_freed_host_memory', lambda trim=True: 'kept' + (', trimmed' if trim else ''))
-  config = lambda keep, dev, trim=True: config_dict.ConfigDict({'keep_freed_host_memory': keep, 'device': dev,
-                                                               'trim_host_heap': trim})
-  assert device.configure_host_malloc(config(True, 'cpu')) == 'kept, trimmed'
-  assert device.configure_host_malloc(config(True, 'cpu', trim=False)) == 'kept'
+  monkeypatch.setattr(device, 'keep_freed_host_memory', lambda: 'kept')
+  config = lambda keep, dev: config_dict.ConfigDict({'keep_freed_host_memory': keep, 'device': dev})
+  assert device.configure_host_malloc(config(True, 'cpu')) == 'kept'
   assert device.configure_host_malloc(config(False, 'cpu')) is None
   assert device.configure_host_malloc(config(True, 'xla')) is None
   assert device.configure_host_malloc(config(True, 'cuda')) is None
+  assert not device.trims_host_heap()          # armed only once the estimate says memory is short
+
+
+@pytest.mark.parametrize('value, setting', [('auto', 'auto'), (True, True), (False, False), ('False', False),
+                                            ('true', True), ('off', False), ('sometimes', 'sometimes')])
+def test_trim_host_heap_reads_flags_given_as_strings(value, setting):
+  assert device.trim_setting(config_dict.ConfigDict({'trim_host_heap': value})) == setting

@@ -192,13 +192,19 @@ def test_heap_holes_are_counted_where_train_py_keeps_freed_host_memory(monkeypat
             'GLIBC_TUNABLES'):
     monkeypatch.delenv(k, raising=False)
   c = llama_tiny.get_config()
-  est = memory.estimate(c)
+  est = memory.estimate(c)                                   # auto: untrimmed unless memory is short
   transient = est['activations'] + est['logits'] + est['grad_transient']
-  assert est['heap_holes'] == int(memory.HEAP_HOLES * transient) > 0
+  assert est['heap_holes'] == int(memory.HEAP_HOLES_KEPT * transient) > 0
   assert est['phases']['forward_backward'] == (est['params'] + est['optimizer'] + est['runtime'] + est['grads']
                                                + transient + est['heap_holes'])
   c.trim_host_heap = False                                   # the holes of every micro batch stay resident
-  assert memory.estimate(c)['heap_holes'] == int(memory.HEAP_HOLES_KEPT * transient) > est['heap_holes']
+  assert memory.estimate(c) == est
+  c.trim_host_heap = True                                    # trimmed near the estimate: fewer holes counted
+  trimmed = memory.estimate(c)
+  assert trimmed['heap_holes'] == int(memory.HEAP_HOLES * transient) < est['heap_holes']
+  assert memory.with_heap_trimmed(c, est) == trimmed
+  assert trimmed['total'] == est['total'] - est['heap_holes'] + trimmed['heap_holes']
+  c.trim_host_heap = 'auto'
   monkeypatch.setenv('MALLOC_MMAP_THRESHOLD_', '65536')      # the environment's malloc: train.py keeps nothing
   assert memory.estimate(c)['heap_holes'] == 0
   monkeypatch.delenv('MALLOC_MMAP_THRESHOLD_')

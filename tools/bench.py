@@ -63,9 +63,9 @@ class Run:
     malloc = devices.configure_host_malloc(config)        # as train.py does
     mesh = meshes.init(config)
     before = memory_check.measured_peak_bytes(mesh.device)
-    if malloc and before is not None:
-      est = memory.estimate(config, training.local_sizes(config, mesh), mesh.dp, mesh.pp_rank)
-      devices.limit_resident_memory(memory.host_heap_limit(est, before))
+    if malloc:
+      memory_check.heap_trim(config, mesh, memory.estimate(config, training.local_sizes(config, mesh), mesh.dp,
+                                                           mesh.pp_rank), before)
     params = training.init_params(config, mesh)
     loader = Loader(config, 'train', mesh.dp_rank, mesh.dp)
     return cls(config, mesh, tensor.config_ops(config, mesh), params, update.Updater(params, config, mesh),
