@@ -130,14 +130,13 @@ class StepReporter:
     self.tokens_per_step = config.data.global_batch_size * config.data.seq_length
     self.flops_per_token, self.peak = flops_per_token, peak[0] * mesh.world_size
     self.pending, self.record, self.skips = None, {}, 0
-    self.window_start, self.window_steps, self.step_time = time.perf_counter(), 0, float('nan')
+    self.window_start, self.window_steps = time.perf_counter(), 0
     self.first_logged = start_step + 2      # XLA compiles the step's graphs by then (step 2 retraces once)
     self.compiled = None
 
   def add(self, step, out, consumed_samples):
     """Keep step `step`'s outputs (device tensors); read the step before it."""
-    previous, self.pending = self.pending, (step, out, consumed_samples)
-    self.window_steps += 1
+    previous, self.pending = self.pending, (step, out, consumed_samples, devices.step_done_marker(self.mesh.device))
     if previous is not None:
       self._read(*previous)
 
@@ -153,7 +152,7 @@ class StepReporter:
     if self.compiled is not None:
       self.compiled = xla.compiles()
 
-  def _read(self, step, out, consumed_samples):
+  def _read(self, step, out, consumed_samples, done):
     t = self.config.trainer
     logged = every(step + 1, t.log_every_n_steps) or step + 1 == self.total
     values = {'skipped': out['skipped']}          # every step: the skip count needs it
@@ -165,14 +164,13 @@ class StepReporter:
     scalars = {k: host.get(k, v) for k, v in values.items()}
     skipped = bool(scalars.pop('skipped'))
     self._count_skip(step, skipped)
+    self.window_steps += 1
     if not logged:
       return
-    devices.synchronize(self.mesh.device)
-    # synchronized, every step added so far is done (the one read late and the one after it);
-    # a window with none (the last step, read at the end) keeps the time of the one before
-    if self.window_steps:
-      self.step_time = (time.perf_counter() - self.window_start) / self.window_steps
-    elapsed = self.step_time
+    # the steps since the last logged one, this one the last: from when this one finished (not
+    # the next, already dispatched), so each line times its own steps
+    finished = done()
+    elapsed = (finished - self.window_start) / self.window_steps
     tokens_per_sec = self.tokens_per_step / elapsed
     record = {'step': step + 1, 'loss': float(scalars.pop('loss')), 'lr': out['lr'],
               'grad_norm': float(scalars.pop('grad_norm')), 'tokens_per_sec': tokens_per_sec,
@@ -190,7 +188,7 @@ class StepReporter:
       absl_logging.info('step %d | %s', step + 1, ' | '.join(f'{k} {record[k]:.4f}' for k in out['metrics']))
     self.log.write(record)
     self.record = record
-    self.window_start, self.window_steps = time.perf_counter(), 0
+    self.window_start, self.window_steps = finished, 0
 
   def _count_skip(self, step, skipped):
     t = self.config.trainer

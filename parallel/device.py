@@ -176,6 +176,21 @@ def configure_host_malloc(config):
   return None
 
 
+def step_done_marker(device: torch.device):
+  """A function, made as a step's work has all been queued, that returns the time
+  (time.perf_counter) that work finished, waiting for it if need be. The CPU ran it before this
+  returns; CUDA records an event behind it; XLA's step is one graph, done once its outputs
+  reached the host (call it after reading them)."""
+  if device.type == 'cuda':
+    event = torch.cuda.Event()
+    event.record()
+    return lambda: (event.synchronize(), time.perf_counter())[1]
+  if device.type == 'xla':
+    return time.perf_counter
+  now = time.perf_counter()
+  return lambda: now
+
+
 def step_boundary(device: torch.device):
   """The end of an optimizer step: on XLA the traced step becomes one graph (compiled once,
   then cached); eager devices have nothing to do."""

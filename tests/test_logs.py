@@ -91,3 +91,20 @@ def test_skipped_steps_are_counted_when_read_and_stop_at_the_limit():
   assert reporter.skips == 1 and log.records == []
   with pytest.raises(FloatingPointError, match=r'2 steps in a row .*\(the last: step 2\)'):
     reporter.add(2, _out(2), 24)
+
+
+@pytest.mark.parametrize('every, expected', [(1, {1: 1.0, 2: 2.0, 3: 4.0, 4: 8.0}), (2, {2: 1.5, 4: 6.0}),
+                                             (3, {3: 7 / 3, 4: 8.0})])
+def test_each_line_times_its_own_steps_the_last_included(monkeypatch, every, expected):
+  now = [100.0]
+  monkeypatch.setattr(logs.time, 'perf_counter', lambda: now[0])
+  reporter, log = _reporter(max_steps=4, log_every_n_steps=every)
+  for step, seconds in enumerate((1.0, 2.0, 4.0, 8.0)):    # the CPU: each step has run when it is added
+    now[0] += seconds
+    reporter.add(step, _out(step), 8 * (step + 1))
+    now[0] += 0.5                                          # between steps: not a step's time
+  reporter.flush()
+  got = {r['step']: r['step_time'] for r in log.records}
+  # every line's time is its steps' own, with the pauses between them (none before the first)
+  pauses = {1: {1: 0.0, 2: 0.5, 3: 0.5, 4: 0.5}, 2: {2: 0.25, 4: 0.5}, 3: {3: 1.0 / 3, 4: 0.5}}[every]
+  assert got == pytest.approx({k: v + pauses[k] for k, v in expected.items()})
