@@ -116,11 +116,17 @@ def open_tag(path) -> Tag:
   ep, tp, pp = (max(k[i] for k in files) + 1 for i in range(3))
   for key in ((e, t, p) for e in range(ep) for t in range(tp) for p in range(pp)):
     if key not in files:
-      want = (f'tp_rank_{key[1]:02d}_pp_rank_{key[2]:02d}' if legacy else
-              f'model/dp_rank_00{f"_ep_rank_{key[0]:02d}" if ep > 1 else ""}_tp_rank_{key[1]:02d}_pp_rank_{key[2]:02d}.pt')
-      raise NxDCheckpointError(f'{path}: missing rank file {want} (the others say tp={tp}, pp={pp}'
+      raise NxDCheckpointError(f'{path}: missing rank file {rank_name(legacy, ep > 1, *key)} (the others say tp={tp}, pp={pp}'
                                f'{f", ep={ep}" if ep > 1 else ""}); copy the whole tag directory')
   return Tag(path, files, tp, pp, ep, legacy)
+
+
+def rank_name(legacy, ep_named, ep, tp, pp) -> str:
+  """Model rank (ep, tp, pp)'s file, relative to the tag directory, as NxD names it (`ep_named`:
+  the names carry ep_rank, as they do when ep > 1)."""
+  if legacy:
+    return f'tp_rank_{tp:02d}_pp_rank_{pp:02d}'
+  return f'model/dp_rank_00{f"_ep_rank_{ep:02d}" if ep_named else ""}_tp_rank_{tp:02d}_pp_rank_{pp:02d}.pt'
 
 
 def load(file, ep_zero=None) -> dict:

@@ -21,21 +21,27 @@ The shards are NxD's modules' own (NxD Core 2.26, NxD Training 2.26):
   post_attention_layernorm, final_layernorm.
 Pipeline stages keep global layer names: a model is the union of its pp files.
 """
+import os
+import re
+
 import torch
 
 from checkpoint import nxd_files
 from model import moe, transformer
 
 HW = ('trn1', 'trn2')
+LAYER = re.compile(r'(?:^|\.)layers\.(\d+)\.')
 
 
 def _shards(tag):
-  """{(ep, tp): name -> tensor}: each (ep, tp) rank's state dict over all pp stages."""
-  out = {}
+  """({(ep, tp): name -> tensor}: each (ep, tp) rank's state dict over all pp stages, [the layer
+  indices each pp stage holds])."""
+  out, stages = {}, [set() for _ in range(tag.pp)]
   for (ep, tp, pp) in sorted(tag.files):
-    part = nxd_files.read_rank(tag, ep, tp, pp)
-    out.setdefault((ep, tp), {}).update({n.replace('_checkpoint_wrapped_module.', ''): t for n, t in part.items()})
-  return out
+    part = {n.replace('_checkpoint_wrapped_module.', ''): t for n, t in nxd_files.read_rank(tag, ep, tp, pp).items()}
+    out.setdefault((ep, tp), {}).update(part)
+    stages[pp].update(int(m.group(1)) for m in map(LAYER.search, part) if m)
+  return out, stages
 
 
 def merge(tag, model_cfg, hw=None) -> dict:
@@ -44,13 +50,14 @@ def merge(tag, model_cfg, hw=None) -> dict:
   groups hold equal copies (each layout groups other ranks)."""
   if hw is not None and hw not in HW:
     raise nxd_files.NxDCheckpointError(f'hw={hw!r}: one of {HW} (the hardware the checkpoint was trained on)')
-  shards = _shards(tag)
+  shards, stages = _shards(tag)
   tp, ep = tag.tp, tag.ep
   ranks = [shards[(0, r)] for r in range(tp)]
   megatron = any(n.startswith('language_model.') for n in ranks[0])
   names = _megatron_names if megatron else _hf_names
   specs = transformer.param_specs(model_cfg, adapters=False)
   m, d = model_cfg, transformer.head_dim(model_cfg)
+  _check_degrees(tag, shards, stages, names, m, d)
   out, used = {}, set()
 
   def has(key, rank=0):
@@ -204,6 +211,71 @@ def _megatron_names(i):
           'down': p + 'mlp.dense_4h_to_h.weight', 'router': p + 'mlp.moe.router.linear_router.weight',
           'experts_gate_up': p + 'mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight',
           'experts_down': p + 'mlp.moe.expert_mlps.mlp_op.down_proj.weight'}
+
+
+def _check_degrees(tag, shards, stages, names, m, d):
+  """Refuse, naming the files, a checkpoint read at a smaller layout than it was saved at: the
+  degrees come from the file names, so a directory missing every file of its last tp rank (or pp
+  stage, or ep rank) reads as a smaller one. The shards' shapes times the degrees must make the
+  model: its layers and final norm, vocabulary rows, attention columns and experts."""
+  where = tag.path if tag.legacy else os.path.join(tag.path, 'model')
+  ep_named = tag.ep > 1 or '_ep_rank_' in os.path.basename(tag.files[(0, 0, 0)])
+
+  def missing(what, eps, tps, pps, unknown):
+    files = [nxd_files.rank_name(tag.legacy, ep_named or len(eps) > 1 or max(eps) > 0, e, t, p)
+             for e in eps for t in tps for p in pps]
+    listed = ', '.join(files[:2]) + (' ...' if len(files) > 2 or unknown else '')
+    return f'{what}{" (and of any after it)" if unknown else ""} are missing ({listed}); copy the whole checkpoint directory'
+
+  def span(n, first=0):
+    return f'{first}..{n - 1}'
+
+  first, top = shards[(0, 0)], names(None)
+  held = sorted(set().union(*stages))
+  has_norm = top['final_norm'] in first
+  if held == list(range(len(held))) and (len(held) < m.num_layers or not has_norm):
+    layers = f'layers {span(len(held))}' if held else 'no layers'
+    if not has_norm:
+      sizes, left = {len(s) for s in stages}, m.num_layers - len(held)   # stages of one size: as many more as
+      exact = len(sizes) == 1 and min(sizes) and left and left % min(sizes) == 0   # the layers left make
+      lost = range(tag.pp, tag.pp + (left // min(sizes) if exact else 1))
+      which = f'pp stage {lost[0]}' if len(lost) == 1 else f'pp stages {span(lost[-1] + 1, lost[0])}'
+      raise nxd_files.NxDCheckpointError(
+          f'{where} holds {layers} of the model\'s {m.num_layers} (num_layers) and no final norm ({top["final_norm"]}): '
+          + missing(f'the files of {which}', range(tag.ep), range(tag.tp), lost, not exact))
+    raise nxd_files.NxDCheckpointError(
+        f'{where} holds {layers} and its final norm, the config {m.num_layers} layers (num_layers); set the model to '
+        'the checkpoint\'s')
+
+  heads = m.num_attention_heads * d
+  o = first.get(names(held[0])['o']) if held else None
+  cols = o.shape[-1] if o is not None and o.dim() == 2 else None
+  rows = first[top['embed']].shape[0] if top['embed'] in first else None
+  short = ([f'its embedding has {rows * tag.tp} of the model\'s {m.vocab_size} vocabulary rows']
+           if rows is not None and rows * tag.tp < m.vocab_size else []) + (
+           [f'its attention output projection has {cols * tag.tp} of the model\'s {heads} input columns (heads x head_dim)']
+           if cols and cols * tag.tp < heads else [])
+  if short:
+    true_tp = heads // cols if cols and heads % cols == 0 else None
+    if true_tp is None or true_tp > tag.tp:
+      lost = range(tag.tp, true_tp or tag.tp + 1)
+      which = f'tp rank {lost[0]}' if len(lost) == 1 else f'tp ranks {span(lost[-1] + 1, lost[0])}'
+      raise nxd_files.NxDCheckpointError(
+          f'{where} holds tp ranks {span(tag.tp)} but {short[0]}: '
+          + missing(f'the files of {which}', range(tag.ep), lost, range(tag.pp), true_tp is None))
+    raise nxd_files.NxDCheckpointError(f'{where}: {short[0]} at tp {tag.tp} (its attention matches tp {tag.tp}); set the model '
+                                       'to the checkpoint\'s (vocab_size)')
+
+  experts = m.moe.num_experts if moe.enabled(m) else 0
+  layer = next((i for i in held if moe.is_moe_layer(m, i)), None)
+  w = first.get(names(layer)['experts_down']) if layer is not None else None
+  if w is not None and w.dim() == 3 and w.shape[0] * tag.ep < experts:
+    true_ep = experts // w.shape[0] if experts % w.shape[0] == 0 else None
+    lost = range(tag.ep, true_ep or tag.ep + 1)
+    which = f'ep rank {lost[0]}' if len(lost) == 1 else f'ep ranks {span(lost[-1] + 1, lost[0])}'
+    raise nxd_files.NxDCheckpointError(
+        f'{where} holds ep ranks {span(tag.ep)} but {w.shape[0] * tag.ep} of the model\'s {experts} experts '
+        f'(num_experts): ' + missing(f'the files of {which}', lost, range(tag.tp), range(tag.pp), true_ep is None))
 
 
 def _check(tag, out, specs, shards, used):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint import nxd_files, nxd_params, nxd_write
-from configs import llama_tiny
+from configs import llama_tiny, mixtral_tiny
 from model import transformer
 
 FIXTURE = os.path.join(os.path.dirname(__file__), 'fixtures', 'nxd_ckpt', 'xser_tag')
@@ -105,6 +105,41 @@ def test_converter_output_missing_a_rank_file_is_refused_by_name(tmp_path, remov
   with pytest.raises(nxd_files.NxDCheckpointError, match=rf'missing rank file model/{removed} \(the others say tp=2, '
                                                          r'pp=2\); copy the whole tag directory$'):
     nxd_files.open_tag(str(out))
+
+
+LAST_RANK_GONE = {   # every file of the last tp rank / pp stage gone: the names alone say a smaller layout
+    'tp_rank_01': r'/model holds tp ranks 0\.\.0 but its embedding has 128 of the model\'s 256 vocabulary rows: the '
+                  r'files of tp rank 1 are missing \(model/dp_rank_00_tp_rank_01_pp_rank_00\.pt, '
+                  r'model/dp_rank_00_tp_rank_01_pp_rank_01\.pt\); copy the whole checkpoint directory$',
+    'pp_rank_01': r'/model holds layers 0\.\.0 of the model\'s 2 \(num_layers\) and no final norm \(model\.norm\.weight\): '
+                  r'the files of pp stage 1 are missing \(model/dp_rank_00_tp_rank_00_pp_rank_01\.pt, '
+                  r'model/dp_rank_00_tp_rank_01_pp_rank_01\.pt\); copy the whole checkpoint directory$',
+}
+
+
+@pytest.mark.parametrize('gone', sorted(LAST_RANK_GONE))
+def test_converter_output_missing_its_last_tp_rank_or_pp_stage_is_refused_naming_the_files(tmp_path, gone):
+  out = tmp_path / 'pretrained_ckpt'
+  c, _ = _converter_output(out, 2, 2)
+  for name in os.listdir(out / 'model'):
+    if gone in name:
+      os.remove(out / 'model' / name)
+  tag = nxd_files.open_tag(str(out))
+  assert (tag.tp, tag.pp) == ((1, 2) if gone.startswith('tp') else (2, 1))
+  with pytest.raises(nxd_files.NxDCheckpointError, match=LAST_RANK_GONE[gone]):
+    nxd_params.merge(tag, c.model)
+
+
+def test_a_mixtral_checkpoint_missing_its_last_ep_rank_is_refused_naming_the_files(tmp_path):
+  c = mixtral_tiny.get_config('test')                   # 4 experts
+  params = transformer.init(c.model, 5)
+  os.makedirs(tmp_path / 'model')
+  for (e, r, s), state in nxd_write.split(params, c.model, 2, 1, 2).items():
+    if e == 0:
+      torch.save(state, tmp_path / 'model' / f'dp_rank_00_ep_rank_00_tp_rank_{r:02d}_pp_rank_{s:02d}.pt')
+  with pytest.raises(nxd_files.NxDCheckpointError, match=r'holds ep ranks 0\.\.0 but 2 of the model\'s 4 experts '
+                     r'\(num_experts\): the files of ep rank 1 are missing \(model/dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00'):
+    nxd_params.merge(nxd_files.open_tag(str(tmp_path)), c.model)
 
 
 class _Payload:

@@ -61,6 +61,15 @@ def test_the_wrong_hardware_order_is_refused_naming_the_right_one(llama, tmp_pat
     nxd_params.merge(nxd_files.open_tag(tag), cfg, 'trn1')
 
 
+def test_tp4_with_kv_replicator_missing_its_last_tp_ranks_is_refused_naming_them(llama, tmp_path):
+  _, cfg, params = llama
+  shards = nxd_write.split(params, cfg, 4, 2, kv_replicator=2)
+  tag = nxd_write.write_tag(str(tmp_path), {k: v for k, v in shards.items() if k[1] < 2}, 'm', 1, 8)
+  with pytest.raises(nxd_files.NxDCheckpointError, match=r'holds tp ranks 0\.\.1 but .*: the files of tp ranks 2\.\.3 are '
+                                                         r'missing \(model/dp_rank_00_tp_rank_02_pp_rank_00\.pt, .* \.\.\.\)'):
+    nxd_params.merge(nxd_files.open_tag(tag), cfg)
+
+
 def test_a_config_of_another_model_is_refused_with_both_shapes(llama, tmp_path):
   _, cfg, params = llama
   tag = nxd_write.write_tag(str(tmp_path), nxd_write.split(params, cfg, 2), 'm', 1, 8)
