@@ -76,11 +76,13 @@ class MetricsLog:
     self.path = path = os.path.join(workdir, 'metrics.jsonl')
     if resumed_at is not None:
       keep_records_up_to(path, resumed_at)
-    self.file = open(path, 'a' if resumed_at is not None else 'w')
+    self.file = open(path, 'ab' if resumed_at is not None else 'wb', buffering=0)
+    self.failed = False
     if tensorboard:
       from torch.utils.tensorboard import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self.writer = SummaryWriter(tensorboard_dir(workdir, name))
-      self.writer.add_text('run_name', name, resumed_at or 0)
+      self.tensorboard = tensorboard_dir(workdir, name)
+      self.writer = SummaryWriter(self.tensorboard)
+      self._tensorboard(self.writer.add_text, 'run_name', name, resumed_at or 0)
 
   def write(self, record):
     if self.file is None:
@@ -91,19 +93,46 @@ class MetricsLog:
             '(the records before are gone)', file=sys.stderr)
       os.makedirs(os.path.dirname(self.path), exist_ok=True)
       self.file.close()
-      self.file = open(self.path, 'a')
-    self.file.write(json.dumps(record, allow_nan=False) + '\n')
-    self.file.flush()
+      self.file = open(self.path, 'ab', buffering=0)
+    self._append((json.dumps(record, allow_nan=False) + '\n').encode())
     if self.writer:
       for key, value in record.items():
         if key != 'step' and isinstance(value, (int, float)) and not isinstance(value, bool):
-          self.writer.add_scalar(key, value, record['step'])
+          self._tensorboard(self.writer.add_scalar, key, value, record['step'])
+
+  def _append(self, line: bytes):
+    """One whole record, or none: a write the disk refuses part way (full, read-only) is cut back
+    off, and the error names the file (a file object's write names none)."""
+    start = os.fstat(self.file.fileno()).st_size
+    try:
+      view = memoryview(line)
+      while view:
+        view = view[self.file.write(view):]
+    except OSError as e:
+      self.failed = True
+      try:
+        os.ftruncate(self.file.fileno(), start)
+      except OSError:
+        pass
+      raise OSError(e.errno, e.strerror, self.path) from e
+
+  def _tensorboard(self, call, *args):
+    """A TensorBoard write; its writer thread's error (a full disk) named with the event file's folder."""
+    try:
+      call(*args)
+    except OSError as e:
+      self.failed = True
+      raise OSError(e.errno, e.strerror, self.tensorboard) from e
 
   def close(self):
     if self.file is not None:
       self.file.close()
     if self.writer:
-      self.writer.close()
+      try:
+        self.writer.close()
+      except OSError as e:
+        if not self.failed:        # the error already on its way is the one to report
+          raise OSError(e.errno, e.strerror, self.tensorboard) from e
 
 
 def every(step, n):

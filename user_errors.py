@@ -8,6 +8,7 @@ Top-level and import-free on purpose: every layer's errors derive from it.
 """
 import errno
 import os
+import re
 import sys
 
 
@@ -36,6 +37,21 @@ def describe(e: BaseException) -> str:
     fix = _OS_FIXES.get(e.errno)
     return f'{where}: {e.strerror.lower()}' + (f'; {fix}' if fix else '')
   return str(e)
+
+
+# what C++ libraries append to a message for their own debugging (tensorstore's source locations)
+_LIBRARY_NOISE = re.compile(r'\s*\[source locations=.*?\]\s*$', re.S)
+
+
+def shorten(message: str, limit=400) -> str:
+  """A library's error for one line: its source locations dropped and, if still longer than
+  `limit`, its middle cut, so both what failed (the start) and why (the end: the errno's
+  text, the file) stay."""
+  message = _LIBRARY_NOISE.sub('', message)
+  if len(message) <= limit:
+    return message
+  keep = (limit - 5) // 2
+  return f'{message[:keep]} ... {message[-keep:]}'
 
 
 def readable(path):

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from checkpoint import steps as step_names, storage, store
 from checkpoint.steps import MARKER, committed_dirs, is_committed, read_metadata
 from parallel import device as devices
+import user_errors
 from user_errors import UserError
 
 FORMAT_VERSION = 1
@@ -189,6 +190,8 @@ class CheckpointManager:
       phase('written')
     error = store.disk_fault(_attempt(write_mine)[0], path)
     [failed] = self._agree(error is not None)
+    if failed and lead:         # every rank has stopped writing: the half-written step gives its space back
+      self._discard(name)
     _raise_if(failed, error, f'step {step}: another rank failed to write; not committed')
 
     def commit():
@@ -204,6 +207,8 @@ class CheckpointManager:
       phase('pruned')
     error = store.disk_fault(_attempt(commit)[0], path) if lead else None
     [failed] = self._agree(error is not None)
+    if failed and lead and step not in self._committed():
+      self._discard(name)
     _raise_if(failed, error, f'step {step}: rank 0 failed to commit or prune it')
 
   def _prepare(self, step):
@@ -211,6 +216,14 @@ class CheckpointManager:
     (under any name: a step replayed after a resume is not saved twice)."""
     self._clean_uncommitted()
     return step in self._committed()
+
+  def _discard(self, name):
+    """Delete an uncommitted step after a failed save, where the disk lets us (a read-only one
+    does not: the next save's clean-up does it)."""
+    try:
+      storage.delete_tree(self.root, name + '/')
+    except Exception as e:  # pylint: disable=broad-except  (the save's own error is the one to report)
+      log.warning('could not delete the uncommitted %s: %s', storage.join(self.root, name), user_errors.describe(e))
 
   def _clean_uncommitted(self):
     for _, name, committed in self._scan():

@@ -36,6 +36,7 @@ import dataclasses
 import errno
 import functools
 import math
+import re
 import urllib.parse
 
 import ml_dtypes
@@ -44,6 +45,7 @@ import tensorstore as ts
 import torch
 
 from checkpoint import storage
+import user_errors
 from user_errors import UserError
 
 CHUNK_BYTES = 4 * 2**20
@@ -199,7 +201,7 @@ DAMAGED = 'the step is damaged: use an earlier one (resume moves it aside and ta
 
 
 def _error(path, name, err, verb='read'):
-  msg = str(err)[:300]
+  msg = user_errors.shorten(str(err))
   if 'DATA_LOSS' in msg:
     return ChecksumError(f'array {name!r} in checkpoint {path} is corrupt (checksum mismatch: {msg}); {DAMAGED}')
   if verb == 'read' and ('OUT_OF_RANGE' in msg or 'FAILED_PRECONDITION' in msg):    # a data file cut short or gone
@@ -216,13 +218,23 @@ DISK_FAULTS = ((errno.ENOSPC, 'No space left on device', 'no space left on',
                 'check its permissions, or set exp_manager.checkpoint_dir to a directory you can write'))
 
 
+# tensorstore names the operating system's errno in its message
+_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
+
+
 def disk_fault(error, path):
   """A full, read-only or forbidden disk during a save said as such (tensorstore reports it as a
-  ValueError, Python as an OSError); other errors pass through."""
+  ValueError whose text holds the errno, Python as an OSError), from the whole of the error and
+  what caused it; other errors pass through."""
+  chain = []
+  while error is not None and len(chain) < 8 and error not in chain:
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  codes = {getattr(e, 'errno', None) for e in chain} | {int(c) for e in chain for c in _OS_ERROR_CODE.findall(str(e))}
   for code, text, said, fix in DISK_FAULTS:
-    if error is not None and (getattr(error, 'errno', None) == code or text in str(error)):
+    if code in codes or any(text in str(e) for e in chain):
       return CheckpointError(f'{said} {path}: this step is not committed and the last committed step is kept; {fix}')
-  return error
+  return chain[0] if chain else None
 
 
 def write_local(path, tensors: dict, layout: dict, rank: int):

@@ -525,3 +525,11 @@ def test_the_damaged_files_table_lists_every_kind_tested():
   named = {row.split(' | ')[0][2:].split(' (')[0] for row in rows}
   kinds = {kind.split(' (')[0] for kind in (*PREPROCESS, *READS, *TRAIN_READS)}
   assert kinds <= named, sorted(kinds - named)
+
+
+def test_a_long_message_keeps_its_start_and_its_cause():
+  import user_errors  # pylint: disable=import-outside-toplevel
+  long = 'Error writing "a": ' + 'x' * 1000 + ': No space left on device [source locations=\'a.cc:1\nb.cc:2\']'
+  short = user_errors.shorten(long)
+  assert len(short) <= 400 and short.startswith('Error writing "a": xxx') and short.endswith('No space left on device')
+  assert ' ... ' in short and user_errors.shorten('short [source locations=\'x\']') == 'short'
