@@ -1,6 +1,7 @@
 """flatron against Hugging Face on the same model, side by side in one process, and the ceiling.
 
-    python -m tools.bench_hf                        # a 32M Llama, fp32 / mixed / bf16
+    python -m tools.bench_hf                        # a 32M Llama, fp32 / mixed / bf16 (a 5M one for
+                                                    # the 16-bit rows where the CPU has no bf16 GEMMs)
     python -m tools.bench_hf --precisions=fp32 --steps=3
     python -m tools.bench_hf --precisions=bf16 --clock=cpu --profile   # a shared machine; where time goes
     python -m tools.bench_hf --device=cuda --model=tinyllama_1b --compile  # a GPU: 1.1B, both compiled
@@ -60,6 +61,9 @@ CLOCKS = {'wall': time.perf_counter, 'cpu': time.process_time}
 # name -> (layers, hidden, ffn, heads, KV heads, vocab, seq, micro batch, global batch)
 MODELS = {
     'bench32m': (8, 512, 1408, 8, 4, 8192, 256, 8, 8),           # a 32M Llama (the CPU benchmark)
+    # a 5M Llama, 1/60 of bench32m's arithmetic a step: the 16-bit rows where the CPU has no bf16
+    # GEMMs (AVX2 alone: 0.4-0.6 GFLOP/s against fp32's 27; auto picks it)
+    'bench5m': (4, 256, 688, 4, 2, 4096, 128, 1, 2),
     'llama_50m': (8, 512, 1408, 8, 4, 32000, 2048, 8, 16),       # configs/llama_50m.py's shape
     'tinyllama_1b': (22, 2048, 5632, 32, 4, 32000, 2048, 4, 16),  # TinyLlama-1.1B's shape
     # next to no arithmetic: each side's host time per step (Python, dispatch, autograd), which
@@ -268,10 +272,24 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
   return result
 
 
+def auto_models(precisions, device):
+  """--model=auto: bench32m for every row, but bench5m for the 16-bit rows where this device's
+  bf16 GEMMs run under 1/4 of its fp32 speed (a CPU without AVX-512 BF16 or AMX converts each
+  product: 50x slower on an AVX2 EPYC, where bench32m's bf16 row alone took over 20 minutes).
+  Returns ({precision: model}, a line saying why)."""
+  if device.type != 'cpu' or precisions == ['fp32']:
+    return {p: 'bench32m' for p in precisions}, 'model auto: bench32m'
+  fp32, bf16 = (devices.measured_matmul_flops(device, dtype, n=512) for dtype in (torch.float32, torch.bfloat16))
+  small = bf16 < fp32 / 4
+  models = {p: 'bench5m' if small and p != 'fp32' else 'bench32m' for p in precisions}
+  return models, (f'model auto: bf16 512^3 matmul {bf16 / 1e9:.1f} GFLOP/s against fp32 {fp32 / 1e9:.1f}: '
+                  + ('the 16-bit rows on bench5m, fp32 on bench32m' if small else 'every row on bench32m'))
+
+
 def define_flags():
   tools.define_list_of('precisions', list(RECIPES), RECIPES, 'Precisions to compare, in order')
-  flags.DEFINE_integer('steps', 5, 'Timed steps per side.')
-  flags.DEFINE_integer('warmup', 2, 'Untimed warm-up steps per side.')
+  flags.DEFINE_integer('steps', 3, 'Timed steps per side.')
+  flags.DEFINE_integer('warmup', 1, 'Untimed warm-up steps per side.')
   flags.DEFINE_integer('threads', 2, 'torch threads.')
   flags.DEFINE_enum('clock', 'wall', list(CLOCKS), 'wall: seconds; cpu: this process\'s CPU seconds '
                     '(a machine shared with other jobs).')
@@ -284,7 +302,8 @@ def define_flags():
   flags.DEFINE_bool('keep_freed_host_memory', True, 'CPU: glibc malloc keeps freed blocks for the next step, '
                     'for both sides (train.py\'s keep_freed_host_memory, parallel/device.py); off: glibc as it comes.')
   flags.DEFINE_enum('device', 'cpu', ['cpu', 'cuda', 'auto'], 'Where both sides train (auto: cuda if present).')
-  flags.DEFINE_enum('model', 'bench32m', list(MODELS), 'The Llama shape (MODELS in tools/bench_hf.py).')
+  flags.DEFINE_enum('model', 'auto', ['auto', *MODELS], 'The Llama shape (MODELS in tools/bench_hf.py); auto: '
+                    'bench32m, and bench5m for the 16-bit rows where bf16 GEMMs run under 1/4 of fp32\'s speed.')
   flags.DEFINE_integer('seq_length', 0, 'Tokens per row (0: the model\'s in MODELS).')
   flags.DEFINE_integer('micro_batch_size', 0, 'Rows per micro batch (0: the model\'s).')
   flags.DEFINE_integer('global_batch_size', 0, 'Rows per step (0: the model\'s).')
@@ -296,7 +315,7 @@ def main(argv):
   device = devices.resolve(FLAGS.device)
   graphed.ENABLED = FLAGS.cuda_graph_update
   malloc = (FLAGS.keep_freed_host_memory and device.type == 'cpu'
-            and devices.keep_freed_host_memory(trim_past_limit=False))
+            and devices.keep_freed_host_memory())
   if device.type == 'cuda':
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     peak, source = devices.peak_flops(device)
@@ -307,13 +326,17 @@ def main(argv):
     peak = devices.measured_matmul_flops(device, n=2048)
     print(f'{FLAGS.threads} threads; measured fp32 2048^3 matmul peak {peak / 1e9:.1f} GFLOP/s; '
           f'steps timed in {FLAGS.clock} seconds', flush=True)
-  print(f'model {FLAGS.model}; {"compiled per block" if FLAGS.compile else "eager"}'
+  models = {p: FLAGS.model for p in FLAGS.precisions}
+  if FLAGS.model == 'auto':
+    models, note = auto_models(FLAGS.precisions, device)
+    print(note)
+  print(f'model {", ".join(sorted(set(models.values())))}; {"compiled per block" if FLAGS.compile else "eager"}'
         + (f'; host malloc: {malloc or "as the C library has it"}' if device.type == 'cpu' else ''))
   print('| precision | HF tok/s | flatron tok/s | ratio | HF MFU | flatron MFU | HF state MiB | flatron state MiB |'
         ' ceiling tok/s (GEMM + attention) | flatron / ceiling | HF / ceiling | peak memory MiB |')
   print('|---|---|---|---|---|---|---|---|---|---|---|---|')
   for precision in FLAGS.precisions:
-    config = bench_config(precision, FLAGS.model, FLAGS.seq_length, FLAGS.micro_batch_size,
+    config = bench_config(precision, models[precision], FLAGS.seq_length, FLAGS.micro_batch_size,
                           FLAGS.global_batch_size, device.type)
     dtype = torch.float32 if precision == 'fp32' else torch.bfloat16
     # timed between the steps (each op the best of 3 after an untimed call: one sample of a layer's
@@ -327,7 +350,7 @@ def main(argv):
     # both sides live in this process: the peak so far, not either side's own
     peak_memory = (torch.cuda.max_memory_allocated(device) if device.type == 'cuda'
                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    print(f"| {precision} | {r['hf']:,.0f} | {r['flatron']:,.0f} | {r['flatron'] / r['hf']:.2f}x | "
+    print(f"| {precision}{f' ({models[precision]})' if len(set(models.values())) > 1 else ''} | {r['hf']:,.0f} | {r['flatron']:,.0f} | {r['flatron'] / r['hf']:.2f}x | "
           f"{100 * r['hf'] * flops / peak:.1f}% | {100 * r['flatron'] * flops / peak:.1f}% | "
           f"{r['hf_bytes'] / 2**20:.0f} | {r['flatron_bytes'] / 2**20:.0f} | "
           f"{tokens / ceiling:,.0f} (GEMMs {gemm * 1e3:.0f} ms, attention {attention * 1e3:.0f} ms) | "
