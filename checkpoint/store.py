@@ -266,6 +266,7 @@ def write_local(path, tensors: dict, layout: dict, rank: int):
       writes[name] = opens[name].result()[_box_slices(box)].write(
           source, can_reference_source_data_indefinitely=True)
     except ValueError as err:
+      _settle(opens, writes)
       raise _error(path, name, err, 'written') from err
   for name in names:
     try:
@@ -273,8 +274,20 @@ def write_local(path, tensors: dict, layout: dict, rank: int):
       if name in writes:
         writes[name].result()
     except ValueError as err:
+      _settle(opens, writes)
       raise _error(path, name, err, 'written') from err
   return nbytes
+
+
+def _settle(*futures):
+  """Wait out every write still in flight after one failed (their own errors are the same fault's),
+  so nothing lands in the step's directory after the caller has deleted it."""
+  for group in futures:
+    for future in group.values():
+      try:
+        future.result()
+      except ValueError:
+        pass
 
 
 def writer_ranks(layout: dict) -> list:

@@ -14,6 +14,8 @@ Conjugate pairs (forward / backward):
 """
 import torch
 import torch.distributed as dist
+
+import user_errors
 from user_errors import UserError
 
 # torch 2.13 renamed the flat-tensor collectives; torch 2.9 (torch-xla's pin) has only the old names.
@@ -21,12 +23,18 @@ _all_gather_flat = getattr(dist, 'all_gather_single', None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, 'reduce_scatter_single', None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(UserError, RuntimeError):
+  """A collective that failed or timed out on this rank: a peer stopped, died or lost its network."""
+
+
 def _run(name, group, fn):
   try:
     return fn()
   except RuntimeError as e:
-    raise RuntimeError(f'rank {dist.get_rank()}: {name} over ranks '
-                       f'{dist.get_process_group_ranks(group)} failed: {e}') from e
+    raise CollectiveError(
+        f'rank {dist.get_rank()}: {name} over ranks {dist.get_process_group_ranks(group)} failed: '
+        f'{user_errors.shorten(str(e).splitlines()[0] if str(e) else repr(e))}; another rank stopped, died or lost '
+        'its network (see its log), or it is slower than distributed_strategy.collective_timeout_s allows') from e
 
 
 def group_size(group):

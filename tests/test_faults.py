@@ -87,14 +87,16 @@ def finish(proc, timeout=240):
   return proc.returncode, lines[-1] if lines else ''
 
 
-def wait_for(condition, proc, timeout=240, poll=0.02):
-  """Poll until `condition()` holds, then stop the run (SIGSTOP) so the fault lands before its next step."""
+def wait_for(condition, proc, timeout=240, poll=0.02, stop=True):
+  """Poll until `condition()` holds, then (`stop`) stop the run (SIGSTOP) so the fault lands before
+  its next step."""
   deadline = time.monotonic() + timeout
   while not condition():
     assert proc.poll() is None, 'the run ended before the fault could be made'
     assert time.monotonic() < deadline, 'timed out waiting for the run'
     time.sleep(poll)
-  os.kill(proc.pid, signal.SIGSTOP)
+  if stop:
+    os.kill(proc.pid, signal.SIGSTOP)
 
 
 def committed(checkpoints):
@@ -231,3 +233,45 @@ def test_a_sigkill_during_an_async_save_leaves_only_whole_steps_and_resumes_from
   assert writing()                   # killed mid-save: that step stays uncommitted
   whole = committed(checkpoints)
   resumes_from(workdir, checkpoints, whole[-1] if whole else 0, '--config.trainer.max_steps=40', steps=40)
+
+
+def _worker(torchrun_pid, rank):
+  """The pid of torchrun's worker of `rank` (its environment says RANK)."""
+  with open(f'/proc/{torchrun_pid}/task/{torchrun_pid}/children') as f:
+    children = [int(p) for p in f.read().split()]
+  for pid in children:
+    with open(f'/proc/{pid}/environ', 'rb') as f:
+      if f'RANK={rank}'.encode() in f.read().split(b'\0'):
+        return pid
+  raise AssertionError(f'no worker of rank {rank} among {children}')
+
+
+def test_a_rank_stopped_mid_run_fails_its_peer_in_one_line_and_the_run_resumes(tmp_path):
+  """SIGSTOP to rank 1 of a dp2 run after its first commit: rank 0 gives up after the collective
+  timeout naming itself, the operation and the ranks; the next run resumes from that commit."""
+  workdir, checkpoints = tmp_path / 'run', str(tmp_path / 'run' / 'checkpoints')
+  torchrun = [os.path.join(os.path.dirname(sys.executable), 'torchrun'), '--nproc_per_node=2', '--standalone']
+  flags = [*TINY, f'--workdir={workdir}', *SAVING, '--config.distributed_strategy.collective_timeout_s=15']
+  env = dict(os.environ, OMP_NUM_THREADS='1')
+  with open(tmp_path / 'stderr.txt', 'w') as err:
+    with procs.started([*torchrun, 'train.py', *flags], stdout=subprocess.DEVNULL, stderr=err, env=env) as proc:
+      wait_for(lambda: committed(checkpoints) == [2], proc, stop=False)
+      os.kill(_worker(proc.pid, 1), signal.SIGSTOP)
+      proc.wait(timeout=240)
+  printed = (tmp_path / 'stderr.txt').read_text()
+  assert proc.returncode != 0
+  # one line from rank 0 (torchrun prefixes its workers' lines), then torchrun's own report
+  said = [line for line in printed.splitlines() if re.match(r'(\[rank\d\]: )?error: ', line)]
+  assert len(said) == 1 and re.match(r'(\[rank0\]: )?error: rank 0: .+ over ranks \[0, 1\] failed: .*; another '
+                                     'rank stopped, died or lost its network', said[0]), said
+  assert not re.search(r'\[rank\d\]: Traceback', printed)
+  assert committed(checkpoints) == [2]
+  with open(tmp_path / 'stderr.txt', 'w') as err:
+    with procs.started([*torchrun, 'train.py', *flags, *RESUME], stdout=subprocess.DEVNULL, stderr=err,
+                       env=env) as proc:
+      proc.wait(timeout=240)
+  printed = (tmp_path / 'stderr.txt').read_text()
+  assert proc.returncode == 0, printed[-3000:]
+  assert re.search(r'resumed from \S+step_00000002: step 2,', printed)
+  with open(workdir / 'metrics.jsonl') as f:
+    assert [json.loads(line)['step'] for line in f if '"loss"' in line] == list(range(1, 11))
