@@ -123,14 +123,21 @@ def resumes_from(workdir, checkpoints, step, *flags, steps=10, user=None):
   assert logged == list(range(1, steps + 1)), logged
 
 
+def fault_after_the_first_commit(workdir, checkpoints, fault, user=None):
+  """A run saving every 2 steps, paused once step 2 is committed while `fault()` is made; its exit
+  status and last line (the save of step 4 meets the fault)."""
+  with train(workdir, *SAVING, f'--config.exp_manager.checkpoint_dir={checkpoints}', user=user) as proc:
+    wait_for(lambda: committed(checkpoints) == [2], proc)
+    fault()
+    os.kill(proc.pid, signal.SIGCONT)
+    return finish(proc)
+
+
 def test_a_disk_that_fills_during_a_save_says_so_keeps_the_last_commit_and_resumes(tmp_path):
   with tmpfs(tmp_path / 'disk') as disk:
     workdir, checkpoints = tmp_path / 'run', os.path.join(disk, 'checkpoints')
-    with train(workdir, *SAVING, f'--config.exp_manager.checkpoint_dir={checkpoints}') as proc:
-      wait_for(lambda: committed(checkpoints) == [2], proc)
-      filler = fill(disk)            # another program takes the rest of the disk
-      os.kill(proc.pid, signal.SIGCONT)
-      code, last = finish(proc)
+    filler = os.path.join(disk, 'filler')
+    code, last = fault_after_the_first_commit(workdir, checkpoints, lambda: fill(disk))   # another writer takes the rest
     assert code == 2
     assert last == (f'error: no space left on {checkpoints}/step_00000004: {KEPT}; free space there, or set '
                     'exp_manager.checkpoint_dir to a larger disk')
@@ -177,11 +184,7 @@ def test_a_disk_that_fills_under_the_metrics_stops_the_run_in_one_line(tmp_path,
 def test_a_checkpoint_directory_remounted_read_only_mid_run_says_so_and_resumes(tmp_path):
   with tmpfs(tmp_path / 'disk') as disk:
     workdir, checkpoints = tmp_path / 'run', os.path.join(disk, 'checkpoints')
-    with train(workdir, *SAVING, f'--config.exp_manager.checkpoint_dir={checkpoints}') as proc:
-      wait_for(lambda: committed(checkpoints) == [2], proc)
-      remount(disk, 'ro')
-      os.kill(proc.pid, signal.SIGCONT)
-      code, last = finish(proc)
+    code, last = fault_after_the_first_commit(workdir, checkpoints, lambda: remount(disk, 'ro'))
     assert code == 2
     assert last == (f'error: a read-only file system at {checkpoints}/step_00000004: {KEPT}; make it writable, or '
                     'set exp_manager.checkpoint_dir to a writable disk')
@@ -204,11 +207,7 @@ def test_a_checkpoint_directory_taken_away_from_the_user_mid_run_says_so_and_res
       os.mkdir(d)
       if user is not None:
         os.chown(d, user, user)
-    with train(workdir, *SAVING, f'--config.exp_manager.checkpoint_dir={checkpoints}', user=user) as proc:
-      wait_for(lambda: committed(checkpoints) == [2], proc)
-      os.chmod(checkpoints, 0o555)
-      os.kill(proc.pid, signal.SIGCONT)
-      code, last = finish(proc)
+    code, last = fault_after_the_first_commit(workdir, checkpoints, lambda: os.chmod(checkpoints, 0o555), user)
     assert code == 2
     assert last == (f'error: permission denied writing {checkpoints}/step_00000004: {KEPT}; check its permissions, '
                     'or set exp_manager.checkpoint_dir to a directory you can write')
