@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import torch
 
 import train
 from configs import llama_tiny
@@ -13,6 +14,19 @@ from parallel import mesh as meshes, tensor, training
 from tests import world
 
 STEPS = 10
+
+
+def roundoff(n_terms, scale=1.0, dtype=torch.float32, slack=4.0):
+  """How far apart two float computations of one value may land when they take its terms in
+  different orders (another algorithm, another CPU's vector width, another thread count), as an
+  absolute tolerance: a sum of n terms added in any order is within (n - 1)·u·Σ|x| of the exact
+  sum (u = eps / 2; Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., §4.2), so two
+  orders are within n·eps·Σ|x| of each other. `n_terms`: the additions along the longest chain
+  (nested sums add up: a log-softmax over V logits, then a sum over T tokens: V + T); `scale`:
+  Σ|x|, the result's magnitude where the terms share its sign, the operands' magnitudes added
+  where a difference cancels (1: a relative tolerance); `slack`: the few rounded operations
+  (exp, log, division) that feed each term."""
+  return slack * n_terms * torch.finfo(dtype).eps * scale
 
 
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,

@@ -1,7 +1,8 @@
 """optim/inductor_bitcast.py: inductor's CPU kernels bit-cast in vector registers inside
 vector_bitcasts(), give the same bits as eager, and the override is put back after."""
+import pytest
 import torch
-from torch._inductor import config as inductor_config
+from torch._inductor import config as inductor_config, cpu_vec_isa
 from torch._inductor.codegen import cpp
 from torch._inductor.utils import run_and_get_code
 
@@ -20,6 +21,8 @@ def _compiled_code(x):
   return out, '\n'.join(code)
 
 
+@pytest.mark.skipif(not cpu_vec_isa.pick_vec_isa(), reason='inductor writes no vector code here (a CPU without '
+                    'AVX2 / AVX-512 / NEON, or ATEN_CPU_CAPABILITY=default)')
 def test_bit_casts_stay_in_vector_registers_and_give_eager_bits():
   x = torch.randn(1003) * torch.exp2(torch.arange(1003) % 80 - 40.0)
   original = vars(cpp.CppVecOverrides)['to_dtype_bitcast']

@@ -10,6 +10,7 @@ and the error names the ranks still running. Collective timeouts inside fn come 
 distributed_strategy.collective_timeout_s, which the tests set low.
 """
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -30,7 +31,10 @@ def _worker(rank, world_size, port, fn, args, results):
   import torch  # pylint: disable=import-outside-toplevel
   torch.set_num_threads(1)
   try:
-    results.put((rank, 'ok', fn(*args)))
+    # pickled to bytes here: a tensor put on the queue as it is travels as a file descriptor that
+    # this process serves, and a rank that has exited by the time a busy parent reads it fails the
+    # read (FileNotFoundError from multiprocessing's resource sharer)
+    results.put((rank, 'ok', pickle.dumps(fn(*args))))
   except BaseException:  # pylint: disable=broad-except
     results.put((rank, 'error', traceback.format_exc()))
   finally:
@@ -64,7 +68,7 @@ def run(fn, world_size, *args, timeout=240):
         raise TimeoutError(f'ranks {missing} of {world_size} did not finish within {timeout}s '
                            '(a hang: look for a collective some ranks never reached)') from None
       if status == 'ok':
-        out[rank] = value
+        out[rank] = pickle.loads(value)
       else:
         errors.append((rank, value))
         break                      # the others may now block on the failed rank forever
