@@ -43,7 +43,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from checkpoint import steps as step_names, storage, store
+from checkpoint import save_faults, steps as step_names, storage, store
 from checkpoint.steps import MARKER, committed_dirs, is_committed, read_metadata
 from parallel import device as devices
 import user_errors
@@ -176,9 +176,9 @@ class CheckpointManager:
     def phase(name):
       self._hook(name, step)
 
-    error, already = _attempt(lambda: self._prepare(step)) if lead else (None, False)
+    error, already = save_faults.attempt(lambda: self._prepare(step)) if lead else (None, False)
     failed, already = self._agree(error is not None, bool(already))
-    _raise_if(failed, error, f'step {step}: rank 0 could not prepare the save')
+    save_faults.raise_if(failed, error, f'step {step}: rank 0 could not prepare the save')
     if already:
       log.warning('checkpoint step %d is already committed in %s: not saved again', step, self.root)
       return
@@ -188,11 +188,11 @@ class CheckpointManager:
       store.write_local(path, host, layout, self.rank)
       host.clear()  # free the host copy before waiting on the slowest rank
       phase('written')
-    error = store.disk_fault(_attempt(write_mine)[0], path)
+    error = save_faults.disk_fault(save_faults.attempt(write_mine)[0], path)
     [failed] = self._agree(error is not None)
     if failed and lead:         # every rank has stopped writing: the half-written step gives its space back
       self._discard(name)
-    _raise_if(failed, error, f'step {step}: another rank failed to write; not committed')
+    save_faults.raise_if(failed, error, f'step {step}: another rank failed to write; not committed')
 
     def commit():
       store.merge(path, layout)
@@ -205,11 +205,11 @@ class CheckpointManager:
       phase('committed')
       self._prune(step if pin else None)
       phase('pruned')
-    error = store.disk_fault(_attempt(commit)[0], path) if lead else None
+    error = save_faults.disk_fault(save_faults.attempt(commit)[0], path) if lead else None
     [failed] = self._agree(error is not None)
     if failed and lead and step not in self._committed():
       self._discard(name)
-    _raise_if(failed, error, f'step {step}: rank 0 failed to commit or prune it')
+    save_faults.raise_if(failed, error, f'step {step}: rank 0 failed to commit or prune it')
 
   def _prepare(self, step):
     """Rank 0, before a save: delete stale uncommitted steps; whether `step` is committed
@@ -278,10 +278,10 @@ class CheckpointManager:
         if check is not None:
           check(p, read_metadata(p))
         return self.load(p, requests, dtypes)
-      error, loaded = _attempt(load)
+      error, loaded = save_faults.attempt(load)
       corrupt = isinstance(error, store.CheckpointError)
       bad, fatal = self._agree(corrupt, error is not None and not corrupt)
-      _raise_if(fatal, None if corrupt else error, f'loading {path} failed on another rank')
+      save_faults.raise_if(fatal, None if corrupt else error, f'loading {path} failed on another rank')
       if not bad:
         arrays, metadata = loaded
         return metadata['step'], arrays, dict(metadata, path=path)
@@ -319,7 +319,7 @@ class CheckpointManager:
       if not steps:
         log.warning('resume_if_exists: no committed checkpoint in %s; starting fresh', self.root)
       return [storage.join(self.root, steps[s]) for s in sorted(steps, reverse=True)]
-    error, candidates = _attempt(lead) if self.rank == 0 else (None, None)
+    error, candidates = save_faults.attempt(lead) if self.rank == 0 else (None, None)
     error, candidates = self._share((error, candidates))
     if error is not None:
       raise error
@@ -340,20 +340,3 @@ class CheckpointManager:
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
     return box[0]
-
-
-
-def _raise_if(failed, error, message):
-  """After an agreement: this rank's own error, else a generic one if another rank failed."""
-  if error is not None:
-    raise error
-  if failed:
-    raise store.CheckpointError(message)
-
-
-def _attempt(fn):
-  """(error, None) or (None, result): errors wait until all ranks have agreed on them."""
-  try:
-    return None, fn()
-  except Exception as error:  # pylint: disable=broad-except
-    return error, None

@@ -33,7 +33,6 @@ array. A missing chunk is an error too (`fill_missing_data_reads: False`), never
 A fresh ts.Context per call: a reused one keeps growing (its cache pools are never released).
 """
 import dataclasses
-import errno
 import functools
 import math
 import re
@@ -207,34 +206,6 @@ def _error(path, name, err, verb='read'):
   if verb == 'read' and ('OUT_OF_RANGE' in msg or 'FAILED_PRECONDITION' in msg):    # a data file cut short or gone
     return ChecksumError(f'array {name!r} in checkpoint {path} could not be read ({msg}); {DAMAGED}')
   return CheckpointError(f'array {name!r} in checkpoint {path} could not be {verb}: {msg}')
-
-
-# What the disk says (Python's errno; tensorstore's ValueError text), said as such, with the fix.
-DISK_FAULTS = ((errno.ENOSPC, 'No space left on device', 'no space left on',
-                'free space there, or set exp_manager.checkpoint_dir to a larger disk'),
-               (errno.EROFS, 'Read-only file system', 'a read-only file system at',
-                'make it writable, or set exp_manager.checkpoint_dir to a writable disk'),
-               (errno.EACCES, 'Permission denied', 'permission denied writing',
-                'check its permissions, or set exp_manager.checkpoint_dir to a directory you can write'))
-
-
-# tensorstore names the operating system's errno in its message
-_OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
-
-
-def disk_fault(error, path):
-  """A full, read-only or forbidden disk during a save said as such (tensorstore reports it as a
-  ValueError whose text holds the errno, Python as an OSError), from the whole of the error and
-  what caused it; other errors pass through."""
-  chain = []
-  while error is not None and len(chain) < 8 and error not in chain:
-    chain.append(error)
-    error = error.__cause__ or error.__context__
-  codes = {getattr(e, 'errno', None) for e in chain} | {int(c) for e in chain for c in _OS_ERROR_CODE.findall(str(e))}
-  for code, text, said, fix in DISK_FAULTS:
-    if code in codes or any(text in str(e) for e in chain):
-      return CheckpointError(f'{said} {path}: this step is not committed and the last committed step is kept; {fix}')
-  return chain[0] if chain else None
 
 
 def write_local(path, tensors: dict, layout: dict, rank: int):

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from estimates import clusters, memory
+from estimates import clusters, host_heap, memory
 from parallel import device as devices
 from model import transformer
 
@@ -102,7 +102,7 @@ def heap_trim(config, mesh, est, before_bytes):
   else:
     return est, 'never trimmed (trim_host_heap=False)'
   est = memory.with_heap_trimmed(config, est)
-  limit = memory.host_heap_limit(est, before_bytes)
+  limit = host_heap.host_heap_limit(est, before_bytes)
   devices.trim_heap_past(limit)
   return est, f'free pages released past {memory.human_bytes(limit)} resident ({reason})'
 

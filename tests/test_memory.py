@@ -5,7 +5,7 @@ import pytest
 
 from configs import base, llama7b, llama_tiny
 from data.loader import Loader
-from estimates import memory
+from estimates import host_heap, memory
 from model import transformer
 from numerics import precision
 from optim import optimizers, update
@@ -194,14 +194,14 @@ def test_heap_holes_are_counted_where_train_py_keeps_freed_host_memory(monkeypat
   c = llama_tiny.get_config()
   est = memory.estimate(c)                                   # auto: untrimmed unless memory is short
   transient = est['activations'] + est['logits'] + est['grad_transient']
-  assert est['heap_holes'] == int(memory.HEAP_HOLES_KEPT * transient) > 0
+  assert est['heap_holes'] == int(host_heap.HEAP_HOLES_KEPT * transient) > 0
   assert est['phases']['forward_backward'] == (est['params'] + est['optimizer'] + est['runtime'] + est['grads']
                                                + transient + est['heap_holes'])
   c.trim_host_heap = False                                   # the holes of every micro batch stay resident
   assert memory.estimate(c) == est
   c.trim_host_heap = True                                    # trimmed near the estimate: fewer holes counted
   trimmed = memory.estimate(c)
-  assert trimmed['heap_holes'] == int(memory.HEAP_HOLES * transient) < est['heap_holes']
+  assert trimmed['heap_holes'] == int(host_heap.HEAP_HOLES * transient) < est['heap_holes']
   assert memory.with_heap_trimmed(c, est) == trimmed
   assert trimmed['total'] == est['total'] - est['heap_holes'] + trimmed['heap_holes']
   c.trim_host_heap = 'auto'

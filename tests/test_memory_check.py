@@ -64,7 +64,7 @@ def test_a_cgroup_memory_limit_is_what_the_ranks_have_left(tmp_path):
 
 def test_the_kept_heap_is_trimmed_only_where_memory_is_short_or_the_user_asks(monkeypatch):
   from configs import llama_tiny  # pylint: disable=import-outside-toplevel
-  from estimates import memory  # pylint: disable=import-outside-toplevel
+  from estimates import host_heap, memory  # pylint: disable=import-outside-toplevel
   from parallel import device, mesh as meshes  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(device, '_HEAP', {'trim': lambda pad: 0, 'limit': None})     # as where glibc keeps the heap
   c = llama_tiny.get_config()
@@ -82,7 +82,7 @@ def test_the_kept_heap_is_trimmed_only_where_memory_is_short_or_the_user_asks(mo
   assert plenty[0] == est and not plenty[2] and plenty[1].startswith('never trimmed (trim_host_heap=auto: ')
   short = choose('auto', est['total'])           # the untrimmed estimate past 90% of the budget
   assert short[0] == trimmed and short[2] and 'memory is short' in short[1]
-  assert device._HEAP['limit'] == memory.host_heap_limit(trimmed, before)  # pylint: disable=protected-access
+  assert device._HEAP['limit'] == host_heap.host_heap_limit(trimmed, before)  # pylint: disable=protected-access
   asked = choose(True, 100 * est['total'])
   assert asked[0] == trimmed and asked[2] and 'trim_host_heap=True' in asked[1]
   off = choose(False, est['total'] // 2)

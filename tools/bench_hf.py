@@ -36,7 +36,6 @@ bf16 dense peak (parallel/device.py), which the line above the table names besid
 bf16 8192^3 matmul. --model picks the shape (MODELS); --seq_length / --micro_batch_size /
 --global_batch_size override its batch.
 """
-import functools
 import os
 import resource
 import statistics
@@ -47,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import tools
+from tools import step_profile
 from configs import llama_tiny
 from data.loader import Loader
 from model import hf, transformer
@@ -137,82 +137,6 @@ def state_bytes(tensors):
   return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def ceiling_step_time(config, dtype, repeats=3, clock='wall', device=torch.device('cpu')):
-  """Seconds per step for the step's GEMMs (forward, and both backward products) and SDPA
-  forward + backward (causal, grouped KV heads) only, each timed alone (best of `repeats`), per
-  micro batch times the micro batches of a step."""
-  m, d = config.model, config.data
-  tokens, hd = d.micro_batch_size * d.seq_length, transformer.head_dim(m)
-  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
-  shapes = [(heads * hd, m.hidden_size), (kv * hd, m.hidden_size), (kv * hd, m.hidden_size),
-            (m.hidden_size, heads * hd), (m.ffn_hidden_size, m.hidden_size), (m.ffn_hidden_size, m.hidden_size),
-            (m.hidden_size, m.ffn_hidden_size)] * m.num_layers + [(m.vocab_size, m.hidden_size)]
-
-  def best(fn):
-    fn()
-    times = []
-    for _ in range(repeats):
-      devices.synchronize(device)
-      start = CLOCKS[clock]()
-      fn()
-      devices.synchronize(device)
-      times.append(CLOCKS[clock]() - start)
-    return min(times)
-
-  randn = functools.partial(torch.randn, dtype=dtype, device=device)
-  total = 0.0
-  for out_f, in_f in set(shapes):
-    x, w, g = randn(tokens, in_f), randn(out_f, in_f), randn(tokens, out_f)
-    t = best(lambda: (x @ w.t(), g @ w, g.t() @ x))       # forward, input grad, weight grad
-    total += t * shapes.count((out_f, in_f))
-  # the step's attention: grouped KV heads, and a dense output gradient (a `.sum()`'s stride-0
-  # one made the CPU's bf16 flash backward 37% slower than the step's: 43.4 against 31.6 ms)
-  b, s = d.micro_batch_size, d.seq_length
-  q, k, v = (randn(b, n, s, hd, requires_grad=True) for n in (heads, kv, kv))
-  grad = randn(b, heads, s, hd)
-  attention = best(lambda: torch.autograd.grad(
-      F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv < heads), (q, k, v), grad))
-  micro_batches = d.global_batch_size // d.micro_batch_size
-  total, attention = total * micro_batches, attention * m.num_layers * micro_batches
-  return total + attention, total, attention
-
-
-
-def profile_step(step_fn, device, rows=15):
-  """step_fn() under torch.profiler: the `rows` ops with the most self CPU time, and on a GPU
-  how long it worked within the step (gpu_busy)."""
-  activities = [torch.profiler.ProfilerActivity.CPU]
-  if device.type == 'cuda':
-    activities.append(torch.profiler.ProfilerActivity.CUDA)
-  devices.synchronize(device)
-  with torch.profiler.profile(activities=activities) as prof:
-    step_fn()
-    devices.synchronize(device)
-  table = prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=rows)
-  return table + ('\n' + gpu_busy(prof.events()) if device.type == 'cuda' else '')
-
-
-def gpu_busy(events, gaps=5):
-  """The GPU's work (kernels, copies, fills; overlaps counted once) against the profiled span,
-  and its longest idle gaps: where a step waits on its host (launch overhead, syncs)."""
-  cpu = [e.time_range for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-  spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
-  if not cpu or not spans:
-    return 'no GPU work recorded'
-  start, end = min(r.start for r in cpu), max(r.end for r in cpu)
-  busy, idle, at = 0, [], start
-  for a, b in spans:
-    if a > at:
-      idle.append((a - at, at - start))
-    busy += max(0, b - max(a, at))
-    at = max(at, b)
-  idle.append((max(0, end - at), at - start))
-  longest = ', '.join(f'{g / 1e3:.1f} ms at {t / 1e3:.0f} ms' for g, t in sorted(idle, reverse=True)[:gaps])
-  return (f'GPU busy {busy / 1e3:.1f} ms of {(end - start) / 1e3:.1f} ms ({busy / max(end - start, 1):.0%}); '
-          f'idle {sum(g for g, _ in idle) / 1e3:.1f} ms in {len(idle)} gaps, the longest: {longest}')
-
-
 def run(precision, steps, warmup, config=None, clock='wall', profile=False, compile_blocks=False, ceiling=None):
   """Interleaved steps of both sides: tok/s, state bytes and each side's losses. `compile_blocks`:
   flatron's model.compile and torch.compile of each HF decoder layer (regional on both sides;
@@ -264,10 +188,10 @@ def run(precision, steps, warmup, config=None, clock='wall', profile=False, comp
     result['ceiling'] = sorted(ceilings)[(len(ceilings) - 1) // 2]     # the faster of two middles
   if profile:
     batch, i, lr = loader.global_batch(0), steps + warmup, updater.lr(steps + warmup)
-    result['profile'] = profile_step(
+    result['profile'] = step_profile.profile_step(
         lambda: training.train_step(params, updater, batch, config, i, mesh, ops)['loss'].item(), mesh.device)
     if mesh.device.type == 'cuda':        # HF's too: where each side's GPU waits
-      result['hf_profile'] = profile_step(
+      result['hf_profile'] = step_profile.profile_step(
           lambda: hf_step(model, optimizer, batch, precision, config.trainer.gradient_clip_val, lr), mesh.device)
   return result
 
@@ -343,7 +267,7 @@ def main(argv):
     # attention, times the layers, moved the ceiling by 20%): the median of them
     r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
             compile_blocks=FLAGS.compile,
-            ceiling=lambda: ceiling_step_time(config, dtype, clock=FLAGS.clock, device=device))
+            ceiling=lambda: step_profile.ceiling_step_time(config, dtype, CLOCKS[FLAGS.clock], device))
     flops = transformer.flops_per_token(config.model, config.data.seq_length)
     ceiling, gemm, attention = r['ceiling']
     tokens = config.data.global_batch_size * config.data.seq_length
