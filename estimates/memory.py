@@ -100,6 +100,12 @@ def with_heap_trimmed(config, est) -> dict:
   return _with_phases(out)
 
 
+def on_another_device(est) -> dict:
+  """`est` for a run planned for another machine's device (a dry run judged on trainer.plan_cluster):
+  no CPU heap's holes there."""
+  return _with_phases(dict(est, heap_holes=0))
+
+
 def _with_phases(out) -> dict:
   """`out` (bytes by component) with the bytes live at each phase's peak, the peak phase and its total."""
   held = out['params'] + out['master'] + out.get('reference', 0)      # from init to the end

@@ -124,6 +124,8 @@ def dry_run_report(config, world_size, check):
   sizes = training.local_sizes(config, mesh)
   est = memory.estimate(config, sizes, mesh.dp)
   target, refusal = memory_check.target_bytes(config), None
+  if target is not None:
+    est = memory.on_another_device(est)
   try:
     memory_check.check_fits(config, mesh, est, check, target)
     if target is None:
