@@ -29,6 +29,16 @@ def roundoff(n_terms, scale=1.0, dtype=torch.float32, slack=4.0):
   return slack * n_terms * torch.finfo(dtype).eps * scale
 
 
+def assert_close_roundoff(actual, expected, n_terms, slack=4.0, msg=None):
+  """torch.testing.assert_close within `roundoff` of `n_terms`-term sums in `actual`'s precision:
+  relative to each element, and absolute at the scale of `expected`'s largest element (an element
+  near zero is a sum whose terms cancel; they are taken as no larger than the largest result)."""
+  dtype = actual.dtype if actual.is_floating_point() else torch.float32
+  scale = expected.detach().abs().max().item() if expected.numel() else 0.0
+  torch.testing.assert_close(actual, expected, rtol=roundoff(n_terms, dtype=dtype, slack=slack),
+                             atol=roundoff(n_terms, scale=scale, dtype=dtype, slack=slack), msg=msg)
+
+
 def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts=(), layers=2,
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,

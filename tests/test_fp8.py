@@ -100,7 +100,11 @@ FP8_LAYOUTS = {
 
 
 def test_fp8_layouts_train_like_one_device_within_bf16_rounding(tmp_path, tmp_path_factory):
-  parity.check_layouts(FP8_LAYOUTS, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=5e-2, norm_rtol=0.25)
+  # A float8 rounding that lands the other way can turn an element's Adam step (at most lr) around,
+  # at every step: parameters up to 2 x lr x steps apart (0.1; measured up to 4.5e-2, moe_ep2 with
+  # ATen's scalar kernels, 3.4e-2 with its AVX2 ones)
+  bound = 2 * parity.parity_config().model.optim.lr * 5
+  parity.check_layouts(FP8_LAYOUTS, tmp_path, tmp_path_factory, loss_rtol=5e-3, param_atol=bound, norm_rtol=0.25)
 
 
 def test_each_expert_runs_in_float8_with_its_own_scales():

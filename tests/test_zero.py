@@ -22,7 +22,7 @@ LAYOUTS = {
 @pytest.mark.parametrize('world_size', parity.world_sizes(LAYOUTS))
 def test_zero1_trains_like_the_unsharded_run(world_size, tmp_path, tmp_path_factory):
   """The layouts of one world size, one after another in one spawned world."""
-  parity.check_layouts(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory, loss_rtol=1e-6)
+  parity.check_layouts(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory)
 
 
 def test_shard_rows_cover_every_row_once():
@@ -166,25 +166,26 @@ def test_overlapped_param_gathers_change_no_bit(precision):
 
 def _param_norms(precision, lora):
   """Per step: (the norm train_step reads from the owned rows, gathers in flight when it did, the
-  norm of the gathered parameters) at dp2 + ZeRO-1."""
+  norm of the gathered parameters, the terms along its sums' longest chain) at dp2 + ZeRO-1."""
   from parallel import grads  # pylint: disable=import-outside-toplevel
   config = parity.parity_config(zero1=True, precision=precision, lora=lora)
   mesh = meshes.init(config)
   params = training.init_params(config, mesh)
   updater = update.Updater(params, config, mesh, trainable={n for n in params if not lora or 'lora_' in n})
   out = []
+  terms = max(p.numel() for p in params.values()) + len(params) + mesh.dp   # a tensor, the tensors, the ranks
   for step in range(2):
     batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
     got = training.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh),
                               defer_param_gather=True, param_norm=True)
     in_flight = len(updater.pending)
     updater.wait_params()
-    out.append((got['param_norm'].item(), in_flight, grads.global_norm(params, mesh).item()))
+    out.append((got['param_norm'].item(), in_flight, grads.global_norm(params, mesh).item(), terms))
   return out
 
 
 @pytest.mark.parametrize('precision, lora', [('fp32', 0), ('bf16SR', 0), ('fp32', 4)])
 def test_a_zero1_steps_parameter_norm_waits_for_no_gather(precision, lora):
   for rank in world.run(_param_norms, 2, precision, lora):
-    for from_rows, in_flight, gathered in rank:
-      assert in_flight > 0 and from_rows == pytest.approx(gathered, rel=1e-6), rank
+    for from_rows, in_flight, gathered, terms in rank:   # two orders of fp32 sums of squares
+      assert in_flight > 0 and from_rows == pytest.approx(gathered, rel=parity.roundoff(terms, slack=1)), rank
