@@ -25,7 +25,7 @@ from configs import cli, from_files, validate as config_validation
 from data import tokenizer
 from data.loader import Loader
 from estimates import memory, memory_check, summary as summaries
-from model import lora, objectives, transformer
+from model import flop_count, lora, objectives
 from optim import update
 from parallel import comm, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, training, xla
@@ -190,7 +190,7 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     if start_step == 0:                     # the model before training, e.g. a fine-tune's base
       log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples,
                  **{f'sanity_val_{k}': v for k, v in sanity_metrics.items()}})
-  flops_per_token = transformer.flops_per_token(config.model, config.data.seq_length)
+  flops_per_token = flop_count.flops_per_token(config.model, config.data.seq_length)
   total = last_step(t, train_data)
   reporter = logs.StepReporter(config, mesh, log, peak, total, start_step, flops_per_token)
   val = None

@@ -6,7 +6,7 @@ family has that flatron does not implement are refused by name, never ignored.
 """
 import copy
 
-from model import transformer
+from model import rope, transformer
 
 FAMILIES = {                      # HF model_type -> (its causal-LM class, our model.architecture label)
     'llama': ('LlamaForCausalLM', 'llama'),
@@ -23,63 +23,6 @@ GEMMA_KEYS = ('rmsnorm_unit_offset', 'qk_norm', 'sandwich_norm', 'scale_embeddin
 
 
 # --- config -----------------------------------------------------------------------------
-
-
-ROPE_TYPES = ('default', 'linear', 'dynamic', 'llama3')   # HF rope_type values computed here
-
-
-def _rope_entry(rope, key, theta=None):
-  """(RoPE base, scaling settings) from one HF rope dict; scaled variants other than linear,
-  dynamic and llama3 (yarn, longrope...) are refused by name."""
-  rope_type = rope.get('rope_type', rope.get('type', 'default'))
-  if rope_type not in ROPE_TYPES:
-    raise ValueError(f"{key}.rope_type={rope_type!r} is not implemented (only {', '.join(ROPE_TYPES)})")
-  if rope.get('partial_rotary_factor', 1.0) != 1.0:
-    raise ValueError(f'{key}.partial_rotary_factor={rope["partial_rotary_factor"]} is not supported')
-  theta, scaling = rope.get('rope_theta', theta), {'type': 'none'}
-  if rope_type != 'default':
-    scaling = {'type': rope_type, 'factor': float(rope['factor'])}
-    if rope_type == 'llama3':
-      scaling.update({k: float(rope[k]) for k in ('low_freq_factor', 'high_freq_factor')},
-                     original_max_position_embeddings=int(rope['original_max_position_embeddings']))
-  return theta, scaling
-
-
-def _rope(hf):
-  """(RoPE base, scaling settings, sliding layers' base or 0) from either config layout:
-  transformers 4.x (rope_theta, rope_scaling, Gemma's rope_local_base_freq) or 5.x
-  (rope_parameters, per layer type for Gemma 3)."""
-  params = hf.get('rope_parameters') or {}
-  if 'full_attention' in params or 'sliding_attention' in params:       # 5.x, per layer type
-    theta, scaling = _rope_entry(params.get('full_attention') or {}, 'rope_parameters.full_attention')
-    local = params.get('sliding_attention') or {}
-    local_theta, local_scaling = _rope_entry(local, 'rope_parameters.sliding_attention')
-    if local_scaling['type'] != 'none':
-      raise ValueError(f'rope_parameters.sliding_attention.rope_type={local_scaling["type"]!r}: '
-                       'sliding layers with scaled RoPE are not supported')
-  else:
-    theta, scaling = hf.get('rope_theta'), {'type': 'none'}
-    for key in ('rope_scaling', 'rope_parameters'):
-      entry_theta, entry_scaling = _rope_entry(hf.get(key) or {}, key, theta)
-      theta = entry_theta
-      if entry_scaling['type'] != 'none':
-        scaling = entry_scaling
-    local_theta = hf.get('rope_local_base_freq')
-  if hf.get('model_type') == 'gemma3_text':       # HF's defaults when a config omits them
-    theta, local_theta = theta or 1e6, local_theta or 1e4
-  return float(theta or 10000.0), scaling, float(local_theta or 0.0)
-
-
-def _rope_to_hf(m) -> dict:
-  """rope_scaling as HF writes it (None without scaling)."""
-  r = m.get('rope_scaling')
-  if r is None or r.type == 'none':
-    return None
-  out = {'rope_type': r.type, 'factor': r.factor}
-  if r.type == 'llama3':
-    out.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
-               original_max_position_embeddings=r.original_max_position_embeddings)
-  return out
 
 
 def _layer_types(hf, family, num_layers):
@@ -156,7 +99,7 @@ def config_from_hf(hf_config: dict, base_model):
   m.max_position_embeddings = hf.get('max_position_embeddings', 2048)
   m.position_embedding_type = 'rope'
   m.rotary_percentage = 1.0
-  m.rope_theta, scaling, m.rope_local_theta = _rope(hf)
+  m.rope_theta, scaling, m.rope_local_theta = rope.from_hf(hf)
   m.rope_scaling.update(scaling)
   m.sliding_window, m.layer_types = _layer_types(hf, family, m.num_layers)
   m.normalization = 'rmsnorm'
@@ -261,7 +204,7 @@ def config_to_hf(model_cfg) -> dict:
     if value != needed:
       raise ValueError(f'model.{key}={value!r} cannot be expressed in HF (needs {needed!r})')
   family = _family(m)
-  rope_scaling = _rope_to_hf(m)
+  rope_scaling = rope.to_hf(m)
   out = {
       'architectures': [FAMILIES[family][0]],
       'model_type': family,

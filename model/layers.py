@@ -6,7 +6,6 @@ parallelism: the linear layers, embedding and cross-entropy come from an `Ops` v
 whose single-device version below is plain PyTorch (parallel/tensor.py supplies others).
 """
 import dataclasses
-import math
 from typing import Callable
 
 import torch
@@ -15,6 +14,7 @@ from einops import rearrange
 
 import rng
 from model import cross_entropy, lora
+from model.rope import apply_rope
 from numerics import fp8
 
 
@@ -189,52 +189,6 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
     out = ops.column_linear(x_bs_, w, b, **in_fp8)
     return out if extra is None else out + extra
   return ops.row_linear(x_bs_, w, b, extra, **in_fp8)
-
-
-# --- rotary embedding -----------------------------------------------------------------
-
-
-def rope_inv_freq(rot_dim, theta, scaling=None, seq_len=0, max_positions=0):
-  """RoPE's inverse frequencies (float64), with HF's `linear`, `dynamic` or `llama3` scaling:
-  llama3 keeps the high frequencies, divides the low ones by `factor`, and blends in between;
-  dynamic (NTK) raises the base once `seq_len` (the batch's last position + 1, as HF) passes
-  `max_positions`."""
-  kind = scaling.type if scaling is not None else 'none'
-  if kind == 'dynamic' and seq_len > max_positions:
-    theta = theta * ((scaling.factor * seq_len / max_positions) - (scaling.factor - 1)) ** (rot_dim / (rot_dim - 2))
-  inv_freq = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
-  if kind == 'linear':
-    return inv_freq / scaling.factor
-  if kind == 'llama3':
-    original = scaling.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / scaling.low_freq_factor, inv_freq / scaling.factor, inv_freq)
-    smooth = (original / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= original / scaling.high_freq_factor) & (wavelen <= original / scaling.low_freq_factor)
-    return torch.where(medium, blended, scaled)
-  return inv_freq
-
-
-def rope_cos_sin(position_ids_bs, rot_dim, theta, dtype, scaling=None, max_positions=0):
-  seq_len = int(position_ids_bs.max()) + 1 if scaling is not None and scaling.type == 'dynamic' else 0
-  inv_freq = rope_inv_freq(rot_dim, theta, scaling, seq_len, max_positions)
-  angles = position_ids_bs.double()[..., None] * inv_freq.to(position_ids_bs.device)
-  angles = torch.cat([angles, angles], dim=-1)                        # rotate-half layout (HF)
-  return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]  # [b, 1, s, r]
-
-
-def apply_rope(x_bnsd, cos_b1sr, sin_b1sr):
-  """Rotate the first r dims of each head (r = rotary_percentage * d), HF's rotate-half:
-  x * cos + cat(-x2, x1) * sin, written half by half. The same products and sums, bit for bit
-  (a + (-b) * s is a - b * s in IEEE arithmetic), without the rotated copy: compiled, the cat
-  was a buffer of its own, each RoPE 2-3x slower than its bytes."""
-  r = cos_b1sr.shape[-1]
-  x1, x2 = x_bnsd[..., :r].chunk(2, dim=-1)
-  c1, c2 = cos_b1sr.chunk(2, dim=-1)
-  s1, s2 = sin_b1sr.chunk(2, dim=-1)
-  halves = [x1 * c1 - x2 * s1, x2 * c2 + x1 * s2]
-  return torch.cat(halves + [x_bnsd[..., r:]] if r < x_bnsd.shape[-1] else halves, dim=-1)
 
 
 # --- attention ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import rng
-from model import chunked_ce, layers, lora, moe, objectives, router_losses
+from model import chunked_ce, layers, lora, moe, objectives, rope, router_losses
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -54,10 +54,10 @@ def _rope_by_type(cfg, position_ids_bs, dtype):
   """cos, sin per layer type: sliding layers use their own unscaled base when
   model.rope_local_theta is set (Gemma 3), else every layer uses rope_theta with rope_scaling."""
   rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
-  full = layers.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, dtype, cfg.get('rope_scaling'),
+  full = rope.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, dtype, cfg.get('rope_scaling'),
                              cfg.max_position_embeddings)
   local_theta = cfg.get('rope_local_theta')
-  local = layers.rope_cos_sin(position_ids_bs, rot_dim, local_theta, dtype) if local_theta else full
+  local = rope.rope_cos_sin(position_ids_bs, rot_dim, local_theta, dtype) if local_theta else full
   return {'full_attention': full, 'sliding_attention': local}
 
 
@@ -203,22 +203,6 @@ def count_params(cfg, embedding=True, trainable_only=False) -> int:
       shape = spec.shape
     total += math.prod(shape)
   return total
-
-
-def flops_per_token(cfg, seq_length: int) -> float:
-  """Training FLOPs per token, PaLM/torchtitan convention: 6 N_nonembedding + 12 L h s.
-
-  N_nonembedding excludes the input embedding table but keeps the LM head (for tied
-  embeddings the one table is the LM head and counts). Attention counted non-causal. With
-  LoRA the frozen base needs no weight gradients: 4 FLOPs per frozen parameter, 6 per trained.
-  MoE counts active parameters: of each MoE layer's experts, the top_k a token runs.
-  """
-  n, trained = count_params(cfg, embedding=False), count_params(cfg, embedding=False, trainable_only=True)
-  if moe.enabled(cfg):        # a token runs top_k of the experts: active parameters only
-    full = trained == n       # else LoRA: the experts are frozen (adapters never target them)
-    n -= moe.inactive_params(cfg)
-    trained = n if full else trained
-  return 6 * trained + 4 * (n - trained) + 12 * cfg.num_layers * cfg.hidden_size * seq_length
 
 
 def forward(params, tokens_bs, cfg, ops=layers.LOCAL_OPS, *, position_ids_bs=None,

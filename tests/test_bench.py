@@ -11,7 +11,7 @@ from absl import flags
 import pytest
 
 from configs import llama_tiny
-from model import transformer
+from model import flop_count
 from tests import procs
 from tools import bench
 
@@ -24,7 +24,7 @@ def test_bench_figures_are_consistent():
   tokens = c.data.global_batch_size * c.data.seq_length
   assert r['tokens_per_step'] == tokens
   assert r['tokens_per_sec'] == pytest.approx(tokens / r['step_time'])
-  assert r['flops'] == pytest.approx(r['tokens_per_sec'] * transformer.flops_per_token(c.model, 16))
+  assert r['flops'] == pytest.approx(r['tokens_per_sec'] * flop_count.flops_per_token(c.model, 16))
   assert r['mfu'] == pytest.approx(r['flops'] / r['peak'])
 
 

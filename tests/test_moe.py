@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip('transformers')
 
 from configs import base as base_config
-from model import hf, layers, moe, objectives, router_losses, transformer
+from model import flop_count, hf, layers, moe, objectives, router_losses, transformer
 from tests import parity
 from tests.test_hf import SEQ, TOL, VOCAB, _randomize, random_tokens
 
@@ -208,11 +208,11 @@ def test_checks_name_the_key():
 
 def test_flops_count_active_experts():
   cfg = base_config.get_config().model
-  dense = transformer.flops_per_token(cfg, 128)
+  dense = flop_count.flops_per_token(cfg, 128)
   cfg.moe.update(num_experts=8, top_k=2)
   # 2 of 8 experts run: the active parameters are those of a dense model with 2 MLPs + routers
   extra = 2 * (cfg.hidden_size * 3 * cfg.ffn_hidden_size) + 2 * 8 * cfg.hidden_size
-  assert transformer.flops_per_token(cfg, 128) == dense + 6 * extra
+  assert flop_count.flops_per_token(cfg, 128) == dense + 6 * extra
 
 
 @pytest.mark.skipif(not hasattr(torch, '_grouped_mm'), reason='this torch has no _grouped_mm')

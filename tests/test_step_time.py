@@ -7,7 +7,7 @@ import pytest
 
 from configs import llama3_8b, llama_tiny
 from estimates import clusters, collective_cost, micro_batch_cost, schedule_sim, step_time
-from model import transformer
+from model import flop_count, transformer
 
 H100 = clusters.CLUSTERS['h100']
 
@@ -48,7 +48,7 @@ def test_terms_follow_the_layout():
 def test_mfu_is_model_flops_over_peak():
   c = _config()
   p = step_time.predict(c, H100, 8)
-  per_token = transformer.flops_per_token(c.model, c.data.seq_length)
+  per_token = flop_count.flops_per_token(c.model, c.data.seq_length)
   assert p.mfu == pytest.approx(per_token * p.tokens_per_s / (8 * H100.peak['bf16']))
   assert p.tokens_per_s == pytest.approx(c.data.global_batch_size * c.data.seq_length / p.step_s)
   assert p.step_s == pytest.approx(sum(p.terms.values()))     # one stage: no bubble, every term adds

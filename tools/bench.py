@@ -39,7 +39,7 @@ import tools
 from configs import validate
 from data.loader import Loader
 from estimates import memory, memory_check
-from model import hf, moe, transformer
+from model import flop_count, hf, moe, transformer
 from optim import update
 from parallel import compiled, device as devices, mesh as meshes, tensor, training
 
@@ -91,7 +91,7 @@ def bench(config, steps, warmup):
   mesh, device = run.mesh, run.mesh.device
   step_time = statistics.median(run.times[warmup:])
   tokens = config.data.global_batch_size * config.data.seq_length
-  flops = transformer.flops_per_token(config.model, config.data.seq_length) * tokens / step_time
+  flops = flop_count.flops_per_token(config.model, config.data.seq_length) * tokens / step_time
   peak, source = devices.peak_flops(device) if device.type == 'cuda' else (
       devices.measured_matmul_flops(device, n=2048), f'measured fp32 2048^3 matmul on {device.type}')
   after = compiled.stats()

@@ -49,7 +49,7 @@ import tools
 from tools import step_profile
 from configs import llama_tiny
 from data.loader import Loader
-from model import hf, transformer
+from model import flop_count, hf
 from optim import graphed, optimizers, update
 from parallel import device as devices, mesh as meshes, tensor, training
 
@@ -268,7 +268,7 @@ def main(argv):
     r = run(precision, FLAGS.steps, FLAGS.warmup, config=config, clock=FLAGS.clock, profile=FLAGS.profile,
             compile_blocks=FLAGS.compile,
             ceiling=lambda: step_profile.ceiling_step_time(config, dtype, CLOCKS[FLAGS.clock], device))
-    flops = transformer.flops_per_token(config.model, config.data.seq_length)
+    flops = flop_count.flops_per_token(config.model, config.data.seq_length)
     ceiling, gemm, attention = r['ceiling']
     tokens = config.data.global_batch_size * config.data.seq_length
     # both sides live in this process: the peak so far, not either side's own

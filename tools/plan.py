@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from configs import from_files, validate
 from estimates import clusters, memory, step_time, summary
-from model import transformer
+from model import flop_count, transformer
 import tools
 import user_errors
 
@@ -150,7 +150,7 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
   work.device = cluster.device
   refused, found, searched, fitting = collections.Counter(), [], 0, 0
   counts = (transformer.count_params(work.model), transformer.count_params(work.model, trainable_only=True),
-            transformer.flops_per_token(work.model, work.data.seq_length))
+            flop_count.flops_per_token(work.model, work.data.seq_length))
   specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
   too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
   for layout in layouts(config, world_size, fp8):
