@@ -112,6 +112,8 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   peak = cluster.peak[compute_dtype(config)]
   gemm, attn_rate = peak * cluster.matmul_eff, peak * cluster.attn_eff
   attn_flops = 2 * b * s * s * heads * hd / tp / cp   # QK^T and PV (2 x 2 b s^2 a d), causal: half; cp: a share
+  # Time, not MFU's count (model/flop_count.py charges a sliding layer its window): at cp = 1 a
+  # windowed layer runs as SDPA with a mask, whose kernels compute every block: no time saved
   attn_lin = 2 * n * (h * (heads + 2 * kv) * hd + heads * hd * h) / tp
   mlp_lin = 2 * n * (3 if gated else 2) * h * f / tp
   if is_moe:       # every TP rank routes all tokens (the router is whole) through its slice of the experts

@@ -29,7 +29,7 @@ def startup(config, mesh, sizes, est) -> str:
       f'{m.vocab_size} (padded {transformer.padded_vocab_size(m, mesh.tp)})'
       + (f' | from {m.model_config} + {len(m.model_config_overrides)} key(s) set over it' if config.model_source == 'hf' else ''),
       f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
-      f'{flop_count.flops_per_token(m, a.seq_length):.3e} (6N + 12Lhs' + (', frozen base 4N' if lora.settings(m) else '') + ')',
+      f'{flop_count.flops_per_token(m, a.seq_length):.3e} (6N + 12 x heads x head_dim x span, summed over layers' + (', frozen base 4N' if lora.settings(m) else '') + ')',
       f'batch: global {a.global_batch_size} x seq {a.seq_length} = {tokens_per_step:,} tokens/step | '
       f'micro {a.micro_batch_size} x {accum} accumulation steps x dp {mesh.dp}'
       + (f' | cp {mesh.cp}: {a.seq_length // mesh.cp:,} tokens of each sequence per rank (activations / {mesh.cp})'

@@ -18,8 +18,15 @@ from tools import bench
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
 
 
-def test_bench_figures_are_consistent():
+# heads x head_dim (4 x 16) past the hidden size (32), a sliding layer before a full one: the
+# FLOPs the figures use count both
+WINDOWED = {'head_dim': 16, 'sliding_window': 8, 'layer_types': ('sliding_attention', 'full_attention')}
+
+
+@pytest.mark.parametrize('overrides', [{}, WINDOWED], ids=['llama_tiny', 'head_dim_and_window'])
+def test_bench_figures_are_consistent(overrides):
   c = llama_tiny.get_config('test')
+  c.model.update(overrides)
   r = bench.bench(c, steps=2, warmup=1)
   tokens = c.data.global_batch_size * c.data.seq_length
   assert r['tokens_per_step'] == tokens

@@ -45,8 +45,17 @@ def test_terms_follow_the_layout():
   assert pp.terms['bubble'] > 0 and pp.terms['pp_comm'] > 0 and 0 < pp.bubble < 1
 
 
-def test_mfu_is_model_flops_over_peak():
-  c = _config()
+def _gemma3_270m(**strategy):
+  # heads x head_dim 1024 against hidden 640, 15 of 18 layers sliding over 512 of 8192 tokens
+  from tests import test_flop_count  # pylint: disable=import-outside-toplevel
+  c = _config(**strategy)
+  c.model = test_flop_count.gemma3_270m()
+  return c
+
+
+@pytest.mark.parametrize('make', [_config, _gemma3_270m], ids=['llama3_8b', 'gemma3_270m'])
+def test_mfu_is_model_flops_over_peak(make):
+  c = make()
   p = step_time.predict(c, H100, 8)
   per_token = flop_count.flops_per_token(c.model, c.data.seq_length)
   assert p.mfu == pytest.approx(per_token * p.tokens_per_s / (8 * H100.peak['bf16']))

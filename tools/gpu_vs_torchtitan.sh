@@ -13,7 +13,7 @@
 #     `quantize.linear.float8` with recipe rowwise and the head left in bf16 (as flatron leaves it).
 # Each cell: 20 steps, logged every 5; tokens/s over steps 11-15 (the last logged window, which flatron
 # reads after its loop, left out on both sides). MFU for both by one convention,
-# 6 N + 12 L h s FLOPs a token (N: the parameters less the input embedding, the head counted once;
+# 6 N + 12 L x heads x head_dim x s FLOPs a token (N: the parameters less the input embedding, the head counted once;
 # attention non-causal: what both trainers log), against the datasheet's bf16 dense peak (H100 / H200
 # SXM: 989 TFLOP/s, the figure both use). Needs torch with CUDA and the wheels torchtitan 0.2.2,
 # torchao, torchdata, tyro, docstring-parser, typeguard, ml-collections in .whl/ (installed to /tmp/site first: a
@@ -142,7 +142,7 @@ L, h, f, heads, kv, V = 16, 2048, 8192, 32, 8, 128256
 d = h // heads
 block = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * f + 2 * h
 n = L * block + h + V * h                       # less the input embedding; the head once
-flops = 6 * n + 12 * L * h * seq                # FLOPs a token, both trainers' convention
+flops = 6 * n + 12 * L * heads * d * seq        # FLOPs a token, both trainers' convention (no sliding layers)
 PEAK = 989e12                                   # H100 / H200 SXM datasheet, bf16 dense
 print(f'N (non-embedding, head once) {n:,} | {flops:.4e} FLOPs/token | peak {PEAK:.3e} FLOP/s | '
       f'{batch} x {seq} tokens a step, steps after {after} and before {last} timed')
