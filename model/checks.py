@@ -4,13 +4,13 @@ Only the model's own rules live here; how a layout splits it (tp, pp) is paralle
 recompute is parallel/remat.py's. configs/validate.py reports these with every other problem.
 """
 from config_checks import one_of, positive
-from model import moe
+from model import moe, rope
 
 ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'gemma3', 'mixtral', 'qwen2_moe')
 NORMALIZATIONS = ('rmsnorm', 'layernorm')
 ACTIVATIONS = ('swiglu', 'geglu', 'gelu')
 POSITIONS = ('rope', 'learned_absolute')
-ROPE_SCALINGS = ('none', 'linear', 'dynamic', 'llama3')
+ROPE_SCALINGS = ('none', 'linear', 'dynamic', 'llama3', 'yarn', 'longrope')
 LAYER_TYPES = ('full_attention', 'sliding_attention')
 POSITIVE_KEYS = ('num_layers', 'hidden_size', 'ffn_hidden_size', 'num_attention_heads', 'vocab_size',
                  'max_position_embeddings', 'make_vocab_size_divisible_by', 'init_method_std',
@@ -65,6 +65,24 @@ def _check_positions(model) -> list:
   if scaling.type == 'llama3' and not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
     problems.append(f'model.rope_scaling: llama3 needs 0 < low_freq_factor < high_freq_factor '
                     f'(got {scaling.low_freq_factor}, {scaling.high_freq_factor})')
+  if scaling.type in rope.ORIGINAL_CONTEXT_TYPES:
+    positive(problems, 'model.rope_scaling.original_max_position_embeddings', scaling.original_max_position_embeddings)
+  if scaling.type in ('yarn', 'longrope'):
+    positive(problems, 'model.rope_scaling.attention_factor', scaling.attention_factor, allow_zero=True)
+  if scaling.type == 'yarn':
+    for key in ('mscale', 'mscale_all_dim'):
+      positive(problems, f'model.rope_scaling.{key}', scaling[key], allow_zero=True)
+    if not 0 < scaling.beta_slow <= scaling.beta_fast:
+      problems.append(f'model.rope_scaling: yarn needs 0 < beta_slow <= beta_fast (got {scaling.beta_slow}, '
+                      f'{scaling.beta_fast}; HF: 1, 32)')
+  if scaling.type == 'longrope':
+    heads = model.num_attention_heads
+    head_dim = model.head_dim or (model.hidden_size // heads if heads > 0 else 0)
+    rot_dim = int(head_dim * model.rotary_percentage) // 2 * 2       # as transformer.py rotates
+    problems += rope.longrope_problems(scaling, rot_dim, 'model.rope_scaling')
+    if not all(f > 0 for f in tuple(scaling.short_factor) + tuple(scaling.long_factor)):
+      problems.append("model.rope_scaling: longrope's short_factor and long_factor must be > 0 "
+                      '(they divide the frequencies)')
   positive(problems, 'model.sliding_window', model.sliding_window, allow_zero=True)
   positive(problems, 'model.rope_local_theta', model.rope_local_theta, allow_zero=True)
   positive(problems, 'model.query_pre_attn_scalar', model.query_pre_attn_scalar, allow_zero=True)

@@ -31,11 +31,19 @@ def model_section() -> config_dict.ConfigDict:
   model.rotary_percentage = 1.0            # fraction of each head's dims that RoPE rotates
   model.rope_theta = 10000.0               # RoPE base
   model.rope_scaling = config_dict.ConfigDict()   # RoPE frequency scaling for long context (HF's rope_scaling)
-  model.rope_scaling.type = 'none'         # none | linear | dynamic (NTK, past max_position_embeddings) | llama3 (Llama 3.1 / 3.2)
-  model.rope_scaling.factor = 1.0          # linear / dynamic / llama3: how much longer than the original context
+  model.rope_scaling.type = 'none'         # none | linear | dynamic (NTK) | llama3 (Llama 3.1 / 3.2) | yarn (Qwen3) | longrope (Phi-3 / 4-mini)
+  model.rope_scaling.factor = 1.0          # linear / dynamic / llama3 / yarn / longrope: how much longer than the original context
   model.rope_scaling.low_freq_factor = 1.0     # llama3: wavelengths above original / low_freq_factor are divided by factor
   model.rope_scaling.high_freq_factor = 4.0    # llama3: wavelengths below original / high_freq_factor are kept
-  model.rope_scaling.original_max_position_embeddings = 8192  # llama3: the context the model was pretrained at
+  model.rope_scaling.original_max_position_embeddings = 8192  # llama3 / yarn / longrope: the context the model was pretrained at
+  model.rope_scaling.beta_fast = 32.0      # yarn: dims turning more than this many times over the original context are kept
+  model.rope_scaling.beta_slow = 1.0       # yarn: dims turning fewer than this many times are divided by factor (a ramp between)
+  model.rope_scaling.truncate = True       # yarn: round the ramp's ends to whole dims (HF's default; False for gpt-oss)
+  model.rope_scaling.mscale = 0.0          # yarn: set with mscale_all_dim, the attention factor is their mscales' ratio (DeepSeek); 0 = unset
+  model.rope_scaling.mscale_all_dim = 0.0  # yarn: see mscale; 0 = unset
+  model.rope_scaling.attention_factor = 0.0    # yarn / longrope: multiplies cos and sin; 0 = derived from factor as HF
+  model.rope_scaling.short_factor = ()     # longrope: per-frequency divisors while positions stay within the original context
+  model.rope_scaling.long_factor = ()      # longrope: per-frequency divisors once a position passes it
   model.rope_local_theta = 0.0             # RoPE base of sliding-window layers (Gemma 3: 1e4); 0 = rope_theta (and its scaling)
   model.sliding_window = 0                 # sliding_attention layers see the last this-many positions (Mistral, Gemma 3); 0 = off
   model.layer_types = ()                   # per layer: full_attention | sliding_attention; () = all sliding if sliding_window, else all full

@@ -98,8 +98,7 @@ def config_from_hf(hf_config: dict, base_model):
   m.vocab_size = hf['vocab_size']
   m.max_position_embeddings = hf.get('max_position_embeddings', 2048)
   m.position_embedding_type = 'rope'
-  m.rotary_percentage = 1.0
-  m.rope_theta, scaling, m.rope_local_theta = rope.from_hf(hf)
+  m.rope_theta, scaling, m.rope_local_theta, m.rotary_percentage = rope.from_hf(hf)
   m.rope_scaling.update(scaling)
   m.sliding_window, m.layer_types = _layer_types(hf, family, m.num_layers)
   m.normalization = 'rmsnorm'
@@ -223,6 +222,7 @@ def config_to_hf(model_cfg) -> dict:
       'initializer_range': m.init_method_std,
       'use_cache': True,
   }
+  out.update(rope.to_hf_top_level(m))          # what transformers 4.x reads only at the top level
   window = m.get('sliding_window') or 0
   if family == 'gemma3_text':
     out.update(hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=m.query_pre_attn_scalar or

@@ -95,9 +95,10 @@ def check(config) -> list:
                     'attention probabilities (it merges blocks by their log-sum-exp), so there is no '
                     'whole-row probability to drop; set model.attention_dropout=0 or context_parallel_size=1 '
                     '(hidden, ffn and LoRA dropout are exact under cp)')
-  if m.get('rope_scaling') is not None and m.rope_scaling.type == 'dynamic':
-    problems.append(f"model.rope_scaling.type='dynamic' with {why}: its base depends on the longest position, "
-                    "which a slice does not see; use 'linear' or 'llama3', or context_parallel_size=1")
+  if m.get('rope_scaling') is not None and m.rope_scaling.type in ('dynamic', 'longrope'):
+    problems.append(f"model.rope_scaling.type={m.rope_scaling.type!r} with {why}: its frequencies depend on the "
+                    "longest position, which a slice does not see; use 'linear', 'llama3' or 'yarn', or "
+                    "context_parallel_size=1")
   if m.compile:
     problems.append(f'model.compile=True with {why}: the ring is not traced; set model.compile=False')
   if m.moe.num_experts > 0:

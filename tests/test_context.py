@@ -96,11 +96,13 @@ def test_what_does_not_compose_is_refused_by_name():
   c.data.seq_length = 18
   c.model.attention_dropout = 0.1
   c.model.compile = True
+  c.model.rope_scaling.type = 'longrope'          # short or long factors by the longest position
   problems = '\n'.join(validate.check(c, 2))
   for needed in ('model.fusions.ring_attention=True', 'divisible by 2 x context_parallel_size = 4',
-                 'model.attention_dropout=0.1', 'model.compile=True'):
+                 'model.attention_dropout=0.1', 'model.compile=True', "model.rope_scaling.type='longrope'"):
     assert needed in problems, needed
   c.model.fusions.ring_attention, c.data.seq_length, c.model.attention_dropout, c.model.compile = True, 16, 0.0, False
+  c.model.rope_scaling.type = 'yarn'              # fixed frequencies: exact under cp
   assert validate.check(c, 2) == []
   assert 'launch a multiple of 2' in '\n'.join(validate.check(c, 3))
   c.model.hidden_dropout = c.model.ffn_dropout = 0.1          # exact under cp: accepted

@@ -32,8 +32,8 @@ def test_config_from_hf_sets_the_model_section_and_keeps_the_rest_of_the_base():
 
 def test_error_unsupported_rope_scaling():
   config = family_config('llama', max_position_embeddings=8192).to_dict()
-  config['rope_scaling'] = {'rope_type': 'yarn', 'factor': 8.0}
-  with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='yarn'"):
+  config['rope_scaling'] = {'type': 'mrope', 'mrope_section': [2, 3, 3]}     # Qwen2-VL's 4.x spelling
+  with pytest.raises(ValueError, match=r"rope_scaling\.rope_type='mrope'"):
     hf.config_from_hf(config, BASE_MODEL)
 
 
@@ -56,19 +56,19 @@ def _raw(model_type, **keys):
     (lambda: _gemma_dict(attn_logit_softcapping=50.0), r'attn_logit_softcapping=50\.0'),
     (lambda: _raw('qwen2', use_sliding_window=True, sliding_window=4,
                   layer_types=['full_attention', 'chunked_attention']), 'chunked_attention'),
-    (lambda: _raw('llama', rope_parameters={'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e4}),
-     r"rope_parameters\.rope_type='yarn'"),
-    (lambda: _gemma_dict(rope_parameters={'full_attention': {'rope_type': 'yarn', 'factor': 4.0, 'rope_theta': 1e6},
+    (lambda: _raw('llama', rope_parameters={'rope_type': 'proportional', 'rope_theta': 1e4}),
+     r"rope_parameters\.rope_type='proportional'"),
+    (lambda: _gemma_dict(rope_parameters={'full_attention': {'rope_type': 'proportional', 'rope_theta': 1e6},
                                           'sliding_attention': {'rope_type': 'default', 'rope_theta': 1e4}}),
-     r"rope_parameters\.full_attention\.rope_type='yarn'"),
+     r"rope_parameters\.full_attention\.rope_type='proportional'"),
     (lambda: _gemma_dict(rope_parameters={'full_attention': {'rope_type': 'default', 'rope_theta': 1e6},
                                           'sliding_attention': {'rope_type': 'linear', 'factor': 2.0, 'rope_theta': 1e4}}),
      r'rope_parameters\.sliding_attention'),
     (lambda: _raw('gemma3', architectures=['Gemma3ForConditionalGeneration'], text_config=_gemma_dict()),
      'Gemma3ForCausalLM'),
     (lambda: _raw('mistral', layer_types=['full_attention', 'sliding_attention']), 'layer_types'),
-], ids=['final_softcap', 'attn_softcap', 'chunked_attention', 'yarn', 'gemma_yarn', 'gemma_local_scaling',
-        'gemma3_multimodal', 'mistral_layer_types'])
+], ids=['final_softcap', 'attn_softcap', 'chunked_attention', 'unknown_rope_type', 'gemma_unknown_rope_type',
+        'gemma_local_scaling', 'gemma3_multimodal', 'mistral_layer_types'])
 def test_import_refusals_name_the_key(hf_config, match):
   with pytest.raises(ValueError, match=match):
     hf.config_from_hf(hf_config(), BASE_MODEL)
