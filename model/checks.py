@@ -6,7 +6,8 @@ recompute is parallel/remat.py's. configs/validate.py reports these with every o
 from config_checks import one_of, positive
 from model import moe, rope
 
-ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'gemma3', 'mixtral', 'qwen2_moe')
+ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'phi3', 'gemma3', 'mixtral', 'qwen2_moe',
+                 'qwen3_moe')
 NORMALIZATIONS = ('rmsnorm', 'layernorm')
 ACTIVATIONS = ('swiglu', 'geglu', 'gelu')
 POSITIONS = ('rope', 'learned_absolute')
@@ -38,6 +39,10 @@ def check(model, seq_length) -> list:
   if (model.rmsnorm_unit_offset or model.qk_norm or model.sandwich_norm) and model.normalization != 'rmsnorm':
     problems.append(f'model.rmsnorm_unit_offset / qk_norm / sandwich_norm need model.normalization=rmsnorm '
                     f'(got {model.normalization!r})')
+  one_of(problems, 'model.qk_norm_span', model.qk_norm_span, ('head', 'projection'))
+  outside = [i for i in model.nope_layers if not 0 <= i < model.num_layers]
+  if outside:
+    problems.append(f'model.nope_layers has {outside}, outside the model\'s layers 0-{model.num_layers - 1}')
   if model.qkv_bias and model.has_bias:
     problems.append('model.qkv_bias=True with model.has_bias=True: biases everywhere already include q, k, v; '
                     'set one of them')

@@ -12,8 +12,8 @@ placeholder = config_dict.placeholder
 
 def model_section() -> config_dict.ConfigDict:
   model = config_dict.ConfigDict()
-  model.architecture = 'llama'             # llama | gpt | mistral | qwen2 | gemma3 (a label: the keys below decide the block;
-                                           # HF export names this family where the keys allow)
+  model.architecture = 'llama'             # a label (model/checks.py ARCHITECTURES: llama, qwen3, phi3, ...): the keys below
+                                           # decide the block; HF export names this family where the keys allow
   model.objective = 'next_token'           # what the loss is (model/objectives.py): next_token | dpo | orpo
   model.model_config = placeholder(str)    # model_source=hf: an HF config.json (or its directory); its
                                            # architecture keys replace the ones below at start-up
@@ -50,8 +50,14 @@ def model_section() -> config_dict.ConfigDict:
   model.normalization = 'rmsnorm'          # rmsnorm | layernorm
   model.layernorm_epsilon = 1e-5           # norm epsilon
   model.rmsnorm_unit_offset = False        # Gemma: RMSNorm scales by (1 + w), w starting at 0
-  model.qk_norm = False                    # Gemma 3: RMSNorm over each query / key head before RoPE
+  model.qk_norm = False                    # RMSNorm over the queries and keys before RoPE (Gemma 3, Qwen3, OLMo 2)
+  model.qk_norm_span = 'head'              # head: over each head's dims (Gemma 3, Qwen3) | projection: over all of
+                                           # q's heads and all of k's together (OLMo 2; under TP a sum over the group)
   model.sandwich_norm = False              # Gemma: attention and MLP outputs normed before the residual add
+  model.post_norms_only = False            # OLMo 2: attention and MLP outputs normed before the residual add (HF's
+                                           # post_attention_layernorm, post_feedforward_layernorm), their inputs not
+  model.rmsnorm_scale_in_fp32 = False      # OLMo 2: RMSNorm multiplies by its weight in fp32, then casts (Llama casts first)
+  model.nope_layers = ()                   # layers whose attention has no RoPE (SmolLM3: every 4th; HF no_rope_layers' zeros)
   model.scale_embeddings = False           # Gemma: embeddings multiplied by sqrt(hidden_size)
   model.query_pre_attn_scalar = 0          # Gemma: scores scaled by 1/sqrt(this); 0 = head_dim
   model.activation = 'swiglu'              # swiglu | geglu (Gemma: tanh GELU gate) | gelu
@@ -70,6 +76,7 @@ def model_section() -> config_dict.ConfigDict:
   model.moe = moe = config_dict.ConfigDict()   # mixture of experts (model/moe.py; NxD's keys + Qwen2-MoE's shared expert)
   moe.num_experts = 0                      # E experts per MoE layer; 0 = dense feed-forward everywhere
   moe.frequency = 1                        # layer i is MoE when (i + 1) % frequency == 0 (HF decoder_sparse_step)
+  moe.dense_layers = ()                    # layers kept dense whatever the frequency (HF Qwen-MoE's mlp_only_layers)
   moe.top_k = 2                            # experts per token
   moe.routing_algorithm = 'top_k'          # top_k (sinkhorn is refused: not implemented)
   moe.router_activation = 'softmax'        # softmax | sigmoid: the router's affinities (top-k of them; the aux loss sums them)

@@ -52,5 +52,18 @@ def generate(params, cfg, prompt_ids, max_new_tokens, sampling=Sampling(), stop_
                              and len(prompt_ids) + len(out) >= cfg.max_position_embeddings)
     if token in stop_ids or learned_positions_end:
       break
+    if _crosses_to_long_factors(cfg, cache.length, len(prompt_ids) + len(out)):
+      logits, cache = transformer.decode(params, torch.tensor([prompt_ids + out], device=device), cfg)
+      continue
     logits, cache = transformer.decode(params, torch.tensor([[token]], device=device), cfg, cache)
   return out
+
+
+def _crosses_to_long_factors(cfg, past, total) -> bool:
+  """Whether longrope's frequencies switch to the long factors as the sequence grows from
+  `past` to `total` positions: then the cached keys, rotated with the short ones, are recomputed
+  (as transformers' Phi-3 drops its cache there), not kept."""
+  scaling = cfg.get('rope_scaling')
+  if scaling is None or scaling.type != 'longrope':
+    return False
+  return past <= scaling.original_max_position_embeddings < total

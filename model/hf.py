@@ -1,5 +1,5 @@
-"""Hugging Face Llama, Mistral, Qwen2, Gemma 3, Mixtral and Qwen2-MoE <-> flatron: safetensors import/export (the
-config.json mapping is model/hf_config.py).
+"""Hugging Face models (model/hf_config.py's FAMILIES) <-> flatron: safetensors import/export (the
+config.json mapping is model/hf_config.py, and model/hf_export.py the other way).
 
 Our parameter names are HF's minus the leading `model.`, and the weights share HF's [out, in]
 layout and rotate-half RoPE, so conversion is a rename plus (un)padding of the vocabulary
@@ -7,7 +7,9 @@ rows. Gemma's (1 + w) norms are stored as HF stores them (w). MoE experts are st
 projection ([E, f, h] gate_proj and up_proj, [E, h, f] down_proj); files hold them per expert as
 save_pretrained writes them (Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen2-MoE's
 mlp.experts.N.gate/up/down_proj): import stacks, export splits, both exact. A file holding the
-stacks as transformers 5 holds them in memory ([E, 2f, h] gate_up_proj) is read too.
+stacks as transformers 5 holds them in memory ([E, 2f, h] gate_up_proj) is read too. Phi-3's fused
+qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up] rows) are our q/k/v and gate/up
+projections' rows: import reads each one's rows, export concatenates them.
 """
 import json
 import os
@@ -18,7 +20,8 @@ from safetensors.torch import save_file
 
 from model import defaults, moe, transformer
 from model.hf_files import HFFileError, open_safetensors, read_json
-from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf, config_to_hf  # pylint: disable=unused-import
+from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf  # pylint: disable=unused-import
+from model.hf_export import config_to_hf, family_of
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
@@ -91,8 +94,25 @@ def read_config(path, base_model=None):
 
 
 def _family(model_cfg):
-  return model_cfg.architecture if model_cfg.architecture in MOE_FAMILIES else \
-      ('qwen2_moe' if model_cfg.moe.shared_expert_intermediate_size else 'mixtral')
+  return model_cfg.architecture if model_cfg.architecture in MOE_FAMILIES else family_of(model_cfg)
+
+
+PHI3_FUSED = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj',
+              'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj'}
+
+
+def _fused_rows(name, model_cfg):
+  """(Phi-3's fused HF tensor holding our weight `name`, its first row there, the fused tensor's
+  rows), else None. Phi-3 is the one family that rotates part of each head (hf_export)."""
+  parts = name.split('.')
+  phi3 = model_cfg.architecture == 'phi3' or model_cfg.rotary_percentage != 1.0
+  if not phi3 or len(parts) < 3 or parts[-1] != 'weight' or parts[-2] not in PHI3_FUSED:
+    return None
+  d, f = transformer.head_dim(model_cfg), model_cfg.ffn_hidden_size
+  q, kv = model_cfg.num_attention_heads * d, transformer.kv_heads(model_cfg) * d
+  first = {'q_proj': 0, 'k_proj': q, 'v_proj': q + kv, 'gate_proj': 0, 'up_proj': f}[parts[-2]]
+  rows = q + 2 * kv if parts[-2] in ('q_proj', 'k_proj', 'v_proj') else 2 * f
+  return _to_hf_name('.'.join(parts[:-2] + [PHI3_FUSED[parts[-2]], 'weight'])), first, rows
 
 
 def _file_name(name, model_cfg):
@@ -127,6 +147,9 @@ def _fused(name):
 def _layout(name, model_cfg, files):
   """[[HF name, ...] per expert] making up our tensor `name`: one piece for a plain tensor (or a
   stacked expert tensor stored whole, as transformers 5 holds it in memory)."""
+  fused = _fused_rows(name, model_cfg)
+  if fused:
+    return [[fused[0]]]
   if not moe.is_expert_param(name) or _to_hf_name(name) in files:
     return [[_file_name(name, model_cfg)]]
   fused = _fused(name)
@@ -152,7 +175,9 @@ def _checked_names(path, model_cfg):
   for name, pieces in layouts.items():
     shape = specs[name].shape
     expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
-    if pieces[0][0].endswith('.gate_up_proj'):           # transformers 5's [E, 2f, h]
+    if _fused_rows(name, model_cfg):                     # Phi-3's [q; k; v] or [gate; up]
+      expected = (_fused_rows(name, model_cfg)[2],) + shape[1:]
+    elif pieces[0][0].endswith('.gate_up_proj'):         # transformers 5's [E, 2f, h]
       expected = (shape[0], 2 * shape[1]) + shape[2:]
     elif moe.is_expert_param(name) and _to_hf_name(name) not in files:    # one tensor per expert
       expected = shape[1:]
@@ -182,8 +207,11 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
   where = _checked_names(path, model_cfg)
   out = {}
   for name, box in requests.items():
-    pieces = where[name]
-    if pieces[0][0][1].endswith('.gate_up_proj'):
+    pieces, fused = where[name], _fused_rows(name, model_cfg)
+    if fused:                  # this weight's rows of Phi-3's fused tensor
+      rows = slice(box[0].start + fused[1], box[0].stop + fused[1])
+      tensor = _read(*pieces[0][0], (rows,) + tuple(box[1:]))
+    elif pieces[0][0][1].endswith('.gate_up_proj'):
       half, f = _fused(name)[1], transformer.param_specs(model_cfg, adapters=False)[name].shape[1]
       rows = slice(box[1].start + half * f, box[1].stop + half * f)     # this half's rows of gate_up_proj
       tensor = _read(*pieces[0][0], (box[0], rows) + tuple(box[2:]))
@@ -258,18 +286,23 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
   hf_config = config_to_hf(model_cfg)
   specs = transformer.param_specs(model_cfg, adapters=False)
   _check_params(model_cfg, params, specs)
-  tensors = {}
+  tensors, fused = {}, {}
   for name in specs:
     tensor = params[name].detach().to('cpu')
     if name in VOCAB_PARAMS:
       tensor = tensor[:model_cfg.vocab_size]
     pieces = _layout(name, model_cfg, ())
+    if _fused_rows(name, model_cfg):       # Phi-3: concatenated below, in row order
+      fused.setdefault(pieces[0][0], []).append((_fused_rows(name, model_cfg)[1], tensor))
+      continue
     if len(pieces) == 1:
       tensors[pieces[0][0]] = tensor.contiguous()
       continue
     for e, piece in enumerate(pieces):     # as save_pretrained writes experts: one tensor each
       for hf_name, part in zip(piece, tensor[e].chunk(len(piece))):
         tensors[hf_name] = part.clone()
+  for hf_name, parts in fused.items():
+    tensors[hf_name] = torch.cat([t for _, t in sorted(parts, key=lambda part: part[0])])
   dtype_name = str(params['embed_tokens.weight'].dtype).removeprefix('torch.')
   hf_config['torch_dtype'] = hf_config['dtype'] = dtype_name   # 4.x reads torch_dtype, 5.x dtype
 

@@ -1,4 +1,5 @@
-"""HF config.json <-> flatron's model section for Llama, Mistral, Qwen2 and Gemma 3 text.
+"""HF config.json -> flatron's model section for Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3,
+Phi-3, Gemma 3 text, Mixtral, Qwen2-MoE and Qwen3-MoE (the other way: model/hf_export.py).
 
 Works with the config layouts of transformers 4.x (top-level `rope_theta`, `rope_scaling`,
 Gemma's `rope_local_base_freq`) and 5.x (`rope_parameters`, per layer type for Gemma 3). Keys a
@@ -6,38 +7,52 @@ family has that flatron does not implement are refused by name, never ignored.
 """
 import copy
 
-from model import rope, transformer
+from model import rope
 
 FAMILIES = {                      # HF model_type -> (its causal-LM class, our model.architecture label)
     'llama': ('LlamaForCausalLM', 'llama'),
     'mistral': ('MistralForCausalLM', 'mistral'),
     'qwen2': ('Qwen2ForCausalLM', 'qwen2'),
+    'qwen3': ('Qwen3ForCausalLM', 'qwen3'),
+    'olmo2': ('Olmo2ForCausalLM', 'olmo2'),
+    'smollm3': ('SmolLM3ForCausalLM', 'smollm3'),
+    'phi3': ('Phi3ForCausalLM', 'phi3'),
     'gemma3_text': ('Gemma3ForCausalLM', 'gemma3'),
     'mixtral': ('MixtralForCausalLM', 'mixtral'),
     'qwen2_moe': ('Qwen2MoeForCausalLM', 'qwen2_moe'),
+    'qwen3_moe': ('Qwen3MoeForCausalLM', 'qwen3_moe'),
 }
-MOE_FAMILIES = ('mixtral', 'qwen2_moe')
+MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe')
 ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # HF hidden_act -> ours
 # Gemma's block: all of these together, and only in gemma3_text
 GEMMA_KEYS = ('rmsnorm_unit_offset', 'qk_norm', 'sandwich_norm', 'scale_embeddings')
+# OLMo 2's block: norms after attention and the MLP only, scaled in fp32, q/k norms over the projection
+OLMO2_KEYS = ('post_norms_only', 'rmsnorm_scale_in_fp32', 'qk_norm')
+# Sliding layers from max_window_layers on (Qwen2's and Qwen3's dense configs)
+WINDOW_FROM_LAYER = ('qwen2', 'qwen2_moe', 'qwen3')
+# One sliding window for every layer when set (Mistral's way)
+WINDOW_EVERYWHERE = ('mistral', 'mixtral', 'phi3', 'qwen3_moe')
 
 
 # --- config -----------------------------------------------------------------------------
 
 
-def _layer_types(hf, family, num_layers):
+def _layer_types(hf, family, num_layers, nope_layers):
   """(sliding window or 0, per-layer attention types) as HF's config classes derive them."""
-  window = hf.get('sliding_window', 4096) or 0       # 4096: Mistral's and Qwen2's class default
-  if family in ('qwen2', 'qwen2_moe') and not hf.get('use_sliding_window'):
+  default = 4096 if family in ('mistral', 'mixtral', 'qwen2', 'qwen2_moe') else None   # the class defaults
+  window = hf.get('sliding_window', default) or 0
+  if family in WINDOW_FROM_LAYER + ('qwen3_moe', 'smollm3') and not hf.get('use_sliding_window'):
     window = 0
   types = hf.get('layer_types')
   if not types and family == 'gemma3_text':
     pattern = hf.get('sliding_window_pattern', hf.get('_sliding_window_pattern', 6))
     types = ['sliding_attention' if (i + 1) % pattern else 'full_attention' for i in range(num_layers)]
-  if not types and family in ('qwen2', 'qwen2_moe') and window:
+  if not types and family in WINDOW_FROM_LAYER and window:
     first = hf.get('max_window_layers', num_layers)
     types = ['sliding_attention' if i >= first else 'full_attention' for i in range(num_layers)]
-  if family in ('llama', 'mistral') and types:
+  if not types and family == 'smollm3' and window:      # SmolLM3 slides its NoPE layers
+    types = ['sliding_attention' if i in nope_layers else 'full_attention' for i in range(num_layers)]
+  if family in ('llama', 'mistral', 'phi3', 'olmo2') and types and len(set(types)) > 1:
     raise ValueError(f'layer_types={types}: per-layer attention types are not part of HF {family}')
   types = tuple(types or ())
   unknown = sorted(set(types) - {'full_attention', 'sliding_attention'})
@@ -45,9 +60,24 @@ def _layer_types(hf, family, num_layers):
     raise ValueError(f'layer_types has {unknown}: only full_attention and sliding_attention are supported')
   if len(types) not in (0, num_layers):
     raise ValueError(f'layer_types has {len(types)} entries for {num_layers} layers')
-  if 'sliding_attention' not in types and family not in ('mistral', 'mixtral'):
+  if family in WINDOW_EVERYWHERE:
+    return int(window), ()
+  if 'sliding_attention' not in types:
     window, types = 0, ()
   return int(window), types
+
+
+def _nope_layers(hf, family, num_layers):
+  """The layers without RoPE: SmolLM3's no_rope_layers (1 = RoPE, 0 = none) or its interval."""
+  if family != 'smollm3':
+    return ()
+  flags = hf.get('no_rope_layers')
+  if flags is None:
+    interval = hf.get('no_rope_layer_interval', 4)
+    flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+  if len(flags) != num_layers or set(flags) - {0, 1}:
+    raise ValueError(f'no_rope_layers={flags}: needs one 0 (no RoPE) or 1 (RoPE) per layer ({num_layers})')
+  return tuple(i for i, f in enumerate(flags) if not f)
 
 
 def _refuse(hf, unsupported):
@@ -58,8 +88,8 @@ def _refuse(hf, unsupported):
 
 
 def config_from_hf(hf_config: dict, base_model):
-  """A copy of the `model` config section `base_model` with what an HF config dict (Llama,
-  Mistral, Qwen2 or Gemma 3 text) sets.
+  """A copy of the `model` config section `base_model` with what an HF config dict (one of
+  FAMILIES) sets.
 
   Keys HF has no counterpart for (optim, dropouts other than attention, fusions...) keep
   `base_model`'s values.
@@ -80,6 +110,10 @@ def config_from_hf(hf_config: dict, base_model):
                      f"(only {'gelu_pytorch_tanh' if gemma else 'silu'})")
   _refuse(hf, {'final_logit_softcapping': (None,), 'attn_logit_softcapping': (None,),
                'use_bidirectional_attention': (None, False)})
+  dropouts = {k: float(hf.get(k) or 0.0) for k in ('resid_pdrop', 'embd_pdrop')}    # Phi-3's
+  if len(set(dropouts.values())) > 1:
+    raise ValueError(f'resid_pdrop={dropouts["resid_pdrop"]} differs from embd_pdrop={dropouts["embd_pdrop"]}; '
+                     'flatron has one model.hidden_dropout for both')
   attention_bias, mlp_bias = bool(hf.get('attention_bias', False)), bool(hf.get('mlp_bias', False))
   if attention_bias != mlp_bias:
     # Our single has_bias switch covers attention and MLP linears together.
@@ -100,15 +134,20 @@ def config_from_hf(hf_config: dict, base_model):
   m.position_embedding_type = 'rope'
   m.rope_theta, scaling, m.rope_local_theta, m.rotary_percentage = rope.from_hf(hf)
   m.rope_scaling.update(scaling)
-  m.sliding_window, m.layer_types = _layer_types(hf, family, m.num_layers)
+  m.nope_layers = _nope_layers(hf, family, m.num_layers)
+  m.sliding_window, m.layer_types = _layer_types(hf, family, m.num_layers, m.nope_layers)
   m.normalization = 'rmsnorm'
   m.layernorm_epsilon = float(hf.get('rms_norm_eps', 1e-6))
   m.activation = ACTIVATIONS[act]
   m.has_bias = attention_bias
   m.qkv_bias = family == 'qwen2' or (family == 'qwen2_moe' and bool(hf.get('qkv_bias', True)))  # q, k, v only
   _moe_from_hf(hf, family, m)
-  for key in GEMMA_KEYS:
-    m[key] = gemma
+  for key in GEMMA_KEYS + OLMO2_KEYS:
+    m[key] = (gemma and key in GEMMA_KEYS) or (family == 'olmo2' and key in OLMO2_KEYS)
+  m.qk_norm = m.qk_norm or family in ('qwen3', 'qwen3_moe')
+  m.qk_norm_span = 'projection' if family == 'olmo2' else 'head'
+  if dropouts['resid_pdrop']:
+    m.hidden_dropout = dropouts['resid_pdrop']
   m.query_pre_attn_scalar = int(hf.get('query_pre_attn_scalar', 256)) if gemma else 0
   m.share_embeddings_and_output_weights = bool(hf.get('tie_word_embeddings', gemma))
   m.attention_dropout = float(hf.get('attention_dropout', 0.0))
@@ -117,148 +156,21 @@ def config_from_hf(hf_config: dict, base_model):
 
 
 def _moe_from_hf(hf, family, m):
-  """model.moe from Mixtral's / Qwen2-MoE's keys (HF routes every token: dropless)."""
+  """model.moe from Mixtral's / Qwen2-MoE's / Qwen3-MoE's keys (HF routes every token: dropless)."""
   moe = m.moe
   moe.num_experts = 0
   if family not in MOE_FAMILIES:
     return
   if hf.get('router_jitter_noise'):
     raise ValueError(f'router_jitter_noise={hf["router_jitter_noise"]} is not supported (flatron implements 0)')
-  if hf.get('mlp_only_layers'):
-    raise ValueError(f'mlp_only_layers={hf["mlp_only_layers"]} is not supported (dense layers by '
-                     'decoder_sparse_step only)')
   mixtral = family == 'mixtral'
-  moe.num_experts = hf['num_local_experts' if mixtral else 'num_experts']
-  moe.top_k = hf.get('num_experts_per_tok', 2 if mixtral else 4)
+  moe.num_experts = hf['num_experts'] if 'num_experts' in hf else hf['num_local_experts']
+  moe.dense_layers = tuple(int(i) for i in hf.get('mlp_only_layers') or ())
+  moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8}[family])
   moe.frequency = 1 if mixtral else hf.get('decoder_sparse_step', 1)
   moe.normalize_top_k_affinities = True if mixtral else bool(hf.get('norm_topk_prob', False))
   moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'softmax'
   moe.output_router_logits = bool(hf.get('output_router_logits', False))
   moe.router_aux_loss_coef = float(hf.get('router_aux_loss_coef', 0.001))
   moe.ffn_hidden_size = 0 if mixtral else hf['moe_intermediate_size']
-  moe.shared_expert_intermediate_size = 0 if mixtral else hf['shared_expert_intermediate_size']
-
-
-def _moe_family(m) -> str:
-  """mixtral or qwen2_moe for a model section with experts, or an error naming what neither can."""
-  moe = m.moe
-  if moe.routing_algorithm != 'top_k' or moe.router_activation != 'softmax' or moe.dropout:
-    raise ValueError('model.moe: HF routes top_k with softmax, no expert dropout')
-  if not moe.dropless:
-    raise ValueError('model.moe.dropless=False: HF Mixtral / Qwen2-MoE never drop tokens; export with '
-                     'model.moe.dropless=True (the capacity is a training-time setting)')
-  if moe.shared_expert_intermediate_size:
-    if m.has_bias:
-      raise ValueError('model.has_bias: HF Qwen2-MoE has biases on q, k, v only (model.qkv_bias)')
-    return 'qwen2_moe'
-  if m.get('qkv_bias') or m.has_bias or moe.frequency != 1 or not moe.normalize_top_k_affinities \
-      or moe.ffn_hidden_size not in (0, m.ffn_hidden_size):
-    raise ValueError('model.moe without a shared expert is HF Mixtral: no biases, moe.frequency=1, '
-                     'normalize_top_k_affinities=True, moe.ffn_hidden_size=0 (set '
-                     'moe.shared_expert_intermediate_size for Qwen2-MoE)')
-  return 'mixtral'
-
-
-def _family(m) -> str:
-  """The HF model_type that expresses model section `m`, or an error naming what none can."""
-  if m.get('moe') and m.moe.num_experts > 0:
-    return _moe_family(m)
-  gemma = [m.get(key) for key in GEMMA_KEYS] + [m.activation == 'geglu']
-  if any(gemma) and not all(gemma):
-    raise ValueError(f'model.{"/".join(GEMMA_KEYS)} and activation=geglu are HF Gemma 3 together; '
-                     'a subset cannot be expressed in any HF family flatron exports')
-  if all(gemma):
-    if m.has_bias or m.get('qkv_bias'):
-      raise ValueError('Gemma 3 has no biases: unset model.has_bias / model.qkv_bias')
-    return 'gemma3_text'
-  if m.activation != 'swiglu':
-    raise ValueError(f'model.activation={m.activation!r} cannot be expressed in HF Llama/Mistral/Qwen2 (needs swiglu)')
-  if m.get('rope_local_theta') or m.get('query_pre_attn_scalar'):
-    raise ValueError('model.rope_local_theta / query_pre_attn_scalar are expressible in HF Gemma 3 only')
-  mixed = len(set(transformer.layer_types(m))) > 1
-  if m.get('qkv_bias'):
-    if m.has_bias:
-      raise ValueError('model.qkv_bias with model.has_bias: biases everywhere already include q, k, v')
-    return 'qwen2'
-  if mixed:
-    raise ValueError(f'model.layer_types={tuple(m.layer_types)} mixes full and sliding layers: HF Llama and Mistral '
-                     'cannot express that (Qwen2 can, with model.qkv_bias; Gemma 3 with its block)')
-  return 'mistral' if m.get('sliding_window') or m.architecture == 'mistral' else 'llama'
-
-
-def config_to_hf(model_cfg) -> dict:
-  """An HF config dict (Llama, Mistral, Qwen2 or Gemma 3 text, whichever expresses the model
-  section); errors for what none can express.
-
-  hidden_dropout / ffn_dropout are training-only regularizers HF lacks: not exported.
-  Query-key layer scaling is exact in fp32 (it divides and multiplies back), so it needs nothing.
-  """
-  m = model_cfg
-  unsupported = {
-      'position_embedding_type': (m.position_embedding_type, 'rope'),
-      'normalization': (m.normalization, 'rmsnorm'),
-      'rotary_percentage': (m.rotary_percentage, 1.0),
-  }
-  for key, (value, needed) in unsupported.items():
-    if value != needed:
-      raise ValueError(f'model.{key}={value!r} cannot be expressed in HF (needs {needed!r})')
-  family = _family(m)
-  rope_scaling = rope.to_hf(m)
-  out = {
-      'architectures': [FAMILIES[family][0]],
-      'model_type': family,
-      'hidden_size': m.hidden_size,
-      'intermediate_size': m.ffn_hidden_size,
-      'num_hidden_layers': m.num_layers,
-      'num_attention_heads': m.num_attention_heads,
-      'num_key_value_heads': transformer.kv_heads(m),
-      'head_dim': transformer.head_dim(m),
-      'vocab_size': m.vocab_size,
-      'max_position_embeddings': m.max_position_embeddings,
-      'rms_norm_eps': m.layernorm_epsilon,
-      'attention_bias': m.has_bias,
-      'attention_dropout': m.attention_dropout,
-      'tie_word_embeddings': m.share_embeddings_and_output_weights,
-      'initializer_range': m.init_method_std,
-      'use_cache': True,
-  }
-  out.update(rope.to_hf_top_level(m))          # what transformers 4.x reads only at the top level
-  window = m.get('sliding_window') or 0
-  if family == 'gemma3_text':
-    out.update(hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=m.query_pre_attn_scalar or
-               transformer.head_dim(m), sliding_window=window or m.max_position_embeddings,
-               layer_types=list(transformer.layer_types(m)), final_logit_softcapping=None,
-               attn_logit_softcapping=None, use_bidirectional_attention=False,
-               # both layouts: 5.x reads rope_parameters per layer type, 4.x the flat keys
-               rope_parameters={'full_attention': dict(rope_scaling or {'rope_type': 'default'}, rope_theta=m.rope_theta),
-                                'sliding_attention': {'rope_type': 'default',
-                                                      'rope_theta': m.rope_local_theta or m.rope_theta}},
-               rope_theta=m.rope_theta, rope_local_base_freq=m.rope_local_theta or m.rope_theta,
-               rope_scaling=rope_scaling)
-    return out
-  out.update(hidden_act='silu', mlp_bias=m.has_bias,
-             # both layouts: transformers 4.x reads rope_theta, 5.x rope_parameters
-             rope_theta=m.rope_theta, rope_scaling=rope_scaling,
-             rope_parameters=dict(rope_scaling or {'rope_type': 'default'}, rope_theta=m.rope_theta))
-  if family == 'llama':
-    out['pretraining_tp'] = 1
-  if family in ('mistral', 'mixtral'):
-    out['sliding_window'] = window or None
-  if family in MOE_FAMILIES:
-    moe = m.moe
-    out.update(num_experts_per_tok=moe.top_k, output_router_logits=moe.output_router_logits,
-               router_aux_loss_coef=moe.router_aux_loss_coef, router_jitter_noise=0.0)
-    if family == 'mixtral':
-      out['num_local_experts'] = moe.num_experts
-    else:
-      out.update(num_experts=moe.num_experts, decoder_sparse_step=moe.frequency, mlp_only_layers=[],
-                 norm_topk_prob=moe.normalize_top_k_affinities, qkv_bias=bool(m.get('qkv_bias')),
-                 moe_intermediate_size=moe.ffn_hidden_size or m.ffn_hidden_size,
-                 shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
-  if family in ('qwen2', 'qwen2_moe'):
-    types = list(transformer.layer_types(m))
-    # Older readers take the layers from max_window_layers on as sliding (5.x reads layer_types)
-    first_sliding = types.index('sliding_attention') if 'sliding_attention' in types else m.num_layers
-    out.update(use_sliding_window=bool(window), sliding_window=window or None,
-               max_window_layers=first_sliding, layer_types=types)
-  return out
+  moe.shared_expert_intermediate_size = hf['shared_expert_intermediate_size'] if family == 'qwen2_moe' else 0

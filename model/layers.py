@@ -81,6 +81,10 @@ class Ops:
   # applies the one-device mask's entries for its tokens.
   context_size: int = 1
   context_slice: Callable = None
+  # A sum over the features of a projection's heads (OLMo 2's q/k norms) where this process holds
+  # some of its heads: (partial sums, whether of the KV heads) -> the sum over the TP group (each
+  # KV head counted once where kv_replicator ranks hold it); its gradient summed back the same way.
+  sum_over_heads: Callable = lambda partial, kv: partial
   # Sums over a row's positions held by other cp ranks (preference objectives' per-row
   # log-prob sums): a differentiable all-reduce whose backward is the identity.
   row_sum: Callable = _identity
@@ -99,12 +103,20 @@ class Attend:
 # --- norms -------------------------------------------------------------------------
 
 
-def rms_norm(x_bsh, weight_h, eps, unit_offset=False):
-  """Llama scales the normalized x (cast back) by w; Gemma scales by 1 + w in fp32, then casts."""
+def rms_norm(x_bsh, weight_h, eps, unit_offset=False, scale_in_fp32=False, square_sum=None):
+  """Llama scales the normalized x (cast back) by w; Gemma scales by 1 + w in fp32, then casts;
+  OLMo 2 (`scale_in_fp32`) by w in fp32, then casts. `square_sum(x² summed over the last dim)`:
+  the sum over all the features the norm spans where this process holds some of them (TP)."""
   x = x_bsh.float()
-  x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+  if square_sum is None:
+    mean_square = x.pow(2).mean(-1, keepdim=True)
+  else:
+    mean_square = square_sum(x.pow(2).sum(-1, keepdim=True)) / weight_h.shape[-1]
+  x = x * torch.rsqrt(mean_square + eps)
   if unit_offset:
     return (x * (1.0 + weight_h.float())).to(x_bsh.dtype)
+  if scale_in_fp32:
+    return (weight_h * x).to(x_bsh.dtype)
   return weight_h * x.to(x_bsh.dtype)
 
 
@@ -114,7 +126,8 @@ def layer_norm(x_bsh, weight_h, bias_h, eps):
 
 def norm(params, prefix, x_bsh, cfg):
   if cfg.normalization == 'rmsnorm':
-    return rms_norm(x_bsh, params[prefix + '.weight'], cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False))
+    return rms_norm(x_bsh, params[prefix + '.weight'], cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False),
+                    cfg.get('rmsnorm_scale_in_fp32', False))
   return layer_norm(x_bsh, params[prefix + '.weight'], params[prefix + '.bias'], cfg.layernorm_epsilon)
 
 
@@ -257,11 +270,15 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
   x_bsh = ops.full_input(x_bsh)
   q, k, v = (linear(params, f'{prefix}.{n}', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
              for n in ('q_proj', 'k_proj', 'v_proj'))
+  eps, offset, in_fp32 = cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False), cfg.get('rmsnorm_scale_in_fp32', False)
+  whole_projection = cfg.get('qk_norm') and cfg.get('qk_norm_span', 'head') == 'projection'
+  if whole_projection:                  # OLMo 2: over all heads of q, of k (this rank's share: the sum over TP)
+    q = rms_norm(q, params[prefix + '.q_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, False))
+    k = rms_norm(k, params[prefix + '.k_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, True))
   # Local head counts come from the (possibly TP-sharded) weights, not from the config.
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
-  if cfg.get('qk_norm'):                # Gemma 3: RMSNorm over each head's dims before RoPE
-    q, k = (rms_norm(t, params[f'{prefix}.{n}.weight'], cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False))
-            for t, n in ((q, 'q_norm'), (k, 'k_norm')))
+  if cfg.get('qk_norm') and not whole_projection:   # Gemma 3, Qwen3: over each head's dims
+    q, k = (rms_norm(t, params[f'{prefix}.{n}.weight'], eps, offset, in_fp32) for t, n in ((q, 'q_norm'), (k, 'k_norm')))
   if cos_sin is not None:
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
   if kv is not None:                   # generation: attend the cached positions too

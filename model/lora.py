@@ -196,13 +196,22 @@ def is_adapter(name) -> bool:
   return split_name(name) is not None
 
 
+# Megatron's split of a factor pair by its base layer's layout: a column layer's B is split like
+# its weight and A replicated, a row layer's A like its weight and B replicated. A replicated
+# factor sees only this rank's shard of the layer: its gradient is partial over TP.
+FACTOR_LAYOUTS = {'column': ('tp_partial', 'column'), 'column_kv': ('tp_partial', 'column_kv'),
+                  'row': ('row', 'tp_partial')}
+
+
 def adapter_specs(cfg, base_specs, spec_type) -> dict:
   """name -> spec of every adapter factor, for the targeted linear weights in `base_specs`."""
   out = {}
   for linear, (rank, _) in plan(cfg, base_specs).items():
-    out_dim, in_dim = base_specs[linear + '.weight'].shape
-    out[f'{linear}.lora_A.weight'] = spec_type((rank, in_dim), 'uniform', 1.0 / math.sqrt(in_dim))
-    out[f'{linear}.lora_B.weight'] = spec_type((out_dim, rank), 'zeros')
+    base = base_specs[linear + '.weight']
+    out_dim, in_dim = base.shape
+    a, b = FACTOR_LAYOUTS[base.layout]
+    out[f'{linear}.lora_A.weight'] = spec_type((rank, in_dim), 'uniform', 1.0 / math.sqrt(in_dim), layout=a)
+    out[f'{linear}.lora_B.weight'] = spec_type((out_dim, rank), 'zeros', layout=b)
   return out
 
 

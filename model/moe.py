@@ -54,8 +54,9 @@ def enabled(cfg) -> bool:
 
 
 def is_moe_layer(cfg, i) -> bool:
-  """Layer i is MoE when (i + 1) is a multiple of moe.frequency (HF Qwen2-MoE's decoder_sparse_step)."""
-  return enabled(cfg) and (i + 1) % cfg.moe.frequency == 0
+  """Layer i is MoE when (i + 1) is a multiple of moe.frequency (HF Qwen2-MoE's decoder_sparse_step)
+  and i is not among moe.dense_layers (HF's mlp_only_layers)."""
+  return enabled(cfg) and (i + 1) % cfg.moe.frequency == 0 and i not in cfg.moe.get('dense_layers', ())
 
 
 def moe_layers(cfg) -> list:
@@ -75,16 +76,16 @@ def adds_loss(cfg) -> bool:
 def specs(cfg, prefix, spec, std, out_std) -> dict:
   """ParamSpecs of layer `prefix`'s MoE feed-forward (`spec`: the ParamSpec class)."""
   h, e, f = cfg.hidden_size, cfg.moe.num_experts, expert_ffn_size(cfg)
-  out = {prefix + '.gate.weight': spec((e, h), 'normal', std),
-         prefix + '.experts.gate_proj': spec((e, f, h), 'normal', std),
-         prefix + '.experts.up_proj': spec((e, f, h), 'normal', std),
-         prefix + '.experts.down_proj': spec((e, h, f), 'normal', out_std)}
+  out = {prefix + '.gate.weight': spec((e, h), 'normal', std, layout='replicated'),    # the router
+         prefix + '.experts.gate_proj': spec((e, f, h), 'normal', std, layout='expert_column'),
+         prefix + '.experts.up_proj': spec((e, f, h), 'normal', std, layout='expert_column'),
+         prefix + '.experts.down_proj': spec((e, h, f), 'normal', out_std, layout='expert_row')}
   shared = cfg.moe.shared_expert_intermediate_size
   if shared:
-    out.update({prefix + '.shared_expert.gate_proj.weight': spec((shared, h), 'normal', std),
-                prefix + '.shared_expert.up_proj.weight': spec((shared, h), 'normal', std),
-                prefix + '.shared_expert.down_proj.weight': spec((h, shared), 'normal', out_std),
-                prefix + '.shared_expert_gate.weight': spec((1, h), 'normal', std)})
+    out.update({prefix + '.shared_expert.gate_proj.weight': spec((shared, h), 'normal', std, layout='column'),
+                prefix + '.shared_expert.up_proj.weight': spec((shared, h), 'normal', std, layout='column'),
+                prefix + '.shared_expert.down_proj.weight': spec((h, shared), 'normal', out_std, layout='row'),
+                prefix + '.shared_expert_gate.weight': spec((1, h), 'normal', std, layout='replicated')})
   return out
 
 
@@ -295,6 +296,9 @@ def check(model) -> list:
     return problems
   moe = model.moe
   positive(problems, 'model.moe.frequency', moe.frequency)
+  outside = [i for i in moe.get('dense_layers', ()) if not 0 <= i < model.num_layers]
+  if outside:
+    problems.append(f'model.moe.dense_layers has {outside}, outside the model\'s layers 0-{model.num_layers - 1}')
   positive(problems, 'model.moe.top_k', moe.top_k)
   if moe.top_k > moe.num_experts:
     problems.append(f'model.moe.top_k={moe.top_k} > model.moe.num_experts={moe.num_experts}')

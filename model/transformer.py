@@ -20,12 +20,24 @@ from model import chunked_ce, layers, lora, moe, objectives, rope, router_losses
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
 
 
+# How a parameter is laid out over the tensor-parallel group, declared where it is defined:
+#   vocab, column (output rows split), column_kv (rows of KV heads: split, or held by kv_replicator
+#   ranks each), row (input columns split), expert_column / expert_row (a stack of experts [E, ...]
+#   split like the dense MLP; dim 0 over expert parallelism), replicated (every rank holds it whole
+#   and applies it to its tokens: under SP a shard of them), replicated_whole_sequence (whole, applied
+#   before the sequence is split), tp_partial (whole, but each rank's gradient comes from its shard of
+#   the layer: per-head norms, LoRA's replicated factors).
+LAYOUTS = ('vocab', 'column', 'column_kv', 'row', 'expert_column', 'expert_row', 'replicated',
+           'replicated_whole_sequence', 'tp_partial')
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
   shape: tuple
   init: str          # normal | uniform (in +-std) | ones | zeros
   std: float = 0.0
   used_rows: int = 0  # vocab tables: rows past the real vocabulary are padding, initialized to 0
+  layout: str = ''   # one of LAYOUTS; none declared is refused (check_layouts)
 
 
 def padded_vocab_size(cfg, tp=1) -> int:
@@ -82,32 +94,39 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
   h, f, d = cfg.hidden_size, cfg.ffn_hidden_size, head_dim(cfg)
   std = cfg.init_method_std
   out_std = std / math.sqrt(2 * cfg.num_layers) if cfg.use_scaled_init_method else std
-  vocab_table = ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std, used_rows=cfg.vocab_size)
+  vocab_table = ParamSpec((padded_vocab_size(cfg, tp), h), 'normal', std, used_rows=cfg.vocab_size, layout='vocab')
   specs = {'embed_tokens.weight': vocab_table}
   if cfg.position_embedding_type == 'learned_absolute':
-    specs['embed_positions.weight'] = ParamSpec((cfg.max_position_embeddings, h), 'normal', std)
+    specs['embed_positions.weight'] = ParamSpec((cfg.max_position_embeddings, h), 'normal', std,
+                                                layout='replicated_whole_sequence')
 
-  def norm_specs(name, width=h):
+  def norm_specs(name, width=h, layout='replicated'):
     # (1 + w) norms (Gemma) start at w = 0: the same identity scale
-    specs[name + '.weight'] = ParamSpec((width,), 'zeros' if cfg.get('rmsnorm_unit_offset') else 'ones')
+    specs[name + '.weight'] = ParamSpec((width,), 'zeros' if cfg.get('rmsnorm_unit_offset') else 'ones', layout=layout)
     if cfg.normalization == 'layernorm':
-      specs[name + '.bias'] = ParamSpec((h,), 'zeros')
+      specs[name + '.bias'] = ParamSpec((h,), 'zeros', layout=layout)
 
-  def linear_specs(name, out_dim, in_dim, w_std):
-    specs[name + '.weight'] = ParamSpec((out_dim, in_dim), 'normal', w_std)
+  def linear_specs(name, out_dim, in_dim, w_std, layout):
+    specs[name + '.weight'] = ParamSpec((out_dim, in_dim), 'normal', w_std, layout=layout)
     if cfg.has_bias or (cfg.get('qkv_bias') and name.endswith(('q_proj', 'k_proj', 'v_proj'))):
-      specs[name + '.bias'] = ParamSpec((out_dim,), 'zeros')
+      # a column layer's bias is split like its rows; a row layer's is added after the reduction
+      specs[name + '.bias'] = ParamSpec((out_dim,), 'zeros', layout='replicated' if layout == 'row' else layout)
 
+  after_only = cfg.get('post_norms_only')
   for i in range(cfg.num_layers):
     p = f'layers.{i}'
-    norm_specs(p + '.input_layernorm')
-    linear_specs(p + '.self_attn.q_proj', cfg.num_attention_heads * d, h, std)
-    linear_specs(p + '.self_attn.k_proj', kv_heads(cfg) * d, h, std)
-    linear_specs(p + '.self_attn.v_proj', kv_heads(cfg) * d, h, std)
-    if cfg.get('qk_norm'):
-      norm_specs(p + '.self_attn.q_norm', d)
-      norm_specs(p + '.self_attn.k_norm', d)
-    linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std)
+    if not after_only:
+      norm_specs(p + '.input_layernorm')
+    linear_specs(p + '.self_attn.q_proj', cfg.num_attention_heads * d, h, std, 'column')
+    linear_specs(p + '.self_attn.k_proj', kv_heads(cfg) * d, h, std, 'column_kv')
+    linear_specs(p + '.self_attn.v_proj', kv_heads(cfg) * d, h, std, 'column_kv')
+    if cfg.get('qk_norm') and cfg.get('qk_norm_span', 'head') == 'projection':   # split like q and k's rows
+      norm_specs(p + '.self_attn.q_norm', cfg.num_attention_heads * d, 'column')
+      norm_specs(p + '.self_attn.k_norm', kv_heads(cfg) * d, 'column_kv')
+    elif cfg.get('qk_norm'):        # over each head: every TP rank holds the weight, applies it to its heads
+      norm_specs(p + '.self_attn.q_norm', d, 'tp_partial')
+      norm_specs(p + '.self_attn.k_norm', d, 'tp_partial')
+    linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std, 'row')
     norm_specs(p + '.post_attention_layernorm')
     if cfg.get('sandwich_norm'):
       norm_specs(p + '.pre_feedforward_layernorm')
@@ -115,15 +134,26 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
       specs.update(moe.specs(cfg, p + '.mlp', ParamSpec, std, out_std))
     else:
       if cfg.activation in layers.GATED:
-        linear_specs(p + '.mlp.gate_proj', f, h, std)
-      linear_specs(p + '.mlp.up_proj', f, h, std)
-      linear_specs(p + '.mlp.down_proj', h, f, out_std)
-    if cfg.get('sandwich_norm'):
+        linear_specs(p + '.mlp.gate_proj', f, h, std, 'column')
+      linear_specs(p + '.mlp.up_proj', f, h, std, 'column')
+      linear_specs(p + '.mlp.down_proj', h, f, out_std, 'row')
+    if cfg.get('sandwich_norm') or after_only:
       norm_specs(p + '.post_feedforward_layernorm')
   norm_specs('norm')
   if not cfg.share_embeddings_and_output_weights:
     specs['lm_head.weight'] = vocab_table
-  return _with_adapters(specs, lora.adapter_specs(cfg, specs, ParamSpec) if adapters else {})
+  return check_layouts(_with_adapters(specs, lora.adapter_specs(cfg, specs, ParamSpec) if adapters else {}))
+
+
+def check_layouts(specs):
+  """`specs`, after refusing any parameter without a declared layout: one the parallel code would
+  otherwise have to guess (and a guess of replicated trains a new projection wrongly under TP)."""
+  undeclared = sorted(name for name, spec in specs.items() if spec.layout not in LAYOUTS)
+  if undeclared:
+    raise ValueError(f'parameters without a declared tensor-parallel layout: {", ".join(undeclared[:5])}'
+                     f'{" ..." if len(undeclared) > 5 else ""}; declare one of {", ".join(LAYOUTS)} in their '
+                     'ParamSpec where the model defines them (model/transformer.py param_specs)')
+  return specs
 
 
 def _with_adapters(specs, adapters):
@@ -260,7 +290,8 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
       x_bsh = x_bsh + params['embed_positions.weight'][position_ids_bs]
     x_bsh = layers.dropout(x_bsh, cfg.hidden_dropout, dropout_key and dropout_key + ('embed',), sample_ids_b, ops=ops)
     x_bsh = ops.slice_residual(x_bsh)
-  rope = _rope_by_type(cfg, position_ids_bs, x_bsh.dtype) if cfg.position_embedding_type == 'rope' else {}
+  rope_tables = _rope_by_type(cfg, position_ids_bs, x_bsh.dtype) if cfg.position_embedding_type == 'rope' else {}
+  nope = set(cfg.get('nope_layers', ()))
   masks = _masks_by_type(cfg, batch, s, tokens_bs.device, ops)
   kv = batch.get('kv_cache')
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
@@ -274,7 +305,10 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
-    x_bsh = layer_fn(block, params, i, x_bsh, rope.get(kinds[i]), masks[kinds[i]], cfg, ops, key, sample_ids_b, kv)
+    # what differs between layers reaches the block as arguments (model.compile traces a graph per kind)
+    cos_sin = None if i in nope else rope_tables.get(kinds[i])
+    x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, masks[kinds[i]], cfg, ops, key, sample_ids_b, kv,
+                     moe.is_moe_layer(cfg, i))
   aux_sum = collector and collector.finish(ops.moe_tally, last, objective is not None and objective.adds_aux)
   if not last:
     return x_bsh if moe_carry is None else (x_bsh, collector.carry())
@@ -295,9 +329,11 @@ def _with_aux(out, aux_sum, ops):
   return (loss, metrics) if aux_sum is None else (loss + aux_sum, metrics)
 
 
-def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None):
-  """One pre-norm transformer layer: x + attn(norm(x)), then + mlp(norm(x)); with
-  model.sandwich_norm (Gemma) the attention and MLP outputs are normed too before the add.
+def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None, moe_layer=False):
+  """One transformer layer. Pre-norm (Llama): x + attn(norm(x)), then + mlp(norm(x)); with
+  model.sandwich_norm (Gemma) the attention and MLP outputs are normed too before the add; with
+  model.post_norms_only (OLMo 2) only they are. `cos_sin` None: no RoPE in this layer (NoPE);
+  `moe_layer`: the MLP is model/moe.py's experts.
 
   `x_bsh` may be a slice of the residual stream (`ops.residual_slices`); residual dropout
   draws the whole sequence's mask and applies its part.
@@ -311,19 +347,19 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
     return layers.dropout(h, cfg.hidden_dropout, drop_key + (site,), sample_ids_b, full,
                           lambda m: ops.mask_for_slice(m, 'seq'), ops)
 
-  h = ops.recompute_norm(layers.norm, params, p + '.input_layernorm', x_bsh, cfg)
+  sandwich, after_only = cfg.get('sandwich_norm'), cfg.get('post_norms_only')
+  h = x_bsh if after_only else ops.recompute_norm(layers.norm, params, p + '.input_layernorm', x_bsh, cfg)
   h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
-  sandwich = cfg.get('sandwich_norm')
-  if sandwich:
+  if sandwich or after_only:
     h = layers.norm(params, p + '.post_attention_layernorm', h, cfg)
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
-  h = ops.recompute_norm(layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'),
-                         x_bsh, cfg)
-  if moe.is_moe_layer(cfg, i):       # SP: routes the whole (gathered) sequence, returns this rank's slice
+  h = x_bsh if after_only else ops.recompute_norm(
+      layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'), x_bsh, cfg)
+  if moe_layer:       # SP: routes the whole (gathered) sequence, returns this rank's slice
     h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h) if ops.residual_slices > 1 else h, cfg, ops)
   else:
     h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)
-  if sandwich:
+  if sandwich or after_only:
     h = layers.norm(params, p + '.post_feedforward_layernorm', h, cfg)
   return x_bsh + residual_dropout(h, 'mlp_out')
 

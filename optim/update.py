@@ -24,7 +24,7 @@ import torch
 
 from numerics import precision, stochastic_rounding
 from optim import optimizers, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grads as grad_ops, zero
+from parallel import comm, experts, grad_buffer, grads as grad_ops, tensor, zero
 
 
 class Rows(typing.NamedTuple):
@@ -44,6 +44,7 @@ class Updater:
     parameter (keys the stochastic rounding; default: the tensor is the whole parameter);
     `trainable`: names to update (default all), the rest are frozen."""
     self.params, self.mesh, self.config = params, mesh, config
+    self.layouts = tensor.layouts(config.model)
     self.recipe = precision.recipe(config.precision)
     # The cp ranks of a sequence saw parts of the same batch: gradients sum over dp x cp, and
     # ZeRO-1 shards over it (Megatron's distributed optimizer does the same).
@@ -140,12 +141,12 @@ class Updater:
     max_norm = self.config.trainer.gradient_clip_val
     squares_of = sr_update.square_sum if fused else grad_ops.square_sum
     if self.mesh.ep == 1:
-      return grad_ops.clip(owned, self.mesh, max_norm, extra_group=self.group, unscaled=fused,
+      return grad_ops.clip(owned, self.mesh, self.layouts, max_norm, extra_group=self.group, unscaled=fused,
                            squares_of=squares_of)
     by_group = {}
     for n, g in owned.items():
       by_group.setdefault(experts.norm_group(self.mesh, n, self.zero1), {})[n] = g
-    norm = torch.stack([grad_ops.global_norm(part, self.mesh, group, squares_of) ** 2
+    norm = torch.stack([grad_ops.global_norm(part, self.mesh, self.layouts, group, squares_of) ** 2
                         for group, part in by_group.items()]).sum().sqrt()
     coefficient = grad_ops.clip_coefficient(norm, max_norm)
     scaled = [g for n, g in owned.items() if n not in fused]
@@ -159,9 +160,9 @@ class Updater:
     squares, self.param_squares = self.param_squares, None
     if squares is None:
       self.wait_params()
-      return grad_ops.global_norm(params, self.mesh)
+      return grad_ops.global_norm(params, self.mesh, self.layouts)
     return grad_ops.sharded_norm(squares, {n: t for n, t in params.items() if n not in self.master}, self.mesh,
-                                 self.group)
+                                 self.layouts, self.group)
 
   def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None, squares=False):
     if fused:
@@ -198,7 +199,7 @@ class Updater:
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
       if squares and self.overlap_gather and self.mesh.ep == 1:     # the rows the gathers are about to share
-        self.param_squares = grad_ops.squares_total(rounded, self.mesh)
+        self.param_squares = grad_ops.squares_total(rounded, self.mesh, self.layouts)
     for names, buf in zip(self.domains.values(), self.grads.buffers):   # each domain's group and collective
       group = buf.group if buf.parts > 1 else None
       works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, buf.parts,

@@ -173,6 +173,9 @@ _gather_seq = _conjugate_pair(
 _reduce_scatter_seq = _conjugate_pair(
     lambda x, group, dim: reduce_scatter(x, group, dim, name='reduce_scatter(SP output)'),
     lambda g, group, dim: all_gather(g, group, dim, name='all_gather(grad of SP reduce-scatter)'))
+_sum_over_group = _conjugate_pair(     # a sum every member uses: each one's gradient of it is a part
+    lambda x, group, dim: all_reduce_(x.clone(), group, name='all_reduce(partial sums over tp)'),
+    lambda g, group, dim: all_reduce_(g.contiguous(), group, name='all_reduce(grad of partial sums over tp)'))
 _split_seq = _conjugate_pair(
     own_chunk,
     lambda g, group, dim: all_gather(g, group, dim, name='all_gather(grad of SP split)'))
@@ -184,6 +187,11 @@ def copy_to_group(x, group):
 
 def reduce_from_group(x, group):
   return x if group is None else _reduce_from_group(x, group, 0)
+
+
+def sum_over_group(x, group):
+  """The sum of every member's `x`, on every member; its gradient is the sum of theirs."""
+  return x if group is None else _sum_over_group(x, group, 0)
 
 
 def gather_seq(x, group, dim=1):

@@ -6,8 +6,9 @@ cross-entropy, `loss_ops`). Its arguments are the layer's parameters renamed to 
 shared rope/mask tensors; the layer index inside the dropout key travels as a tensor. Layers
 share shapes, so dynamo traces once (once more for evaluation, under no_grad) and every other
 call only checks guards: the graph count does not grow with layers or steps. Layers that
-differ (LoRA on some layers only, sliding vs full attention masks) get a graph each, through
-guards.
+differ (LoRA on some layers only, sliding vs full attention masks, MoE or dense, RoPE or none)
+get a graph each, through guards: what differs reaches the block as an argument, never through
+a branch on the layer index, which the graph would freeze at layer 0's.
 
 What runs inside the graph and what does not:
   * activation recompute: the checkpoint wraps the compiled block (full), or runs inside it
@@ -31,7 +32,7 @@ import sys
 
 import torch
 
-from model import cross_entropy, layers, moe, transformer
+from model import cross_entropy, layers, transformer
 
 _state = {'fn': None, 'cross_entropy': None, 'norm': None, 'loss_ops': {}}
 # dynamo's timers of a frame's compile, and of the backward graph's (compiled at the first backward)
@@ -54,8 +55,8 @@ def check(config) -> list:
   return problems
 
 
-def _block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b):
-  return transformer.block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b)
+def _block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, moe_layer):
+  return transformer.block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, None, moe_layer)
 
 
 def _compiled():
@@ -68,12 +69,10 @@ def _compiled():
 
 
 def _canonical(cfg, i):
-  """The layer index the graph is traced at: 0 for every layer, unless the block's arithmetic
-  depends on the index (Megatron's query-key layer scaling divides by it): then its own; with
-  MoE every moe.frequency-th layer, the first MoE layer for MoE ones (one graph per kind)."""
-  if cfg.apply_query_key_layer_scaling:
-    return i
-  return cfg.moe.frequency - 1 if moe.is_moe_layer(cfg, i) else 0
+  """The layer index the graph is traced at: 0 for every layer (what differs between layers, MoE
+  or dense, RoPE or none, the mask, comes in as arguments), unless the block's arithmetic depends on
+  the index (Megatron's query-key layer scaling divides by it): then its own."""
+  return i if cfg.apply_query_key_layer_scaling else 0
 
 
 def _local_params(params, i, index):
@@ -91,14 +90,14 @@ class Blocks:
       limit = 2 * num_layers + 8
       torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
 
-  def __call__(self, fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None):
+  def __call__(self, fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None, moe_layer=False):
     if fn is not transformer.block or kv is not None:
-      return self.wrap(fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv)
+      return self.wrap(fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv, moe_layer)
     index = _canonical(cfg, i)
     if drop_key and drop_key[-1] == i:        # stage keys each layer's dropout by (..., i)
       drop_key = drop_key[:-1] + (torch.tensor(i),)
     return self.wrap(_compiled(), _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
-                     sample_ids_b)
+                     sample_ids_b, moe_layer)
 
 
 def _final_norm(params, prefix, x_bsh, cfg):

@@ -33,25 +33,26 @@ def _all_reduce_bucketed(tensors, group, name, bucket_bytes=32 * 2**20):
       dst.copy_(src)
 
 
-def sync(grads, mesh, sequence_parallel, tied_embeddings=False):
-  """Sum `grads` (name -> gradient of this rank's box or owned rows) in place as described above."""
-  partial = [g for n, g in grads.items() if tensor.is_tp_partial(n) or
-             (sequence_parallel and tensor.is_sequence_parallel_replicated(n))]
+def sync(grads, mesh, layouts, sequence_parallel, tied_embeddings=False):
+  """Sum `grads` (name -> gradient of this rank's box or owned rows) in place as described above
+  (`layouts`: name -> its declared layout, tensor.layouts)."""
+  partial = [g for n, g in grads.items() if tensor.is_tp_partial(layouts[n]) or
+             (sequence_parallel and tensor.is_sequence_parallel_replicated(layouts[n]))]
   _all_reduce_bucketed(partial, mesh.tp_group, 'all_reduce(partial replicated grads over tp)')
   if mesh.kv_group is not None:
-    _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_kv(n)], mesh.kv_group,
+    _all_reduce_bucketed([g for n, g in grads.items() if tensor.is_kv(layouts[n])], mesh.kv_group,
                          'all_reduce(KV replica grads)')
   if tied_embeddings and mesh.embed_group is not None and 'embed_tokens.weight' in grads:
     comm.all_reduce_(grads['embed_tokens.weight'], mesh.embed_group, name='all_reduce(tied embedding grads)')
 
 
-def counts_once(name, mesh):
-  """Whether this rank's box of `name` is the one copy counted in global norms."""
+def counts_once(name, mesh, layout):
+  """Whether this rank's box of `name` (of declared `layout`) is the one copy counted in global norms."""
   if name == 'embed_tokens.weight' and mesh.pp_rank != 0:
     return False
-  if tensor.is_tp_replicated(name):
+  if tensor.is_tp_replicated(layout):
     return mesh.tp_rank == 0
-  if tensor.is_kv(name):
+  if tensor.is_kv(layout):
     return mesh.tp_rank % mesh.kv_replicator == 0
   return True
 
@@ -100,11 +101,11 @@ def square_sums(tensors, squares_of=square_sum, multi_tensor=None):
   return out
 
 
-def global_norm(tensors_by_name, mesh, extra_group=None, squares_of=square_sum):
+def global_norm(tensors_by_name, mesh, layouts, extra_group=None, squares_of=square_sum):
   """L2 norm of the global model's tensors, each element counted once (`extra_group`: a
   group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP; `squares_of`: how a
   tensor's fp32 sum of squares is taken, but on CUDA: square_sums)."""
-  total = _over_tp_pp(squares_total(tensors_by_name, mesh, squares_of), mesh)
+  total = _over_tp_pp(squares_total(tensors_by_name, mesh, layouts, squares_of), mesh)
   return comm.all_reduce_(total, extra_group, name='all_reduce(norm over dp shards)').sqrt()
 
 
@@ -113,18 +114,18 @@ def _over_tp_pp(total, mesh):
   return comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
 
 
-def squares_total(tensors_by_name, mesh, squares_of=square_sum):
+def squares_total(tensors_by_name, mesh, layouts, squares_of=square_sum):
   """This rank's fp32 sum of squares of the tensors it counts in global norms (counts_once)."""
-  mine = [t for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh)]
+  mine = [t for n, t in tensors_by_name.items() if t is not None and counts_once(n, mesh, layouts[n])]
   return torch.stack(square_sums(mine, squares_of)).sum() if mine else torch.zeros((), device=mesh.device)
 
 
-def sharded_norm(owned_squares, whole, mesh, group):
+def sharded_norm(owned_squares, whole, mesh, layouts, group):
   """L2 norm of a model whose rows are shared out over `group` (`owned_squares`: this rank's rows'
   sum of squares, squares_total) beside tensors every member holds whole (`whole`: name -> tensor)."""
   total = comm.all_reduce_(owned_squares, group, name='all_reduce(norm over dp shards)')
   if whole:
-    total = total + squares_total(whole, mesh)
+    total = total + squares_total(whole, mesh, layouts)
   return _over_tp_pp(total, mesh).sqrt()
 
 
@@ -134,11 +135,11 @@ def clip_coefficient(norm, max_norm):
   return torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else None
 
 
-def clip(grads, mesh, max_norm, extra_group=None, unscaled=(), squares_of=square_sum):
+def clip(grads, mesh, layouts, max_norm, extra_group=None, unscaled=(), squares_of=square_sum):
   """Global norm of `grads` (name -> tensor; global_norm's `squares_of`); scaled in place so it is
   at most `max_norm` (0 = off), but for the names in `unscaled`, which the caller scales itself.
   Returns (norm, coefficient or None)."""
-  norm = global_norm(grads, mesh, extra_group, squares_of)
+  norm = global_norm(grads, mesh, layouts, extra_group, squares_of)
   coefficient = clip_coefficient(norm, max_norm)
   scaled = [g for n, g in grads.items() if n not in unscaled]
   if coefficient is not None and scaled:

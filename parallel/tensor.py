@@ -1,24 +1,21 @@
 """Tensor and sequence parallelism (Megatron): which box of each parameter a TP rank holds,
 and the `Ops` that make the single-device model run on those boxes.
 
-Column-parallel (output rows split): q/k/v, gate/up, their biases, the vocab tables.
-Row-parallel (input columns split, output all-reduced or, under SP, reduce-scattered):
-o_proj, down_proj. MoE experts split the same way, each expert on its f (model/moe.py).
-Everything else is replicated. With tp > num_kv_heads each KV head is held
-by `kv_replicator` consecutive TP ranks (rank r holds KV head r // kv_replicator).
+Each parameter's layout is declared where the model defines it (ParamSpec.layout): column
+(output rows split: q/k/v, gate/up, their biases), vocab, row (input columns split, output
+all-reduced or, under SP, reduce-scattered: o_proj, down_proj), MoE's experts split the same
+way, each expert on its f (model/moe.py); the rest whole. With tp > num_kv_heads each KV head
+is held by `kv_replicator` consecutive TP ranks (rank r holds KV head r // kv_replicator).
 """
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 
-from model import layers, lora, moe, transformer
+from model import layers, moe, transformer
 from numerics import fp8, precision
 from parallel import comm, context, experts, sequence
 
-COLUMN_PARALLEL = ('q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj')
-ROW_PARALLEL = ('o_proj', 'down_proj')
-VOCAB_TABLES = ('embed_tokens.weight', 'lm_head.weight')
 
 
 def check(model_cfg, strategy, seq_length) -> list:
@@ -56,55 +53,43 @@ def check(model_cfg, strategy, seq_length) -> list:
   return problems
 
 
-def _module(name):
-  """The linear layer a parameter belongs to (a LoRA factor: the layer it adapts)."""
-  split = lora.split_name(name)
-  parts = (split[0] if split else name).split('.')
-  return parts[-1] if split else parts[-2] if len(parts) >= 2 else ''
+VOCAB_TABLES = ('embed_tokens.weight', 'lm_head.weight')   # rows padded past the vocabulary
+
+# The dim each declared layout (model/transformer.py LAYOUTS) splits over TP; the rest are whole.
+SPLIT_DIMS = {'vocab': 0, 'column': 0, 'column_kv': 0, 'row': 1, 'expert_column': 1, 'expert_row': 2}
 
 
-def _split_dim(name):
-  """The dim of `name` split over TP (0 rows, 1 columns), or None when replicated. LoRA
-  factors follow Megatron: a column-parallel layer's B is split like its weight (A
-  replicated), a row-parallel layer's A like its weight (B replicated)."""
-  if name in VOCAB_TABLES:
-    return 0
-  if moe.is_expert_param(name):        # MoE's stacked experts [E, f, h] / [E, h, f]: split like the dense MLP
-    return 2 if name.endswith('down_proj') else 1
-  module, split = _module(name), lora.split_name(name)
-  if split:
-    factor = split[1]
-    return 0 if module in COLUMN_PARALLEL and factor == 'lora_B' else \
-        1 if module in ROW_PARALLEL and factor == 'lora_A' else None
-  if module in COLUMN_PARALLEL:
-    return 0
-  return 1 if module in ROW_PARALLEL and name.endswith('.weight') else None
+def layouts(model_cfg) -> dict:
+  """name -> the layout the model declares for it (param_specs refuses one that declares none)."""
+  return {name: spec.layout for name, spec in transformer.param_specs(model_cfg).items()}
 
 
-def is_kv(name):
+def split_dim(layout):
+  """The dim of a parameter of `layout` split over TP (0 rows, 1 columns...), or None when whole."""
+  return SPLIT_DIMS.get(layout)
+
+
+def is_kv(layout):
   """Boxes of a KV head (held by kv_replicator ranks when tp > num_kv_heads)."""
-  return _module(name) in ('k_proj', 'v_proj') and _split_dim(name) == 0
+  return layout == 'column_kv'
 
 
-def is_tp_replicated(name):
+def is_tp_replicated(layout):
   """Parameters every TP rank holds whole (norms, row-parallel biases, learned positions,
   LoRA's A of column-parallel and B of row-parallel layers)."""
-  return _split_dim(name) is None
+  return split_dim(layout) is None
 
 
-HEAD_NORMS = ('q_norm', 'k_norm')
-
-
-def is_tp_partial(name):
+def is_tp_partial(layout):
   """Replicated parameters whose gradient each TP rank computes only in part, from its shard
-  of the layer (its heads): LoRA's replicated factors and the per-head q/k norms (Gemma 3).
-  Summed over TP at every layout."""
-  return is_tp_replicated(name) and (lora.is_adapter(name) or _module(name) in HEAD_NORMS)
+  of the layer (its heads): LoRA's replicated factors and the per-head q/k norms. Summed over TP
+  at every layout."""
+  return layout == 'tp_partial'
 
 
-def is_sequence_parallel_replicated(name):
+def is_sequence_parallel_replicated(layout):
   """Replicated parameters applied to sequence shards under SP: their grads need a TP sum."""
-  return is_tp_replicated(name) and name != 'embed_positions.weight' and not is_tp_partial(name)
+  return layout == 'replicated'
 
 
 def _split(size, parts, index):
@@ -112,11 +97,11 @@ def _split(size, parts, index):
   return slice(index * chunk, (index + 1) * chunk)
 
 
-def tp_box(name, spec, tp, tp_rank, kv_replicator=1):
-  """The slices of the global parameter `name` that TP rank `tp_rank` holds."""
+def tp_box(spec, tp, tp_rank, kv_replicator=1):
+  """The slices of the global parameter of `spec` that TP rank `tp_rank` holds."""
   box = list(transformer.full_box(spec.shape))
-  dim = _split_dim(name)
-  if dim == 0 and is_kv(name):
+  dim = split_dim(spec.layout)
+  if is_kv(spec.layout):
     box[0] = _split(spec.shape[0], tp // kv_replicator, tp_rank // kv_replicator)
   elif dim is not None:
     box[dim] = _split(spec.shape[dim], tp, tp_rank)
@@ -126,7 +111,7 @@ def tp_box(name, spec, tp, tp_rank, kv_replicator=1):
 def boxes(model_cfg, mesh, names=None):
   """name -> box for this rank (all parameters, or `names`), at the TP-padded vocabulary."""
   specs = transformer.param_specs(model_cfg, mesh.tp)
-  return {name: experts.ep_box(name, tp_box(name, specs[name], mesh.tp, mesh.tp_rank, mesh.kv_replicator),
+  return {name: experts.ep_box(name, tp_box(specs[name], mesh.tp, mesh.tp_rank, mesh.kv_replicator),
                                specs[name], mesh)
           for name in (names or specs)}
 
@@ -247,7 +232,15 @@ def make_ops(mesh, sequence_parallel=False, reduce_dtype=None):
       slice_residual=(lambda x: comm.split_seq(x, group)) if sp else (lambda x: x),
       residual_slices=mesh.tp if sp else 1,
       mask_for_slice=mask_for_slice,
+      sum_over_heads=lambda partial, kv: _sum_over_heads(partial, kv, group, mesh.kv_replicator),
   ), mesh)
+
+
+def _sum_over_heads(partial, kv, group, kv_replicator):
+  """A projection's sum over its heads from each TP rank's partial sum; a KV head held by
+  kv_replicator ranks is in as many partial sums."""
+  total = comm.sum_over_group(partial, group)
+  return total / kv_replicator if kv and kv_replicator > 1 else total
 
 
 def fp8_gemms(name, mesh):
@@ -288,7 +281,7 @@ def describe_layout(config, mesh):
   d = transformer.head_dim(m)
 
   def span(name, t, divisor=1):
-    rows = tp_box(name, specs[name], mesh.tp, t, mesh.kv_replicator)[0]
+    rows = tp_box(specs[name], mesh.tp, t, mesh.kv_replicator)[0]
     return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
 
   def ffn(r):

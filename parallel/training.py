@@ -27,7 +27,7 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
                                                   reference=reference, wait_params=updater.wait_params)
   updater.wait_params()            # the stage's forward waited for what it used; nothing stays behind
   gradients = updater.gradients()
-  grads.sync(gradients, mesh, config.distributed_strategy.sequence_parallel,
+  grads.sync(gradients, mesh, updater.layouts, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights)
   lr = updater.lr(step)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)

@@ -101,16 +101,42 @@ def write_pairs(path, count, seed, chosen_ids=(0, 16), rejected_ids=(16, 32), pr
 def apply_family(model, family):
   """Mistral: every layer a sliding window shorter than the sequence (16); Gemma 3: its block
   (GeGLU, (1 + w) norms, q/k norms, sandwich norms, scaled embeddings and scores, tied
-  tables), local and global layers alternating with their own RoPE bases, head_dim != h / a."""
+  tables), local and global layers alternating with their own RoPE bases, head_dim != h / a.
+  The others (tests/test_family_layouts.py) with every feature of the family on, at 4 layers."""
   model.sliding_window = 5
   model.architecture = family
+  n = model.num_layers
   if family == 'gemma3':
     model.activation = 'geglu'
     model.rmsnorm_unit_offset = model.qk_norm = model.sandwich_norm = model.scale_embeddings = True
     model.share_embeddings_and_output_weights = True
     model.head_dim, model.query_pre_attn_scalar = 16, 12
-    model.layer_types = ('sliding_attention', 'full_attention') * (model.num_layers // 2)
+    model.layer_types = ('sliding_attention', 'full_attention') * (n // 2)
     model.rope_theta, model.rope_local_theta = 1e6, 1e4
+  elif family in ('qwen3', 'qwen3_moe'):
+    # per-head q/k norms; 4 heads x 16 = 64 != hidden 32; layer 0 full, the rest slide
+    # (HF max_window_layers=1)
+    model.qk_norm, model.qk_norm_span, model.head_dim = True, 'head', 16
+    model.layer_types = ('full_attention',) + ('sliding_attention',) * (n - 1)
+    if family == 'qwen3_moe':
+      # HF's Qwen3-MoE: dropless top-2 of 4 experts of their own width, renormalized, no shared
+      # expert, the load-balancing loss; every 2nd layer MoE (decoder_sparse_step) but the last,
+      # kept dense (mlp_only_layers): at 4 layers MoE in layer 1 only, dense 0, 2, 3
+      model.moe.update(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=48, normalize_top_k_affinities=True,
+                       shared_expert_intermediate_size=0, frequency=2, dense_layers=(n - 1,),
+                       output_router_logits=True, router_aux_loss_coef=0.02)
+  elif family == 'olmo2':
+    # q/k norms over the whole projection, norms after attention and MLP only, scale in fp32;
+    # one KV head: tp2 holds it twice (kv_replicator 2), so the k-norm's sum over TP is halved
+    model.sliding_window = 0
+    model.qk_norm, model.qk_norm_span, model.num_kv_heads = True, 'projection', 1
+    model.post_norms_only = model.rmsnorm_scale_in_fp32 = True
+  elif family == 'smollm3':
+    # no RoPE in every 2nd layer (HF no_rope_layer_interval), those layers slide
+    model.nope_layers = tuple(range(1, n, 2))
+    model.layer_types = tuple('sliding_attention' if i % 2 else 'full_attention' for i in range(n))
+  elif family == 'phi3':
+    model.rotary_percentage = 0.5            # half of each head's 8 dims rotated; window 5 everywhere
 
 
 def steps_on_rank(config, steps):

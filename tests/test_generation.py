@@ -38,6 +38,30 @@ def test_greedy_tokens_equal_transformers_generate(tmp_path, overrides):
   assert len(set(ours)) > 3                        # a real continuation, not one repeated token
 
 
+def test_longrope_generation_recomputes_the_cache_where_it_switches_to_the_long_factors(tmp_path):
+  """Phi-3's longrope rotates with its short factors up to original_max_position_embeddings (12
+  here) and its long ones past it: the keys cached before are recomputed there, as transformers does."""
+  rope = {'rope_type': 'longrope', 'rope_theta': 10000.0, 'partial_rotary_factor': 0.5,
+          'short_factor': [1.0, 1.5, 2.0, 3.0], 'long_factor': [4.0, 9.0, 17.0, 40.0]}
+  config = transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=48,
+                                   original_max_position_embeddings=12, rope_parameters=rope,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(0)
+  model = transformers.Phi3ForCausalLM(config).float().eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.copy_(torch.randn(p.shape) * (0.2 if 'norm' not in name else 0.1) + ('norm' in name))
+  model.save_pretrained(tmp_path)
+  cfg, params = hf.load_hf(str(tmp_path), base.get_config().model)
+  prompt = [5, 17, 42, 7, 99, 3]
+  ours = generation.generate(params, cfg, prompt, max_new_tokens=16)
+  theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+  assert ours == theirs and len(set(ours)) > 3
+  assert generation._crosses_to_long_factors(cfg, 12, 13) and not generation._crosses_to_long_factors(cfg, 13, 14)
+
+
 def test_generation_stops_at_a_stop_token_and_sampling_is_keyed():
   m = base.get_config().model
   params = transformer.init(m, 0)

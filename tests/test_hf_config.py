@@ -76,9 +76,12 @@ def test_import_refusals_name_the_key(hf_config, match):
 
 def test_export_refusals_name_the_keys():
   partial_gemma = base_config.get_config().model
-  partial_gemma.qk_norm = True               # Gemma's q/k norms without the rest of its block
-  with pytest.raises(ValueError, match='qk_norm'):
+  partial_gemma.rmsnorm_unit_offset = True   # Gemma's (1 + w) norms without the rest of its block
+  with pytest.raises(ValueError, match='rmsnorm_unit_offset.*HF Gemma 3 together'):
     hf.config_to_hf(partial_gemma)
+  qwen3 = base_config.get_config().model
+  qwen3.qk_norm = True                       # per-head q/k norms in Llama's block: Qwen3
+  assert hf.config_to_hf(qwen3)['model_type'] == 'qwen3'
   mixed = flatron_config(sliding_window=4, layer_types=('full_attention', 'sliding_attention')).model
   with pytest.raises(ValueError, match='layer_types'):
     hf.config_to_hf(mixed)

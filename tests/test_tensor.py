@@ -39,8 +39,8 @@ def test_boxes_tile_every_parameter_exactly_once():
     for name, spec in specs.items():
       cover = np.zeros(spec.shape, dtype=int)
       for t in range(tp):
-        cover[tensor.tp_box(name, spec, tp, t, rep)] += 1
-      copies = tp if tensor.is_tp_replicated(name) else rep if tensor.is_kv(name) else 1
+        cover[tensor.tp_box(spec, tp, t, rep)] += 1
+      copies = tp if tensor.is_tp_replicated(spec.layout) else rep if tensor.is_kv(spec.layout) else 1
       assert (cover == copies).all(), (name, tp)
 
 
@@ -143,17 +143,25 @@ def test_parallel_layers_reduce_dtype_fp32_sums_bf16_partials_in_fp32():
   assert results[0][('None', False)] == results[0][('None', True)] == (False, False)
 
 
-def test_classification_of_replicated_parameters():
-  assert tensor.is_tp_replicated('layers.0.input_layernorm.weight')
-  assert tensor.is_tp_replicated('layers.0.self_attn.o_proj.bias')
-  assert not tensor.is_tp_replicated('layers.0.self_attn.o_proj.weight')
-  assert not tensor.is_tp_replicated('layers.0.self_attn.q_proj.bias')
-  assert not tensor.is_tp_replicated('lm_head.weight')
-  assert tensor.is_sequence_parallel_replicated('norm.weight')
-  assert not tensor.is_sequence_parallel_replicated('embed_positions.weight')
-  # Gemma 3's per-head norms: replicated, each rank's gradient covers its heads only
+def test_each_parameter_declares_its_layout_and_none_is_guessed():
+  m = parity.parity_config(qkv_bias=True).model
+  m.position_embedding_type, m.qk_norm, m.sandwich_norm = 'learned_absolute', True, True
+  layouts = tensor.layouts(m)
+  assert tensor.is_tp_replicated(layouts['layers.0.input_layernorm.weight'])
+  assert not tensor.is_tp_replicated(layouts['layers.0.self_attn.o_proj.weight'])
+  assert not tensor.is_tp_replicated(layouts['layers.0.self_attn.q_proj.bias'])
+  assert tensor.is_kv(layouts['layers.0.self_attn.v_proj.bias'])
+  assert not tensor.is_tp_replicated(layouts['lm_head.weight'])
+  assert tensor.is_sequence_parallel_replicated(layouts['norm.weight'])
+  assert not tensor.is_sequence_parallel_replicated(layouts['embed_positions.weight'])
+  # per-head norms: replicated, each rank's gradient covers its heads only
   for name in ('layers.0.self_attn.q_norm.weight', 'layers.0.self_attn.k_norm.weight'):
-    assert tensor.is_tp_replicated(name) and tensor.is_tp_partial(name)
-    assert not tensor.is_sequence_parallel_replicated(name)      # summed once, not twice under SP
-  assert not tensor.is_tp_partial('layers.0.pre_feedforward_layernorm.weight')
+    assert tensor.is_tp_replicated(layouts[name]) and tensor.is_tp_partial(layouts[name])
+    assert not tensor.is_sequence_parallel_replicated(layouts[name])      # summed once, not twice under SP
+  assert not tensor.is_tp_partial(layouts['layers.0.pre_feedforward_layernorm.weight'])
+  # a parameter a fork adds without a layout is refused by name, not replicated by default
+  specs = transformer.param_specs(m)
+  specs['layers.0.self_attn.gate_proj.weight'] = transformer.ParamSpec((4, 4), 'normal', 0.02)
+  with pytest.raises(ValueError, match=r'layers\.0\.self_attn\.gate_proj\.weight.*declare one of vocab, column'):
+    transformer.check_layouts(specs)
   assert comm.group_size(None) == 1

@@ -126,7 +126,7 @@ def test_clipping_matches_torch_clip_grad_norm():
     c.grad = g.clone()
   ref_norm = torch.nn.utils.clip_grad_norm_(copies, 1.0)
   gradients = {f'p{i}': g.clone() for i, g in enumerate(grad_list)}
-  norm, coefficient = grads.clip(gradients, meshes.Mesh(), 1.0)
+  norm, coefficient = grads.clip(gradients, meshes.Mesh(), dict.fromkeys(gradients, 'column'), 1.0)
   assert coefficient is not None and coefficient.item() < 1.0
   torch.testing.assert_close(norm, ref_norm)
   for c, g in zip(copies, gradients.values()):

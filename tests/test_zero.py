@@ -180,7 +180,7 @@ def _param_norms(precision, lora):
                               defer_param_gather=True, param_norm=True)
     in_flight = len(updater.pending)
     updater.wait_params()
-    out.append((got['param_norm'].item(), in_flight, grads.global_norm(params, mesh).item(), terms))
+    out.append((got['param_norm'].item(), in_flight, grads.global_norm(params, mesh, updater.layouts).item(), terms))
   return out
 
 
