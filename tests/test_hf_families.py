@@ -130,3 +130,18 @@ def test_an_olmo2_norm_without_its_block_is_refused_by_name():
   m.has_bias = True
   with pytest.raises(ValueError, match='has_bias=True: HF phi3 has no such biases'):
     hf_export.config_to_hf(m)
+
+
+@pytest.mark.parametrize('family', ['qwen3_moe', 'phi3'])
+def test_family_through_the_converters_and_a_checkpoint(family, tmp_path):
+  """tools.convert hf-to-flatron writes a checkpoint step, flatron-to-hf writes it back: the
+  same logits in transformers (the fused and per-expert tensors through the checkpoint's names)."""
+  from tools import convert  # pylint: disable=import-outside-toplevel
+  model = hf_model(family)
+  model.save_pretrained(tmp_path / 'theirs')
+  step = convert.hf_to_flatron(str(tmp_path / 'theirs'), str(tmp_path / 'ckpt'))
+  convert.flatron_to_hf(step, str(tmp_path / 'back'))
+  again = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / 'back', attn_implementation='eager')
+  tokens = random_tokens(4, s=24)
+  with torch.no_grad():
+    assert (again.float().eval()(tokens).logits - model(tokens).logits).abs().max().item() < TOL
