@@ -166,7 +166,7 @@ class Session:
                                 weights_only=True)
     requests = layout.requests()
     if adapters.is_peft_dir(path):
-      arrays = adapters.read_boxes(path, requests)
+      arrays = adapters.read_boxes(path, requests, self.config.model)
     else:
       check_shapes(path, checkpoint_steps.read_metadata(path), layout)
       arrays, _ = self.manager.load(path, requests)

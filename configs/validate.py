@@ -39,7 +39,7 @@ def check(config, world_size=1) -> list:
                  + context.check(config))
     dp = max(1, world_size // _model_parallel(strategy))
     problems += loader.check(config, dp)
-  problems += lora.check(config.model_alignment_strategy.peft) + objectives.check(config)
+  problems += lora.check(config.model_alignment_strategy.peft, config.model) + objectives.check(config)
   return problems + precision.check(config.precision) + _check_fp8(config) + checkpoint_steps.check(config)
 
 

@@ -185,10 +185,10 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
   layer's reduction instead of needing its own."""
   w, b = params[name + '.weight'], params.get(name + '.bias')
 
-  def adapter_dropout(x, p):
+  def adapter_dropout(x, p, site):
     if not drop_key or p == 0.0:
       return x
-    key = drop_key + ('lora', name.rsplit('.', 1)[-1])
+    key = drop_key + ('lora', site)    # the adapted module: Phi-3's q, k, v share qkv_proj's mask
     if parallel == 'column':                 # the input is whole on every rank
       return dropout(x, p, key, sample_ids_b, ops=ops)
     # A row-parallel input is this rank's share of the features: draw the whole mask, apply its part.

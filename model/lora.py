@@ -20,7 +20,8 @@ Nothing here knows about parallelism: parallel/tensor.py decides which box of A 
 holds (Megatron's way: A replicated and B split for column-parallel targets, A split and B
 replicated for row-parallel ones) and the adapter's partial output of a row-parallel target
 joins the base layer's own reduction (`layers.linear`). A's rows are never split, so a
-linear's rank is the first dimension of its A.
+linear's rank is the first dimension of its A. Phi-3's fused modules share one A among their
+projections (model/lora_fused.py).
 """
 import math
 import os
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from config_checks import one_of, positive
+from model import lora_fused
 
 # NxD Training's fused names and peft's per-projection names, and what each covers.
 TARGET_GROUPS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj'),
@@ -98,8 +100,9 @@ def target_modules(peft) -> tuple:
   return tuple(m for m in MODULES if m in out)
 
 
-def check(peft) -> list:
-  """Problems with model_alignment_strategy.peft; nothing to check while lora_rank is 0."""
+def check(peft, model=None) -> list:
+  """Problems with model_alignment_strategy.peft (for model section `model`, when given); nothing
+  to check while lora_rank is 0."""
   key = 'model_alignment_strategy.peft'
   problems = []
   positive(problems, f'{key}.lora_rank', peft.lora_rank, allow_zero=True)
@@ -130,7 +133,18 @@ def check(peft) -> list:
   if peft.load_lora_from_ckpt and not peft.lora_save_dir:
     problems.append(f'{key}.load_lora_from_ckpt needs lora_save_dir (a flatron step or peft directory, '
                     'with lora_load_tag its sub-directory)')
-  return problems
+  return problems if problems or model is None else fused_problems(peft, model)
+
+
+def fused_problems(peft, model) -> list:
+  """What peft could not hold on model section `model`'s fused modules (Phi-3's; none elsewhere)."""
+  if not lora_fused.is_fused(model):
+    return []
+  out = [] if is_regex(peft) else lora_fused.target_problems(_target_entries(peft))
+  for key, default in (('rank_pattern', peft.lora_rank), ('alpha_pattern', option(peft, 'lora_alpha'))):
+    out += lora_fused.pattern_problems(model, key, lambda path, key=key: _pattern_value(option(peft, key), path),
+                                       default)
+  return out
 
 
 def module_path(linear) -> str:
@@ -138,17 +152,19 @@ def module_path(linear) -> str:
   return 'model.' + linear
 
 
-def is_target(peft, linear) -> bool:
-  """Whether linear `linear` ('layers.3.self_attn.q_proj') gets an adapter, by peft's rules."""
-  path, proj = module_path(linear), linear.rsplit('.', 1)[-1]
-  if proj not in MODULES or '.mlp.shared_expert.' in linear + '.':
+def is_target(peft, module) -> bool:
+  """Whether module `module` ('layers.3.self_attn.q_proj', or Phi-3's fused 'layers.3.self_attn.qkv_proj')
+  gets an adapter, by peft's rules."""
+  path, proj = module_path(module), module.rsplit('.', 1)[-1]
+  if proj not in MODULES + lora_fused.ALL_LINEAR or '.mlp.shared_expert.' in module + '.':
     return False      # MoE layers (model/moe.py) take no adapters: their experts stay frozen
   if is_regex(peft):        # peft applies layers_to_transform to listed names only, not to a regex
     return re.fullmatch(option(peft, 'target_modules'), path) is not None
-  hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) for t in _target_entries(peft))
+  hit = any(path == t or path.endswith('.' + t) or proj in TARGET_GROUPS.get(t, ()) or t == 'all-linear'
+            for t in _target_entries(peft))
   layers = option(peft, 'layers_to_transform')
   layers = (layers,) if isinstance(layers, int) else tuple(layers)
-  return hit and (not layers or int(linear.split('.')[1]) in layers)
+  return hit and (not layers or int(module.split('.')[1]) in layers)
 
 
 def _pattern_value(pairs, path):
@@ -176,12 +192,17 @@ def scaling(peft, linear, rank) -> float:
 
 
 def plan(cfg, names) -> dict:
-  """linear -> (rank, alpha) of every adapted linear among weight names `names`."""
+  """linear -> (rank, alpha) of every adapted linear among weight names `names` (those of
+  Phi-3's fused module: the module's)."""
   peft = settings(cfg)
   if peft is None:
     return {}
+  problems = fused_problems(peft, cfg)
+  if problems:
+    raise ValueError('\n'.join(problems))
   linears = [n[:-len('.weight')] for n in names if n.startswith('layers.') and n.endswith('.weight')]
-  return {lin: (rank_of(peft, lin), alpha_of(peft, lin)) for lin in linears if is_target(peft, lin)}
+  modules = {lin: lora_fused.module_of(cfg, lin) for lin in linears}
+  return {lin: (rank_of(peft, m), alpha_of(peft, m)) for lin, m in modules.items() if is_target(peft, m)}
 
 
 def split_name(name):
@@ -204,13 +225,16 @@ FACTOR_LAYOUTS = {'column': ('tp_partial', 'column'), 'column_kv': ('tp_partial'
 
 
 def adapter_specs(cfg, base_specs, spec_type) -> dict:
-  """name -> spec of every adapter factor, for the targeted linear weights in `base_specs`."""
+  """name -> spec of every adapter factor, for the targeted linear weights in `base_specs`: A
+  named after the module (one for Phi-3's fused projections: the same input, rank and layout),
+  B after the linear."""
   out = {}
   for linear, (rank, _) in plan(cfg, base_specs).items():
     base = base_specs[linear + '.weight']
     out_dim, in_dim = base.shape
     a, b = FACTOR_LAYOUTS[base.layout]
-    out[f'{linear}.lora_A.weight'] = spec_type((rank, in_dim), 'uniform', 1.0 / math.sqrt(in_dim), layout=a)
+    out[f'{lora_fused.module_of(cfg, linear)}.lora_A.weight'] = spec_type(
+        (rank, in_dim), 'uniform', 1.0 / math.sqrt(in_dim), layout=a)
     out[f'{linear}.lora_B.weight'] = spec_type((out_dim, rank), 'zeros', layout=b)
   return out
 
@@ -234,15 +258,16 @@ def trainable(cfg, names) -> list:
 
 def delta(params, linear, x, cfg, dropout, first_linear=F.linear):
   """The adapter's contribution to `linear`'s output for input `x` (None if not adapted):
-  scaling * B (A dropout(x)), in x's dtype. `dropout(x, site)` applies the keyed dropout;
-  `first_linear` runs A (the base layer's own linear, so that under SP A keeps what it keeps)."""
-  a = params.get(linear + '.lora_A.weight')
-  if a is None:
+  scaling * B (A dropout(x)), in x's dtype. `dropout(x, p, site)` applies the keyed dropout of
+  module `site` (Phi-3's q, k and v draw their fused qkv_proj's one mask); `first_linear` runs A
+  (the base layer's own linear, so that under SP A keeps what it keeps)."""
+  b = params.get(linear + '.lora_B.weight')
+  if b is None:
     return None
-  peft = cfg.peft
-  x = dropout(x, option(peft, 'lora_dropout'))
-  b = params[linear + '.lora_B.weight']
-  return F.linear(first_linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling(peft, linear, rank=a.shape[0])
+  module, peft = lora_fused.module_of(cfg, linear), cfg.peft
+  a = params[module + '.lora_A.weight']
+  x = dropout(x, option(peft, 'lora_dropout'), module.rsplit('.', 1)[-1])
+  return F.linear(first_linear(x, a.to(x.dtype)), b.to(x.dtype)) * scaling(peft, module, rank=a.shape[0])
 
 
 def merged(params, cfg) -> dict:
@@ -254,10 +279,11 @@ def merged(params, cfg) -> dict:
     return out
   for name in params:
     split = split_name(name)
-    if split and split[1] == 'lora_A':
-      w, a = params[split[0] + '.weight'], params[name]
-      product = params[split[0] + '.lora_B.weight'].double() @ a.double()
-      s = scaling(peft, split[0], rank=a.shape[0])
+    if split and split[1] == 'lora_B':
+      module = lora_fused.module_of(cfg, split[0])
+      w, a = params[split[0] + '.weight'], params[module + '.lora_A.weight']
+      product = params[name].double() @ a.double()
+      s = scaling(peft, module, rank=a.shape[0])
       out[split[0] + '.weight'] = (w.double() + s * product).to(w.dtype)
   return out
 

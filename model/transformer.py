@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import rng
-from model import chunked_ce, layers, lora, moe, objectives, rope, router_losses
+from model import chunked_ce, layers, lora, lora_fused, moe, objectives, rope, router_losses
 
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
@@ -164,9 +164,9 @@ def _with_adapters(specs, adapters):
   for name, spec in specs.items():
     out[name] = spec
     linear = name[:-len('.weight')]
-    for factor in lora.FACTORS:
-      if f'{linear}.{factor}.weight' in adapters:
-        out[f'{linear}.{factor}.weight'] = adapters[f'{linear}.{factor}.weight']
+    for factor in lora_fused.factor_names(linear):    # (Phi-3's shared A before its first projection's B)
+      if factor in adapters:
+        out.setdefault(factor, adapters[factor])
   return out
 
 
