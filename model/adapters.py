@@ -5,7 +5,7 @@ peft (for a Llama, target modules by name) loads here: its settings become
 model_alignment_strategy.peft, its tensors the `lora_A` / `lora_B` parameters. Keys are peft's
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (our name with HF's
 `model.` prefix, under peft's `base_model.model.`). A Phi-3 adapter's fused modules hold one A
-(ours too: model/lora_fused.py) and one B, the rows of our per-projection Bs (model/hf.py's rows of
+(ours too: model/lora_fused.py) and one B, the rows of our per-projection Bs (model/hf_names.py's rows of
 the fused weight).
 """
 import json
@@ -15,7 +15,7 @@ from ml_collections import config_dict
 import torch
 from safetensors.torch import save_file
 
-from model import hf, hf_files, lora, lora_fused, moe, transformer
+from model import hf_files, hf_names, lora, lora_fused, moe, transformer
 
 CONFIG_FILE = 'adapter_config.json'
 WEIGHTS_FILE = 'adapter_model.safetensors'
@@ -23,11 +23,11 @@ PREFIX = 'base_model.model.'
 
 
 def peft_key(name) -> str:
-  return PREFIX + hf._to_hf_name(name)  # pylint: disable=protected-access
+  return PREFIX + hf_names.to_hf_name(name)
 
 
 def our_name(key) -> str:
-  return hf._from_hf_name(key[len(PREFIX):] if key.startswith(PREFIX) else key)  # pylint: disable=protected-access
+  return hf_names.from_hf_name(key[len(PREFIX):] if key.startswith(PREFIX) else key)
 
 
 def _fused_b(name, model_cfg):
@@ -36,7 +36,7 @@ def _fused_b(name, model_cfg):
   split = lora.split_name(name)
   if model_cfg is None or not split or split[1] != 'lora_B':
     return None
-  fused = hf._fused_rows(split[0] + '.weight', model_cfg)  # pylint: disable=protected-access
+  fused = hf_names.fused_rows(split[0] + '.weight', model_cfg)
   return fused and (our_name(fused[0])[:-len('weight')] + 'lora_B.weight',) + fused[1:]
 
 
@@ -89,7 +89,7 @@ def save_peft(path, model_cfg, params, base_model_name_or_path=None):
   names = lora.trainable(model_cfg, params)
   mlp = [n for n in names if '.mlp.' in n and lora.is_adapter(n)]
   if moe.enabled(model_cfg) and mlp:
-    few = hf._few(mlp, 2)  # pylint: disable=protected-access
+    few = hf_names.few(mlp, 2)
     raise ValueError(f'{few}: peft on transformers 5 reads the target_modules '
                      'gate_proj, up_proj and down_proj of a mixture-of-experts model as its experts\' '
                      '(target_parameters) and leaves the dense layers\' MLPs without adapters, so it would drop '

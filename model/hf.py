@@ -9,7 +9,8 @@ save_pretrained writes them (Mixtral's block_sparse_moe.experts.N.w1/w3/w2, Qwen
 mlp.experts.N.gate/up/down_proj): import stacks, export splits, both exact. A file holding the
 stacks as transformers 5 holds them in memory ([E, 2f, h] gate_up_proj) is read too. Phi-3's fused
 qkv_proj ([q; k; v] rows) and gate_up_proj ([gate; up] rows) are our q/k/v and gate/up
-projections' rows: import reads each one's rows, export concatenates them.
+projections' rows: import reads each one's rows, export concatenates them. Which HF tensor
+holds each of ours: model/hf_names.py.
 """
 import json
 import os
@@ -21,36 +22,14 @@ from safetensors.torch import save_file
 from model import defaults, moe, transformer
 from model.hf_files import HFFileError, open_safetensors, read_json
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf  # pylint: disable=unused-import
-from model.hf_export import config_to_hf, family_of
+from model.hf_export import config_to_hf  # pylint: disable=unused-import
+from model.hf_names import few, fused_expert_stack, fused_rows, ignored, layout, to_hf_name
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
 SHARD_PATTERN = re.compile(r'model-\d{5}-of-\d{5}\.safetensors')
 VOCAB_PARAMS = ('embed_tokens.weight', 'lm_head.weight')
-
-
-# --- names -------------------------------------------------------------------------------
-
-
-def _to_hf_name(name):
-  return name if name == 'lm_head.weight' else 'model.' + name
-
-
-def _from_hf_name(hf_name):
-  return hf_name[len('model.'):] if hf_name.startswith('model.') else hf_name
-
-
-def _ignored(hf_name, model_cfg):
-  """Tensors HF files may hold that carry nothing for us."""
-  if hf_name == 'lm_head.weight' and model_cfg.share_embeddings_and_output_weights:
-    return True   # tied: some writers store the (identical) head anyway
-  return hf_name.endswith('rotary_emb.inv_freq')   # old checkpoints saved this RoPE buffer
-
-
-def _few(names, k=5):
-  names = sorted(names)
-  return ', '.join(names[:k]) + (f' (+{len(names) - k} more)' if len(names) > k else '')
 
 
 # --- load --------------------------------------------------------------------------------
@@ -69,7 +48,7 @@ def _weight_map(path):
     files = {name: os.path.join(path, shard) for name, shard in shards.items()}
     absent = sorted({file for file in files.values() if not os.path.isfile(file)})
     if absent:
-      raise FileNotFoundError(f'{index} lists shard files that do not exist: {_few(absent)}')
+      raise FileNotFoundError(f'{index} lists shard files that do not exist: {few(absent)}')
     return files, index
   others = [n for n in ('pytorch_model.bin', 'pytorch_model.bin.index.json') if os.path.exists(os.path.join(path, n))]
   hint = f' (found {", ".join(others)}: re-save it with safe_serialization=True)' if others else ''
@@ -93,93 +72,28 @@ def read_config(path, base_model=None):
     raise HFFileError(f'{config_path}: {str(e).splitlines()[0]}') from None
 
 
-def _family(model_cfg):
-  return model_cfg.architecture if model_cfg.architecture in MOE_FAMILIES else family_of(model_cfg)
-
-
-PHI3_FUSED = {'q_proj': 'qkv_proj', 'k_proj': 'qkv_proj', 'v_proj': 'qkv_proj',
-              'gate_proj': 'gate_up_proj', 'up_proj': 'gate_up_proj'}
-
-
-def _fused_rows(name, model_cfg):
-  """(Phi-3's fused HF tensor holding our weight `name`, its first row there, the fused tensor's
-  rows), else None. Phi-3 is the one family that rotates part of each head (hf_export)."""
-  parts = name.split('.')
-  phi3 = model_cfg.architecture == 'phi3' or model_cfg.rotary_percentage != 1.0
-  if not phi3 or len(parts) < 3 or parts[-1] != 'weight' or parts[-2] not in PHI3_FUSED:
-    return None
-  d, f = transformer.head_dim(model_cfg), model_cfg.ffn_hidden_size
-  q, kv = model_cfg.num_attention_heads * d, transformer.kv_heads(model_cfg) * d
-  first = {'q_proj': 0, 'k_proj': q, 'v_proj': q + kv, 'gate_proj': 0, 'up_proj': f}[parts[-2]]
-  rows = q + 2 * kv if parts[-2] in ('q_proj', 'k_proj', 'v_proj') else 2 * f
-  return _to_hf_name('.'.join(parts[:-2] + [PHI3_FUSED[parts[-2]], 'weight'])), first, rows
-
-
-def _file_name(name, model_cfg):
-  """HF's stored name of our (non-stacked) tensor `name`; Mixtral's router lives under block_sparse_moe."""
-  hf_name = _to_hf_name(name)
-  if moe.enabled(model_cfg) and _family(model_cfg) == 'mixtral':
-    hf_name = hf_name.replace('.mlp.gate.', '.block_sparse_moe.gate.')
-  return hf_name
-
-
-MIXTRAL_EXPERTS = {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2'}
-FUSED_HALVES = ('gate_proj', 'up_proj')      # transformers 5's gate_up_proj: gate rows, then up rows
-
-
-def _expert_pieces(name, model_cfg):
-  """Stacked expert tensor `name` as save_pretrained stores it: one HF tensor per expert
-  (Mixtral w1 = gate, w3 = up, w2 = down; Qwen2-MoE gate/up/down_proj)."""
-  layer, kind = 'model.' + name.split('.mlp.')[0], name.rsplit('.', 1)[-1]
-  if _family(model_cfg) == 'mixtral':
-    base, part = f'{layer}.block_sparse_moe.experts', MIXTRAL_EXPERTS[kind]
-  else:
-    base, part = f'{layer}.mlp.experts', kind
-  return [[f'{base}.{e}.{part}.weight'] for e in range(model_cfg.moe.num_experts)]
-
-
-def _fused(name):
-  """(HF 5's in-memory gate_up_proj holding expert stack `name`, which half), else None."""
-  base, kind = name.rsplit('.', 1)
-  return (_to_hf_name(base + '.gate_up_proj'), FUSED_HALVES.index(kind)) if kind in FUSED_HALVES else None
-
-
-def _layout(name, model_cfg, files):
-  """[[HF name, ...] per expert] making up our tensor `name`: one piece for a plain tensor (or a
-  stacked expert tensor stored whole, as transformers 5 holds it in memory)."""
-  fused = _fused_rows(name, model_cfg)
-  if fused:
-    return [[fused[0]]]
-  if not moe.is_expert_param(name) or _to_hf_name(name) in files:
-    return [[_file_name(name, model_cfg)]]
-  fused = _fused(name)
-  if fused and fused[0] in files:
-    return [[fused[0]]]
-  return _expert_pieces(name, model_cfg)
-
-
 def _checked_names(path, model_cfg):
   """(our name -> [[(file, HF name), ...] per expert]) for every parameter, after checking
   names and shapes."""
   specs = transformer.param_specs(model_cfg, adapters=False)
   files, source = _weight_map(path)
-  layouts = {name: _layout(name, model_cfg, files) for name in specs}
+  layouts = {name: layout(name, model_cfg, files) for name in specs}
   wanted = {hf_name for pieces in layouts.values() for piece in pieces for hf_name in piece}
-  stored = {n for n in files if not _ignored(n, model_cfg)}
+  stored = {n for n in files if not ignored(n, model_cfg)}
   missing = sorted(wanted - stored)
   if missing:
-    raise HFFileError(f'{source}: missing tensors {_few(missing)}')
+    raise HFFileError(f'{source}: missing tensors {few(missing)}')
   unexpected = sorted(stored - wanted)
   if unexpected:
-    raise HFFileError(f'{source}: unexpected tensors {_few(unexpected)}')
+    raise HFFileError(f'{source}: unexpected tensors {few(unexpected)}')
   for name, pieces in layouts.items():
     shape = specs[name].shape
     expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
-    if _fused_rows(name, model_cfg):                     # Phi-3's [q; k; v] or [gate; up]
-      expected = (_fused_rows(name, model_cfg)[2],) + shape[1:]
+    if fused_rows(name, model_cfg):                     # Phi-3's [q; k; v] or [gate; up]
+      expected = (fused_rows(name, model_cfg)[2],) + shape[1:]
     elif pieces[0][0].endswith('.gate_up_proj'):         # transformers 5's [E, 2f, h]
       expected = (shape[0], 2 * shape[1]) + shape[2:]
-    elif moe.is_expert_param(name) and _to_hf_name(name) not in files:    # one tensor per expert
+    elif moe.is_expert_param(name) and to_hf_name(name) not in files:    # one tensor per expert
       expected = shape[1:]
     for piece in pieces:
       for hf_name in piece:
@@ -207,12 +121,12 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
   where = _checked_names(path, model_cfg)
   out = {}
   for name, box in requests.items():
-    pieces, fused = where[name], _fused_rows(name, model_cfg)
+    pieces, fused = where[name], fused_rows(name, model_cfg)
     if fused:                  # this weight's rows of Phi-3's fused tensor
       rows = slice(box[0].start + fused[1], box[0].stop + fused[1])
       tensor = _read(*pieces[0][0], (rows,) + tuple(box[1:]))
     elif pieces[0][0][1].endswith('.gate_up_proj'):
-      half, f = _fused(name)[1], transformer.param_specs(model_cfg, adapters=False)[name].shape[1]
+      half, f = fused_expert_stack(name)[1], transformer.param_specs(model_cfg, adapters=False)[name].shape[1]
       rows = slice(box[1].start + half * f, box[1].stop + half * f)     # this half's rows of gate_up_proj
       tensor = _read(*pieces[0][0], (box[0], rows) + tuple(box[2:]))
     elif len(pieces) == 1 and len(pieces[0]) == 1:
@@ -250,8 +164,8 @@ def load_hf(path, base_model=None, dtype=torch.float32):
 def _check_params(model_cfg, params, specs):
   missing, unexpected = [n for n in specs if n not in params], [n for n in params if n not in specs]
   if missing or unexpected:
-    raise ValueError(f'params do not match the config: missing {_few(missing) or "none"}, '
-                     f'unexpected {_few(unexpected) or "none"}')
+    raise ValueError(f'params do not match the config: missing {few(missing) or "none"}, '
+                     f'unexpected {few(unexpected) or "none"}')
   for name, spec in specs.items():
     found = tuple(params[name].shape)
     # Vocab tables may be padded for any TP degree; only the first vocab_size rows are real.
@@ -291,9 +205,9 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
     tensor = params[name].detach().to('cpu')
     if name in VOCAB_PARAMS:
       tensor = tensor[:model_cfg.vocab_size]
-    pieces = _layout(name, model_cfg, ())
-    if _fused_rows(name, model_cfg):       # Phi-3: concatenated below, in row order
-      fused.setdefault(pieces[0][0], []).append((_fused_rows(name, model_cfg)[1], tensor))
+    pieces = layout(name, model_cfg, ())
+    if fused_rows(name, model_cfg):       # Phi-3: concatenated below, in row order
+      fused.setdefault(pieces[0][0], []).append((fused_rows(name, model_cfg)[1], tensor))
       continue
     if len(pieces) == 1:
       tensors[pieces[0][0]] = tensor.contiguous()

@@ -1,7 +1,7 @@
 """LoRA on Phi-3's fused modules, as peft computes it.
 
 Phi-3's HF modules `qkv_proj` ([q; k; v] rows) and `gate_up_proj` ([gate; up] rows) are our
-separate projections (model/hf.py). peft adapts each fused module as one linear: one A [r, in]
+separate projections (model/hf_names.py). peft adapts each fused module as one linear: one A [r, in]
 and one B [rows, r], so q, k and v (gate and up) read the same A dropout(x), with one dropout
 mask and one r and alpha per fused module. Here that A is one parameter named after the fused
 module, `layers.3.self_attn.qkv_proj.lora_A.weight`, laid out like a column layer's A (whole on
@@ -22,8 +22,8 @@ SITES = {'qkv_proj': 'self_attn', 'gate_up_proj': 'mlp'}
 
 
 def is_fused(cfg) -> bool:
-  """Whether model section `cfg` is HF Phi-3, whose files fuse q, k, v and gate, up: model/hf.py's
-  rule (`_fused_rows`: the one family that rotates part of each head)."""
+  """Whether model section `cfg` is HF Phi-3, whose files fuse q, k, v and gate, up (model/hf_names.py
+  `fused_rows` reads them by this rule): the one family that rotates part of each head."""
   return cfg.get('architecture') == 'phi3' or cfg.get('rotary_percentage', 1.0) != 1.0
 
 

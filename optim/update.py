@@ -43,8 +43,7 @@ class Updater:
     """`placement`: name -> (box, global shape), where this rank's tensor sits in the global
     parameter (keys the stochastic rounding; default: the tensor is the whole parameter);
     `trainable`: names to update (default all), the rest are frozen."""
-    self.params, self.mesh, self.config = params, mesh, config
-    self.layouts = tensor.layouts(config.model)
+    self.params, self.mesh, self.config, self.layouts = params, mesh, config, tensor.layouts(config.model)
     self.recipe = precision.recipe(config.precision)
     # The cp ranks of a sequence saw parts of the same batch: gradients sum over dp x cp, and
     # ZeRO-1 shards over it (Megatron's distributed optimizer does the same).

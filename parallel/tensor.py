@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import layers, moe, transformer
+from model import layers, moe, param_init, transformer
 from numerics import fp8, precision
 from parallel import comm, context, experts, sequence
 
@@ -99,7 +99,7 @@ def _split(size, parts, index):
 
 def tp_box(spec, tp, tp_rank, kv_replicator=1):
   """The slices of the global parameter of `spec` that TP rank `tp_rank` holds."""
-  box = list(transformer.full_box(spec.shape))
+  box = list(param_init.full_box(spec.shape))
   dim = split_dim(spec.layout)
   if is_kv(spec.layout):
     box[0] = _split(spec.shape[0], tp // kv_replicator, tp_rank // kv_replicator)
@@ -288,7 +288,7 @@ def describe_layout(config, mesh):
     if 'layers.0.mlp.up_proj.weight' in specs:
       return f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}'
     name = 'layers.0.mlp.experts.down_proj'       # MoE: the experts this rank holds
-    rows = experts.ep_box(name, transformer.full_box(specs[name].shape), specs[name], r)[0]
+    rows = experts.ep_box(name, param_init.full_box(specs[name].shape), specs[name], r)[0]
     return f'experts {rows.start}-{rows.stop - 1}'
 
   ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import transformer
+from model import param_init, transformer
 from parallel import comm, mesh as meshes, tensor
 from tests import parity, world
 
@@ -68,14 +68,14 @@ def test_a_rank_draws_only_its_experts_rows():
   spec = transformer.ParamSpec((8, 14336, 4096), 'normal', 0.02)
   box = (slice(0, 8), slice(448, 896), slice(0, 4096))
   drawn = []
-  real = transformer.rng.normal
+  real = param_init.rng.normal
 
   def recording(shape, *args, **kwargs):
     drawn.append(shape)
     return real((1,) + tuple(shape[1:]), *args, **kwargs).expand(shape)   # cheap stand-in values
 
-  with mock.patch.object(transformer.rng, 'normal', recording):
-    out = transformer.init_box(spec, 0, 'layers.0.mlp.experts.up_proj', box)
+  with mock.patch.object(param_init.rng, 'normal', recording):
+    out = param_init.init_box(spec, 0, 'layers.0.mlp.experts.up_proj', box)
   assert out.shape == (8, 448, 4096) and drawn and all(shape == (64, 4096) for shape in drawn)
   assert len(drawn) == 8 * 448 // 64
 
