@@ -103,15 +103,16 @@ class Attend:
 # --- norms -------------------------------------------------------------------------
 
 
-def rms_norm(x_bsh, weight_h, eps, unit_offset=False, scale_in_fp32=False, square_sum=None):
+def rms_norm(x_bsh, weight_h, eps, unit_offset=False, scale_in_fp32=False, mean_square_of=None):
   """Llama scales the normalized x (cast back) by w; Gemma scales by 1 + w in fp32, then casts;
-  OLMo 2 (`scale_in_fp32`) by w in fp32, then casts. `square_sum(x² summed over the last dim)`:
-  the sum over all the features the norm spans where this process holds some of them (TP)."""
+  OLMo 2 (`scale_in_fp32`) by w in fp32, then casts. `mean_square_of(x² summed over the last dim)`:
+  the mean over all the features the norm spans where this process holds some of them (TP: the
+  sum over the group divided by the whole width, not by this rank's share of the weight)."""
   x = x_bsh.float()
-  if square_sum is None:
+  if mean_square_of is None:
     mean_square = x.pow(2).mean(-1, keepdim=True)
   else:
-    mean_square = square_sum(x.pow(2).sum(-1, keepdim=True)) / weight_h.shape[-1]
+    mean_square = mean_square_of(x.pow(2).sum(-1, keepdim=True))
   x = x * torch.rsqrt(mean_square + eps)
   if unit_offset:
     return (x * (1.0 + weight_h.float())).to(x_bsh.dtype)
@@ -273,8 +274,9 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
   eps, offset, in_fp32 = cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False), cfg.get('rmsnorm_scale_in_fp32', False)
   whole_projection = cfg.get('qk_norm') and cfg.get('qk_norm_span', 'head') == 'projection'
   if whole_projection:                  # OLMo 2: over all heads of q, of k (this rank's share: the sum over TP)
-    q = rms_norm(q, params[prefix + '.q_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, False))
-    k = rms_norm(k, params[prefix + '.k_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, True))
+    q_width, k_width = cfg.num_attention_heads * d, (cfg.num_kv_heads or cfg.num_attention_heads) * d
+    q = rms_norm(q, params[prefix + '.q_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, False) / q_width)
+    k = rms_norm(k, params[prefix + '.k_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, True) / k_width)
   # Local head counts come from the (possibly TP-sharded) weights, not from the config.
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
   if cfg.get('qk_norm') and not whole_projection:   # Gemma 3, Qwen3: over each head's dims

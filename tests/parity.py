@@ -43,7 +43,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
                   tied=False, micro=2, zero1=False, precision='fp32', sft=None, lora=0, lora_dropout=0.0,
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
                   family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
-                  nll_reduction='pair', fixed_buffers=False, fp8=None, steps=STEPS):
+                  nll_reduction='pair', fixed_buffers=False, fp8=None, steps=STEPS, compile_blocks=False,
+                  lr=None):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = steps
@@ -65,15 +66,17 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   c.precision.type = precision
   c.precision.fp8 = fp8                      # numerics/fp8.py's recipe for the linears
   c.model.qkv_bias = qkv_bias                # Qwen2's biases on q, k, v only
+  c.model.compile = compile_blocks           # compiled blocks (parallel/compiled.py): the reference is eager
+  c.model.optim.lr = lr or c.model.optim.lr
   if rope_llama3:                            # Llama 3.1's RoPE scaling
     c.model.rope_scaling.update(dict(type='llama3', factor=8.0, original_max_position_embeddings=8))
   if family:                                 # model/hf.py's families' blocks (tests/test_hf.py checks them vs HF)
     apply_family(c.model, family)
   d.collective_timeout_s = 120
+  d.expert_model_parallel_size = ep          # over `moe`'s experts, or a family's own (qwen3_moe)
   if moe:          # MoE (model/moe.py): `moe` experts, top-2, dropping at `capacity` (0: dropless), aux losses
     c.model.moe.update(num_experts=moe, top_k=2, capacity_factor=capacity or 1.0, dropless=not capacity,
                        router_z_loss_coef=0.001 if aux else 0.0, output_router_logits=aux)
-    d.expert_model_parallel_size = ep
     c.model.moe.fixed_buffers = fixed_buffers   # the traced path's static buffers (not in the reference)
   if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
     peft = c.model_alignment_strategy.peft
@@ -102,7 +105,8 @@ def apply_family(model, family):
   """Mistral: every layer a sliding window shorter than the sequence (16); Gemma 3: its block
   (GeGLU, (1 + w) norms, q/k norms, sandwich norms, scaled embeddings and scores, tied
   tables), local and global layers alternating with their own RoPE bases, head_dim != h / a.
-  The others (tests/test_family_layouts.py) with every feature of the family on, at 4 layers."""
+  Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3 (tests/test_family_layouts.py): every feature of the
+  family on (tests/test_hf_families.py checks each against transformers)."""
   model.sliding_window = 5
   model.architecture = family
   n = model.num_layers
@@ -114,17 +118,18 @@ def apply_family(model, family):
     model.layer_types = ('sliding_attention', 'full_attention') * (n // 2)
     model.rope_theta, model.rope_local_theta = 1e6, 1e4
   elif family in ('qwen3', 'qwen3_moe'):
-    # per-head q/k norms; 4 heads x 16 = 64 != hidden 32; layer 0 full, the rest slide
-    # (HF max_window_layers=1)
+    # per-head q/k norms; 4 heads x 16 = 64 != hidden 32; Qwen3: layer 0 full, the rest slide
+    # (HF max_window_layers=1); Qwen3-MoE slides every layer or none (HF's)
     model.qk_norm, model.qk_norm_span, model.head_dim = True, 'head', 16
-    model.layer_types = ('full_attention',) + ('sliding_attention',) * (n - 1)
-    if family == 'qwen3_moe':
+    if family == 'qwen3':
+      model.layer_types = ('full_attention',) + ('sliding_attention',) * (n - 1)
+    else:
       # HF's Qwen3-MoE: dropless top-2 of 4 experts of their own width, renormalized, no shared
-      # expert, the load-balancing loss; every 2nd layer MoE (decoder_sparse_step) but the last,
-      # kept dense (mlp_only_layers): at 4 layers MoE in layer 1 only, dense 0, 2, 3
+      # expert, the load-balancing loss at HF's weight; every 2nd layer MoE (decoder_sparse_step) but layer 3,
+      # kept dense (mlp_only_layers): at 8 layers MoE in 1, 5, 7 (both pp2 stages), dense in 0, 2, 3, 4, 6
       model.moe.update(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=48, normalize_top_k_affinities=True,
-                       shared_expert_intermediate_size=0, frequency=2, dense_layers=(n - 1,),
-                       output_router_logits=True, router_aux_loss_coef=0.02)
+                       shared_expert_intermediate_size=0, frequency=2, dense_layers=(3,),
+                       output_router_logits=True, router_aux_loss_coef=0.001)
   elif family == 'olmo2':
     # q/k norms over the whole projection, norms after attention and MLP only, scale in fp32;
     # one KV head: tp2 holds it twice (kv_replicator 2), so the k-norm's sum over TP is halved
@@ -207,7 +212,7 @@ def reference(tmp_path_factory, **model_layout):
 
 # what the reference run depends on
 MODEL_KEYS = ('dropout', 'attention_dropout', 'nll_reduction', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
-              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux', 'fp8', 'steps')
+              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux', 'fp8', 'steps', 'lr')
 
 
 def train_layouts_on_rank(workdirs, layouts):
