@@ -25,10 +25,11 @@ def carry_width(cfg) -> int:
 
 
 class Collector:
-  """One stage's routing records for one micro batch: per-row sums for the auxiliary losses
-  and the metrics, one record per MoE layer in the order they run (model.compile traces every
-  layer as one, so the layer's index is not at hand). A recompute pass records again in the
-  backward, after `finish` has read the records: those are never read.
+  """One stage's routing sums for one micro batch: per-row sums for the auxiliary losses and the
+  metrics over its MoE layers, added as each layer runs. They are running tensors, not a list of
+  per-layer records: model.compile traces every layer as one graph, and a list growing inside it
+  (or a Python count) would be guarded on, recompiling the block once per MoE layer. A recompute
+  pass records again in the backward, after `finish` has read the sums: those are never read.
 
   Under pipeline parallelism the losses need every MoE layer's sums: each stage receives the
   earlier stages' (`carried`, [b, carry_width]: top-k counts per expert, router
@@ -36,28 +37,40 @@ class Collector:
   activations; the last stage computes the losses from the totals, and their gradient reaches
   every stage's probabilities and z through the carried sums, as the activations' does."""
 
-  def __init__(self, cfg, row_weights_b, tokens, carried=None):
-    self.cfg, self.w, self.tokens, self.carried = cfg, row_weights_b.float(), tokens, carried
-    self.records = []
+  def __init__(self, cfg, row_weights_b, tokens, carried=None, layers=None):
+    """`layers`: how many MoE layers this stage runs (known from its layer range, so nothing is
+    read back from the device); None: those recorded, counted on the device."""
+    self.cfg, self.w, self.tokens, self.carried, self.layers_here = cfg, row_weights_b.float(), tokens, carried, layers
+    e, zeros = cfg.moe.num_experts, lambda *shape: torch.zeros(shape, device=self.w.device)
+    b = self.w.shape[0]
+    if carried is None:
+      self.counts, self.probs, self.z = zeros(b, e), zeros(b, e), zeros(b)
+    else:               # the earlier stages' sums first: the same order of additions as one stage
+      self.counts, self.probs, self.z = (t.contiguous() for t in (carried[:, :e], carried[:, e:2 * e], carried[:, -1]))
+    # The sums look alike before and after each layer's record (contiguous, and needing a gradient
+    # where the records' do), or the compiled block would be traced again for the second MoE layer.
+    for t in (self.probs, self.z):
+      if torch.is_grad_enabled() and not t.requires_grad:
+        t.requires_grad_()
+    self.load, self.dropped, self.layers = zeros(b), zeros(b), zeros()   # this stage's MoE layers
 
   def record(self, logits, probs, experts, kept):
     e = self.cfg.moe.num_experts
     chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
     kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
-    self.records.append({
-        'counts': chosen.sum(1).float().detach(), 'probs': probs.sum(1),
-        'z': torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
-        'load': (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
-        'dropped': (1 - kept.float().mean((1, 2))).detach()})
+    self.counts = self.counts + chosen.sum(1).float().detach()
+    self.probs = self.probs + probs.sum(1)
+    self.z = self.z + torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1)
+    self.load = self.load + (kept_counts.max(-1).values / kept_counts.mean(-1)).detach()
+    self.dropped = self.dropped + (1 - kept.float().mean((1, 2))).detach()
+    self.layers = self.layers + 1
 
   def sums(self):
     """(counts [b, E], probs [b, E], z [b]): this stage's layers' sums plus the carried ones."""
-    e = self.cfg.moe.num_experts
-    carried = self.carried
-    counts, probs, z = (0, 0, 0) if carried is None else (carried[:, :e], carried[:, e:2 * e], carried[:, -1])
-    for r in self.records:
-      counts, probs, z = counts + r['counts'], probs + r['probs'], z + r['z']
-    return counts, probs, z
+    return self.counts, self.probs, self.z
+
+  def _recorded(self) -> int:
+    return self.layers_here if self.layers_here is not None else int(self.layers)
 
   def carry(self):
     """What the next stage receives: the sums so far, [b, carry_width] fp32."""
@@ -85,7 +98,7 @@ class Collector:
     the `last` stage when `objective_adds` them, the auxiliary losses' share of the loss sum
     (None when nothing adds)."""
     # carried sums reach the last stage with every layer's; without, one stage must hold them all
-    all_layers = last if self.carried is not None else len(self.records) == len(moe.moe_layers(self.cfg))
+    all_layers = last if self.carried is not None else self._recorded() == len(moe.moe_layers(self.cfg))
     if tally is not None:
       for name, value in self.metric_sums(all_layers).items():
         tally[name] = tally.get(name, 0) + value
@@ -98,13 +111,12 @@ class Collector:
   def metric_sums(self, all_layers) -> dict:
     """Weighted per-row sums of METRICS; load and dropped are means over all MoE layers (this
     stage's share), the losses only where `all_layers` were recorded here (else 0)."""
-    recs = self.records
     n_layers = len(moe.moe_layers(self.cfg))
     out = {name: torch.zeros((), device=self.w.device) for name in METRICS}
-    if not recs:
+    if not self._recorded():
       return out
-    out['moe_load_max_over_mean'] = (sum(r['load'] for r in recs) / n_layers * self.w).sum()
-    out['moe_dropped_fraction'] = (sum(r['dropped'] for r in recs) / n_layers * self.w).sum()
+    out['moe_load_max_over_mean'] = (self.load / n_layers * self.w).sum()
+    out['moe_dropped_fraction'] = (self.dropped / n_layers * self.w).sum()
     if all_layers:
       aux, z = self.losses()
       out['moe_aux_loss'], out['moe_z_loss'] = (aux.detach() * self.w).sum(), (z.detach() * self.w).sum()
