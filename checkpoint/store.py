@@ -35,7 +35,6 @@ A fresh ts.Context per call: a reused one keeps growing (its cache pools are nev
 import dataclasses
 import functools
 import math
-import re
 import urllib.parse
 
 import ml_dtypes
