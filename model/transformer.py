@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from model import chunked_ce, layers, lora, lora_fused, moe, objectives, param_init, rope, router_losses
+from model import attention, chunked_ce, layers, lora, lora_fused, moe, objectives, param_init, rope, router_losses
 
 
 # How a parameter is laid out over the tensor-parallel group, declared where it is defined:
@@ -79,8 +79,8 @@ def _masks_by_type(cfg, batch, s, device, ops=layers.LOCAL_OPS):
     if ops.context_attention is not None:
       out[kind] = ops.context_attention(batch, window)
       continue
-    out[kind] = (layers.causal_mask_after(past, s, device, window) if past is not None else
-                 layers.attention_mask(batch.get('segment_ids'), s, window, device))
+    out[kind] = (attention.causal_mask_after(past, s, device, window) if past is not None else
+                 attention.attention_mask(batch.get('segment_ids'), s, window, device))
   return out
 
 
@@ -310,7 +310,7 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
 
   sandwich, after_only = cfg.get('sandwich_norm'), cfg.get('post_norms_only')
   h = x_bsh if after_only else ops.recompute_norm(layers.norm, params, p + '.input_layernorm', x_bsh, cfg)
-  h = layers.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
+  h = attention.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
   if sandwich or after_only:
     h = layers.norm(params, p + '.post_attention_layernorm', h, cfg)
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')

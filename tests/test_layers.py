@@ -19,10 +19,3 @@ def test_dropout_rate_scale_and_keys():
   again = layers.dropout(x[:1], 0.25, (0, 'd'), torch.tensor([6]))
   assert torch.equal(out[1:], again)                   # sample 6's mask is its own
   assert torch.equal(layers.dropout(x, 0.25, None, None), x)
-
-
-def test_attention_mask_is_causal_within_documents():
-  mask = layers.attention_mask(torch.tensor([[0, 0, 1, 1]]), 4)[0, 0]
-  expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
-  assert torch.equal(mask, expected)
-  assert layers.attention_mask(None, 4) is None

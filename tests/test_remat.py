@@ -7,7 +7,7 @@ import torch
 
 from configs import base, llama_tiny
 from estimates import activations
-from model import layers, transformer
+from model import attention, layers, transformer
 from parallel import mesh as meshes, remat, tensor
 from tests import world
 
@@ -144,7 +144,7 @@ def test_recompute_runs_the_chosen_parts_again_in_backward(mode, attention_runs,
       return fn(*args)
     return wrapper
 
-  monkeypatch.setattr(layers, 'core_attention', counted('attention', layers.core_attention))
+  monkeypatch.setattr(attention, 'core_attention', counted('attention', attention.core_attention))
   monkeypatch.setattr(layers, '_mlp', counted('mlp', layers._mlp))
   monkeypatch.setattr(layers, '_gated', counted('activation', layers._gated))
   monkeypatch.setattr(layers, 'norm', counted('norm', layers.norm))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import layers
+from model import attention
 from parallel import ring_attention as ra
 from tests import parity
 
@@ -37,9 +37,9 @@ def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, s
   k = torch.randn(b, kv_heads, s, d, generator=g, dtype=dtype, requires_grad=True)
   v = torch.randn(b, kv_heads, s, d, generator=g, dtype=dtype, requires_grad=True)
   dout = torch.randn(b, heads, s, d, generator=g, dtype=dtype)
-  mask = layers.attention_mask(segments, s, window)
+  mask = attention.attention_mask(segments, s, window)
   if mask is None:
-    mask = layers.causal_mask_after(0, s)
+    mask = attention.causal_mask_after(0, s)
   # the reference in fp64: fp32 SDPA's own rounding is of the order of the tolerance
   wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
   ref = F.scaled_dot_product_attention(*wide, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -1,0 +1,97 @@
+"""Attention as pure functions: the causal / per-document / sliding masks, the scores' scale,
+the core softmax(q k^T) v over grouped KV heads (SDPA or explicit, keyed dropout), and the
+self-attention sub-block around it (q/k/v projections, q/k norms, RoPE, the KV cache, o_proj).
+Context parallelism passes its ring in place of the mask (`layers.Attend`).
+"""
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+
+from model import layers
+from model.rope import apply_rope
+
+
+def attention_mask(segment_ids_bs, s, window=0, device=None):
+  """Causal mask [b or 1, 1, s, s] (True = attend), restricted to the same document when
+  segments are given and to the last `window` positions (sliding window, HF's: query i sees
+  keys i - window < j <= i); None when plainly causal."""
+  if segment_ids_bs is None and not window:
+    return None
+  if segment_ids_bs is not None:
+    device = segment_ids_bs.device
+  mask = causal_mask_after(0, s, device, window)
+  if segment_ids_bs is not None:
+    mask = mask & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])[:, None]
+  return mask
+
+
+def causal_mask_after(past, s, device=None, window=0):
+  """[1, 1, s, past + s]: new query i (position past + i) attends keys 0 .. past + i (the last
+  `window` of them with a sliding window)."""
+  keys, queries = torch.arange(past + s, device=device)[None], past + torch.arange(s, device=device)[:, None]
+  mask = keys <= queries
+  if window:
+    mask = mask & (keys > queries - window)
+  return mask[None, None]
+
+
+def attention_scale(cfg, d) -> float:
+  """The scores' scale: 1 / sqrt(d), or Gemma's 1 / sqrt(query_pre_attn_scalar)."""
+  return (cfg.get('query_pre_attn_scalar') or d) ** -0.5
+
+
+def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, mask_for_slice):
+  """softmax(q k^T * scale) v over grouped KV heads, causal (and per-document / windowed if masked)."""
+  groups = q_bnsd.shape[1] // k_bnsd.shape[1]
+  scale = attention_scale(cfg, q_bnsd.shape[-1])
+  if isinstance(mask_b1ss, layers.Attend):
+    return mask_b1ss.fn(q_bnsd, k_bnsd, v_bnsd, scale)
+  use_sdpa = cfg.fusions.flash_attention and (cfg.attention_dropout == 0.0 or drop_key is None)
+  if use_sdpa:
+    if mask_b1ss is None:
+      return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, is_causal=True, scale=scale,
+                                            enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, attn_mask=mask_b1ss, scale=scale,
+                                          enable_gqa=groups > 1)
+  k_bnsd = k_bnsd.repeat_interleave(groups, dim=1)
+  v_bnsd = v_bnsd.repeat_interleave(groups, dim=1)
+  # Query-key layer scaling (Megatron) divides the scores by the layer number and multiplies
+  # back inside an fp32 softmax: exact in fp32, it keeps fp16 scores from overflowing.
+  coeff = float(layer + 1) if cfg.apply_query_key_layer_scaling else 1.0
+  scores = (q_bnsd @ k_bnsd.transpose(-1, -2)) * (scale / coeff)
+  s = q_bnsd.shape[2]
+  if mask_b1ss is None:
+    mask_b1ss = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril()
+  scores = scores.float().masked_fill(~mask_b1ss, float('-inf')) * coeff
+  probs = torch.softmax(scores, dim=-1).to(q_bnsd.dtype)
+  full = (cfg.num_attention_heads, s, s)
+  probs = layers.dropout(probs, cfg.attention_dropout, drop_key, sample_ids_b, full, lambda m: mask_for_slice(m, 'heads'))
+  return probs @ v_bnsd
+
+
+def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b, kv=None):
+  d = layers.head_dim(cfg)
+  x_bsh = ops.full_input(x_bsh)
+  q, k, v = (layers.linear(params, f'{prefix}.{n}', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
+             for n in ('q_proj', 'k_proj', 'v_proj'))
+  eps, offset, in_fp32 = cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False), cfg.get('rmsnorm_scale_in_fp32', False)
+  whole_projection = cfg.get('qk_norm') and cfg.get('qk_norm_span', 'head') == 'projection'
+  if whole_projection:                  # OLMo 2: over all heads of q, of k (this rank's share: the sum over TP)
+    q_width, k_width = cfg.num_attention_heads * d, (cfg.num_kv_heads or cfg.num_attention_heads) * d
+    q = layers.rms_norm(q, params[prefix + '.q_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, False) / q_width)
+    k = layers.rms_norm(k, params[prefix + '.k_norm.weight'], eps, offset, in_fp32, lambda s: ops.sum_over_heads(s, True) / k_width)
+  # Local head counts come from the (possibly TP-sharded) weights, not from the config.
+  q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
+  if cfg.get('qk_norm') and not whole_projection:   # Gemma 3, Qwen3: over each head's dims
+    q, k = (layers.rms_norm(t, params[f'{prefix}.{n}.weight'], eps, offset, in_fp32) for t, n in ((q, 'q_norm'), (k, 'k_norm')))
+  if cos_sin is not None:
+    q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+  if kv is not None:                   # generation: attend the cached positions too
+    past, new = kv
+    if past is not None:
+      k, v = torch.cat([past.keys[layer], k], dim=2), torch.cat([past.values[layer], v], dim=2)
+    new.keys[layer], new.values[layer] = k, v
+  out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer,
+                                drop_key and drop_key + ('attn',), sample_ids_b, ops.mask_for_slice)
+  out = rearrange(out, 'b n s d -> b s (n d)')
+  return layers.linear(params, prefix + '.o_proj', out, cfg, ops, 'row', drop_key, sample_ids_b)
