@@ -12,18 +12,18 @@ A step:
   2. the global norm over them, clipping;
   3. optimizer.step() on the masters;
   4. masters rounded to the parameter dtype (nearest, or stochastically keyed by each
-     element's global index, so every layout rounds alike) and all-gathered back.
+     element's global index, so every layout rounds alike: optim/rounding.py) and all-gathered
+     back.
 bf16SR keeps nothing in fp32 (NxD's: 2 bytes of parameter and 4 of moments per parameter): for
 one update the owned rows and moments are widened to fp32 copies, then rounded back
 (stochastically). Frozen parameters (not in `trainable`) get no gradient, state or rows.
 """
-import math
 import typing
 
 import torch
 
-from numerics import precision, stochastic_rounding
-from optim import optimizers, schedules, sr_update
+from numerics import precision
+from optim import optimizers, rounding, schedules, sr_update
 from parallel import comm, experts, grad_buffer, grads as grad_ops, tensor, zero
 
 
@@ -77,8 +77,8 @@ class Updater:
     self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
                    for n in self.trainable}
     self.optimizer = optimizers.make_optimizer(self.master, config.model.optim, self.bucket_bytes)
-    self.fused = self._fusable()      # fixed by the optimizer, recipe, device and sizes: once
-    self.narrowed_in_pass = self._narrowed_in_pass()
+    self.fused = rounding.fusable(self)      # fixed by the optimizer, recipe, device and sizes: once
+    self.narrowed_in_pass = rounding.narrowed_in_pass(self)
 
   def _owned(self, name):
     return self.params[name].detach()[self.rows[name].rows]
@@ -166,7 +166,7 @@ class Updater:
   def _update(self, owned, step, keep_if_not=None, fused=frozenset(), scale=None, squares=False):
     if fused:
       self._fused_step(fused, owned, step, scale)
-    narrow = self._widen(skip=fused)
+    narrow = rounding.widen(self, skip=fused)
     if keep_if_not is not None:
       before = {id(t): t.clone() for t in self._state_tensors()}
     for n, m in self.master.items():
@@ -177,24 +177,7 @@ class Updater:
         for t in self._state_tensors():      # state made by this step falls back to zeros
           old = before.get(id(t))
           t.copy_(torch.where(keep_if_not, t, old if old is not None else torch.zeros_like(t)))
-    # Rows (and, widened for this step, moments) go back to the parameter dtype, all rounded
-    # in one pass. Without ZeRO-1 an fp32 master is the parameter itself: no copy back.
-    # Rounded to nearest, masters are rounded by the copy into the parameter (copy_ casts as
-    # .to does, the same bits), not into a copy of their own first; the fused pass made that
-    # copy already for narrowed_in_pass.
-    written = self.narrowed_in_pass & fused
-    rows = [(n, m, ()) for n, m in self.master.items() if m.dtype != self.params[n].dtype and n not in written]
-    moments = [(n, self.optimizer.state[self.master[n]][key], (key,)) for n in narrow
-               for key in self._shaped_state(self.master[n])]
-    if self.recipe.stochastic_rounding:
-      results = self._round_all(rows + moments, step)
-    else:
-      results = [m for _, m, _ in rows] + self._round_all(moments, step)
-    rounded = {n: r for (n, _, _), r in zip(rows, results)}
-    for (n, _, (key,)), r in zip(moments, results[len(rows):]):
-      self.optimizer.state[self.master[n]][key] = r
-    for n in narrow:
-      self.master[n].data = self._owned(n)         # a view of the parameter's rows again
+    rounded = rounding.round_back(self, narrow, fused, step)
     if self.group is not None:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
       if squares and self.overlap_gather and self.mesh.ep == 1:     # the rows the gathers are about to share
@@ -207,68 +190,23 @@ class Updater:
       self.pending.update({n: (w, group) for n, w in works.items()})
 
   def _fusable(self):
-    """Names whose Adam(W) step is optim/sr_update.py's one compiled pass per tensor: bf16 rows
-    without a master, stochastically rounded (bf16SR), and fp32 rows (fp32 parameters, masters)
-    of parameters with at least precision.FUSED_FP32_MIN_NUMEL elements, on a device type that
-    compiles them (sr_update.fusable)."""
-    if not self.master:
-      return frozenset()
-    device = next(iter(self.master.values())).device
-    fp32 = sr_update.fusable(self.optimizer, device, torch.float32)
-    sr = self.recipe.stochastic_rounding and sr_update.fusable(self.optimizer, device)
-    large = lambda n: math.prod(self.placement[n][1]) >= precision.FUSED_FP32_MIN_NUMEL
-    return frozenset(n for n, m in self.master.items()
-                     if (fp32 and large(n) if m.dtype == torch.float32 else sr))
-
-  def _narrowed_in_pass(self):
-    """Fused names whose fp32 master the pass itself rounds to nearest into the parameter (its
-    own storage, the copy _update would make): masters of 16-bit parameters without ZeRO-1, where
-    a rank owns every row; with ZeRO-1 the gather writes the rows and zeroes the others."""
-    whole = {n for (_, parts, _), names in self.domains.items() if parts == 1 for n in names}
-    return frozenset(n for n in self.fused if n in whole and not self.recipe.stochastic_rounding
-                     and self.has_master_copy(n) and self.params[n].is_contiguous())
+    """The names the one pass steps (rounding.fusable), asked anew: self.fused is fixed at init."""
+    return rounding.fusable(self)
 
   def _fused_step(self, names, owned, step, scale):
     """Rows (and moments) of `names` stepped in one pass each from the unscaled gradients
     `owned` times `scale` (the clip coefficient; None: 1); bf16 rows and moments rounded bit for
-    bit keyed as _round_all keys them; masters in narrowed_in_pass written to their parameters."""
+    bit keyed as rounding.round_all keys them; masters in narrowed_in_pass written to their parameters."""
     sr_update.adamw_step(self.optimizer, {n: self.master[n] for n in names}, owned,
                          {n: self._owned_box(n) for n in names},
                          {n: (self.config.seed, 'sr', step, n) for n in names}, scale=scale,
                          narrow={n: self.params[n].detach() for n in names & self.narrowed_in_pass})
-
-  def _widen(self, skip=()):
-    """bf16 rows stepped without a master (bf16SR): fp32 working copies of the rows and their
-    state for this update (but for `skip`). Returns the names widened."""
-    narrow = [n for n, m in self.master.items() if m.dtype != torch.float32 and n not in skip]
-    for n in narrow:
-      m = self.master[n]
-      for key in self._shaped_state(m):
-        self.optimizer.state[m][key] = self.optimizer.state[m][key].float()
-      m.data = m.float()
-    return narrow
 
   def _state_tensors(self):
     """Masters and every optimizer state tensor on the masters' device."""
     out = list(self.master.values())
     for state in self.optimizer.state.values():
       out += [v for v in state.values() if torch.is_tensor(v) and v.device == out[0].device]
-    return out
-
-  def _round_all(self, items, step):
-    """[(name, fp32 owned rows of name or their state, purpose)] in the parameter dtype:
-    stochastically, keyed by (seed, step, name, purpose) and global element index, where the
-    recipe says, else nearest. Rounded in buckets of bucket_bytes (on XLA one graph cut per
-    bucket, not per tensor)."""
-    if not self.recipe.stochastic_rounding:
-      return [rows.to(self.params[n].dtype) for n, rows, _ in items]
-    keyed = [(rows, *self._owned_box(n), (self.config.seed, 'sr', step, n, *purpose))
-             for n, rows, purpose in items]
-    if not keyed or keyed[0][0].device.type != 'xla':
-      return [sr_update.round_at(x, box, shape, *key) for x, box, shape, key in keyed]  # one pass each
-    out = []
-    for bucket in comm.buckets(range(len(keyed)), [k[0].numel() * 4 for k in keyed], self.bucket_bytes):
-      out += stochastic_rounding.stochastic_round_many([keyed[i] for i in bucket])
     return out
 
   def _owned_box(self, name):
