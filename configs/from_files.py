@@ -9,7 +9,7 @@ from checkpoint import steps as checkpoint_steps
 from checkpoint.manager import IncompatibleCheckpoint
 from configs import validate
 from data import tokenizer as tokenizers
-from model import adapters, hf, lora, transformer
+from model import adapters, hf, lora, lora_targets, transformer
 
 
 def resolve(config, world_size) -> list:
@@ -95,7 +95,7 @@ def _source_settings(path) -> dict:
         f'model_alignment_strategy.peft.lora_save_dir/lora_load_tag: {path} is neither a peft adapter directory '
         '(adapter_config.json) nor a committed flatron checkpoint step')
   theirs = dict(checkpoint_steps.read_metadata(path)['config']['model_alignment_strategy']['peft'])
-  return {k: (lora.DEFAULTS[k] if theirs.get(k) is None and k in lora.DEFAULTS else theirs.get(k)) for k in theirs}
+  return {k: (lora_targets.DEFAULTS[k] if theirs.get(k) is None and k in lora_targets.DEFAULTS else theirs.get(k)) for k in theirs}
 
 
 def resolve_adapter_settings(config):
@@ -112,7 +112,7 @@ def resolve_adapter_settings(config):
     theirs = _source_settings(path)
     differ = []
     for key in BY_VALUE + ('target_modules',):
-      mine, value = peft.get(key), theirs.get(key, lora.DEFAULTS.get(key, ()))
+      mine, value = peft.get(key), theirs.get(key, lora_targets.DEFAULTS.get(key, ()))
       if mine is None or (key in PATTERN_KEYS and not mine):
         peft[key] = _canonical(key, value) if key in PATTERN_KEYS else value
       elif key in BY_VALUE and _canonical(key, mine) != _canonical(key, value):
@@ -124,7 +124,7 @@ def resolve_adapter_settings(config):
           'adapter\'s values; loading it with others would change what it computes')
   for key in SCALAR_KEYS + ('target_modules',):
     if peft.get(key) is None:
-      peft[key] = lora.DEFAULTS[key]
+      peft[key] = lora_targets.DEFAULTS[key]
   if theirs is not None:
     _check_same_adapters(config, theirs, path)
 
@@ -132,11 +132,11 @@ def resolve_adapter_settings(config):
 def _check_same_adapters(config, theirs, path):
   """The starting adapter must adapt the same linears with the same ranks as this run."""
   names = transformer.param_specs(config.model, adapters=False)
-  mine = lora.plan(config.model, names)
+  mine = lora_targets.plan(config.model, names)
   other = config.model.copy_and_resolve_references()
   other.peft = config_dict.ConfigDict(dict(other.peft.to_dict(), **{k: theirs[k] for k in (
       'lora_rank', 'target_modules', *PATTERN_KEYS) if k in theirs}))
-  other_plan = lora.plan(other, names)
+  other_plan = lora_targets.plan(other, names)
   differ = [f'{lin}: this run {"rank " + str(mine[lin][0]) if lin in mine else "no adapter"}, the adapter '
             f'{"rank " + str(other_plan[lin][0]) if lin in other_plan else "none"}'
             for lin in sorted(set(mine) | set(other_plan))

@@ -9,7 +9,7 @@ from checkpoint import steps as checkpoint_steps
 from config_checks import one_of, positive
 from data import loader
 from estimates import clusters
-from model import checks as model_checks, layers, lora, moe, objectives
+from model import checks as model_checks, layers, lora_targets, moe, moe_checks, objectives
 from numerics import precision
 from optim import optimizers, schedules
 from parallel import compiled, context, device as devices, grad_buffer, mesh as meshes, pipeline, remat, tensor
@@ -35,11 +35,11 @@ def check(config, world_size=1) -> list:
     problems += sizes
   else:
     problems += (meshes.check(strategy, world_size) + tensor.check(model, strategy, config.data.seq_length)
-                 + pipeline.check(model.num_layers, strategy) + moe.check_layout(model, strategy)
+                 + pipeline.check(model.num_layers, strategy) + moe_checks.check_layout(model, strategy)
                  + context.check(config))
     dp = max(1, world_size // _model_parallel(strategy))
     problems += loader.check(config, dp)
-  problems += lora.check(config.model_alignment_strategy.peft, config.model) + objectives.check(config)
+  problems += lora_targets.check(config.model_alignment_strategy.peft, config.model) + objectives.check(config)
   return problems + precision.check(config.precision) + _check_fp8(config) + checkpoint_steps.check(config)
 
 

@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from model import layers, lora, moe, transformer
+from model import layers, lora, moe, moe_kernels, transformer
 from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
 
@@ -136,7 +136,7 @@ def moe_bytes(config, w, tp, b, n) -> int:
     experts = 9 * n * k + w * n * k * (2 * h + 1) + w * (e * rows + 1) * h + 4 * w * e * rows * f
   else:
     dtype = torch.float32 if w == 4 else torch.bfloat16
-    offsets = 4 * e if moe.grouped_mm_fits(h, f, dtype, devices.kind(config.device)) else 0
+    offsets = 4 * e if moe_kernels.grouped_mm_fits(h, f, dtype, devices.kind(config.device)) else 0
     experts = 20 * slots + offsets + w * slots * (2 * h + 4 * f)
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   shared = m.moe.shared_expert_intermediate_size // tp

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from estimates import clusters, memory, memory_check, step_time
-from model import flop_count, lora, transformer
+from model import flop_count, lora, lora_targets, transformer
 from parallel import device as devices, mesh as meshes, tensor, training
 
 
@@ -99,8 +99,8 @@ def _lora_line(config, sizes, est, n_total) -> str:
   return (f'LoRA r={peft.lora_rank} alpha={lora.option(peft, "lora_alpha"):g}'
           f'{" (rsLoRA)" if lora.option(peft, "use_rslora") else ""}{patterns} dropout='
           f'{lora.option(peft, "lora_dropout"):g} bias={lora.option(peft, "lora_bias")}{source} on '
-          f'{len(lora.plan(m, transformer.param_specs(m, adapters=False)))} linears '
-          f'({", ".join(lora.target_modules(peft))}): '
+          f'{len(lora_targets.plan(m, transformer.param_specs(m, adapters=False)))} linears '
+          f'({", ".join(lora_targets.target_modules(peft))}): '
           f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
           f'{memory.param_counts(config, sizes)["trainable"]:,} on this rank; optimizer state '
           f'{memory.human_bytes(est["optimizer"] + est["master"])} per rank; the base is frozen')

@@ -15,7 +15,7 @@ from ml_collections import config_dict
 import torch
 from safetensors.torch import save_file
 
-from model import hf_files, hf_names, lora, lora_fused, moe, transformer
+from model import hf_files, hf_names, lora, lora_fused, lora_targets, moe, transformer
 
 CONFIG_FILE = 'adapter_config.json'
 WEIGHTS_FILE = 'adapter_model.safetensors'
@@ -48,10 +48,10 @@ def _peft_targets(peft, model_cfg):
   """target_modules as peft reads them: NxD's fused names written out (kept on Phi-3, whose
   modules they name, as is all-linear's list there), a regex kept as is."""
   targets = lora.option(peft, 'target_modules')
-  if lora.is_regex(peft):
+  if lora_targets.is_regex(peft):
     return targets
   entries = (targets,) if isinstance(targets, str) else tuple(targets)
-  groups = {'all-linear': lora_fused.ALL_LINEAR} if lora_fused.is_fused(model_cfg) else lora.TARGET_GROUPS
+  groups = {'all-linear': lora_fused.ALL_LINEAR} if lora_fused.is_fused(model_cfg) else lora_targets.TARGET_GROUPS
   out = []
   for name in entries:
     for t in groups.get(name, (name,)):
@@ -144,7 +144,7 @@ def read_settings(path) -> dict:
     raise hf_files.HFFileError(f'{config_path}: a value of the wrong type ({e}); fix it or export the adapter '
                                'again') from None
   try:
-    lora.target_modules(config_dict.ConfigDict(settings))
+    lora_targets.target_modules(config_dict.ConfigDict(settings))
   except ValueError as e:
     raise hf_files.HFFileError(f'{config_path}: {e}') from None
   return settings

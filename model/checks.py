@@ -4,7 +4,7 @@ Only the model's own rules live here; how a layout splits it (tp, pp) is paralle
 recompute is parallel/remat.py's. configs/validate.py reports these with every other problem.
 """
 from config_checks import one_of, positive
-from model import moe, rope
+from model import moe_checks, rope
 
 ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'phi3', 'gemma3', 'mixtral', 'qwen2_moe',
                  'qwen3_moe')
@@ -35,7 +35,7 @@ def check(model, seq_length) -> list:
   if heads > 0 and kv > 0 and heads % kv:
     problems.append(f'model.num_kv_heads={model.num_kv_heads} must divide model.num_attention_heads={heads} '
                     '(0 means num_attention_heads)')
-  problems += _check_positions(model) + moe.check(model)
+  problems += _check_positions(model) + moe_checks.check(model)
   if (model.rmsnorm_unit_offset or model.qk_norm or model.sandwich_norm) and model.normalization != 'rmsnorm':
     problems.append(f'model.rmsnorm_unit_offset / qk_norm / sandwich_norm need model.normalization=rmsnorm '
                     f'(got {model.normalization!r})')

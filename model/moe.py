@@ -39,11 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from config_checks import one_of, positive
-from numerics import fp8
-
-ROUTING = ('top_k',)
-ACTIVATIONS = ('softmax', 'sigmoid')
+from model import moe_kernels
 
 
 def enabled(cfg) -> bool:
@@ -128,29 +124,6 @@ def route(logits_bse, cfg):
   return probs, weights, experts, kept
 
 
-def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf, gemms=None):
-  """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU: one
-  grouped GEMM per projection where the build has one for these tensors (torch._grouped_mm:
-  exact against per-expert matmuls), else one matmul triple per expert (in float8 with
-  precision.fp8's `gemms`, each expert its own scales). The stacks are unbound once: indexing
-  them per expert would make each expert's backward write a whole-stack gradient (E^2 traffic)."""
-  if gemms is None and _grouped_mm_fits(x_th, gate_efh, down_ehf):
-    offs = torch.tensor(counts, device=x_th.device).cumsum(0).to(torch.int32)
-    hidden = F.silu(torch._grouped_mm(x_th, gate_efh.transpose(1, 2), offs=offs)) * \
-        torch._grouped_mm(x_th, up_efh.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
-    return torch._grouped_mm(hidden, down_ehf.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
-  outs = []
-  for chunk, gate, up, down in zip(x_th.split(counts), gate_efh.unbind(0), up_efh.unbind(0), down_ehf.unbind(0)):
-    if chunk.shape[0]:
-      outs.append(_swiglu(chunk, gate, up, down, gemms))
-  return torch.cat(outs) if outs else x_th[:0]
-
-
-def _swiglu(x, gate, up, down, gemms):
-  column, row = (gemms['column'], gemms['row']) if gemms else (None, None)
-  return fp8.linear(F.silu(fp8.linear(x, gate, gemms=column)) * fp8.linear(x, up, gemms=column), down, gemms=row)
-
-
 def mlp(params, prefix, x_bsh, cfg, ops):
   """The MoE feed-forward of layer `prefix` on the whole sequence (under SP: gathered; the
   output is then this rank's slice); records routing in ops.moe."""
@@ -178,19 +151,6 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   return ops.reduce_over_tp(combined.view(b, s, h))
 
 
-def grouped_mm_fits(h, f, dtype, device_type) -> bool:
-  """Whether torch._grouped_mm (CPU in recent torch; CUDA) runs experts of width f on h:
-  fp32 or bf16, rows of 16-byte multiples (its alignment rule)."""
-  per_row = 16 // dtype.itemsize
-  return (hasattr(torch, '_grouped_mm') and device_type in ('cpu', 'cuda') and dtype in (torch.float32, torch.bfloat16)
-          and h % per_row == 0 and f % per_row == 0)
-
-
-def _grouped_mm_fits(x, gate_efh, down_ehf) -> bool:
-  return (not torch.compiler.is_compiling() and gate_efh.dtype == x.dtype == down_ehf.dtype and x.is_contiguous()
-          and grouped_mm_fits(x.shape[-1], gate_efh.shape[1], x.dtype, x.device.type))
-
-
 def fixed_buffers(cfg, x) -> bool:
   """Whether the experts run in fixed-size buffers: inside a traced graph (model.compile, or
   torch-xla, which compiles the whole step), where a data-dependent size would be a graph per
@@ -208,7 +168,7 @@ def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
   slot = slot[torch.sort(expert, stable=True).indices]    # ... sorted by expert
   counts = torch.bincount(expert, minlength=cfg.moe.num_experts).tolist()
   token = slot // cfg.moe.top_k
-  out = (ops.expert_ffn or local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks, ops.fp8_gemms)
+  out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks, ops.fp8_gemms)
   weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial
   return _Combine.apply(out, weight, token, n)
 
@@ -241,19 +201,9 @@ def _static_experts(flat_x, experts_bsk, weights_bsk, cfg, stacks, ops):
   h = flat_x.shape[1]
   slots_x = flat_x[:, None, :].expand(b * s, k, h).reshape(b * s * k, h)
   buffers = flat_x.new_zeros(e * rows + 1, h).index_copy(0, dest, slots_x)[:-1].view(e, rows, h)
-  out = (ops.expert_buffers or grouped_expert_ffn)(buffers, *stacks, ops.fp8_gemms).reshape(e * rows, h)
+  out = (ops.expert_buffers or moe_kernels.grouped_expert_ffn)(buffers, *stacks, ops.fp8_gemms).reshape(e * rows, h)
   picked = torch.cat([out, out.new_zeros(1, h)])[dest].view(b * s, k, h)
   return (picked * weights_bsk.reshape(b * s, k, 1).to(picked.dtype)).sum(1)
-
-
-def grouped_expert_ffn(buffers_erh, gate_efh, up_efh, down_ehf, gemms=None):
-  """Each expert's SwiGLU on its buffer: batched matmuls, [E, R, h] -> [E, R, h] (in float8 with
-  `gemms`: an expert at a time, each its own scales)."""
-  if gemms:
-    return torch.stack([_swiglu(*parts, gemms) for parts in zip(buffers_erh.unbind(0), gate_efh.unbind(0),
-                                                                 up_efh.unbind(0), down_ehf.unbind(0))])
-  hidden = F.silu(torch.bmm(buffers_erh, gate_efh.transpose(1, 2))) * torch.bmm(buffers_erh, up_efh.transpose(1, 2))
-  return torch.bmm(hidden, down_ehf.transpose(1, 2))
 
 
 class _Combine(torch.autograd.Function):
@@ -285,53 +235,3 @@ def _own_gradient(x_bse, ops):
   mask = torch.zeros(s, dtype=x_bse.dtype, device=x_bse.device).index_fill(0, own, 1.0)[None, :, None]
   fixed = x_bse.detach()
   return fixed + mask * (x_bse - fixed)
-
-
-def check(model) -> list:
-  """Problems with model.moe."""
-  problems = []
-  if not enabled(model):
-    if model.get('moe') and model.moe.num_experts < 0:
-      problems.append(f'model.moe.num_experts={model.moe.num_experts} must be >= 0 (0 = dense)')
-    return problems
-  moe = model.moe
-  positive(problems, 'model.moe.frequency', moe.frequency)
-  outside = [i for i in moe.get('dense_layers', ()) if not 0 <= i < model.num_layers]
-  if outside:
-    problems.append(f'model.moe.dense_layers has {outside}, outside the model\'s layers 0-{model.num_layers - 1}')
-  positive(problems, 'model.moe.top_k', moe.top_k)
-  if moe.top_k > moe.num_experts:
-    problems.append(f'model.moe.top_k={moe.top_k} > model.moe.num_experts={moe.num_experts}')
-  if moe.routing_algorithm == 'sinkhorn':
-    problems.append('model.moe.routing_algorithm=sinkhorn is not implemented (its exact NxD form is not '
-                    'reproduced here); use top_k')
-  else:
-    one_of(problems, 'model.moe.routing_algorithm', moe.routing_algorithm, ROUTING)
-  one_of(problems, 'model.moe.router_activation', moe.router_activation, ACTIVATIONS)
-  if moe.dropout:
-    problems.append(f'model.moe.dropout={moe.dropout} is not implemented (expert dropout); set 0.0')
-  if not moe.dropless:
-    positive(problems, 'model.moe.capacity_factor', moe.capacity_factor)
-  positive(problems, 'model.moe.router_aux_loss_coef', moe.router_aux_loss_coef, allow_zero=True)
-  positive(problems, 'model.moe.router_z_loss_coef', moe.router_z_loss_coef, allow_zero=True)
-  positive(problems, 'model.moe.ffn_hidden_size', moe.ffn_hidden_size, allow_zero=True)
-  positive(problems, 'model.moe.shared_expert_intermediate_size', moe.shared_expert_intermediate_size,
-           allow_zero=True)
-  if model.activation != 'swiglu' or model.has_bias:
-    problems.append(f'model.moe: experts are SwiGLU without biases; model.activation={model.activation!r} '
-                    f'and model.has_bias={model.has_bias} are not supported with num_experts > 0')
-  return problems
-
-
-def check_layout(model, strategy) -> list:
-  """Layouts MoE cannot run under (distributed_strategy degrees already > 0)."""
-  problems = []
-  ep = strategy.get('expert_model_parallel_size', 1)
-  if not enabled(model):
-    if ep > 1:
-      problems.append(f'distributed_strategy.expert_model_parallel_size={ep} needs model.moe.num_experts > 0')
-    return problems
-  if model.moe.num_experts % ep:
-    problems.append(f'model.moe.num_experts={model.moe.num_experts} is not divisible by '
-                    f'distributed_strategy.expert_model_parallel_size={ep}')
-  return problems

@@ -18,7 +18,7 @@ ranks holding the same experts) gives the global gradient. Dense gradients sum o
 """
 import torch
 
-from model import moe
+from model import moe, moe_kernels
 from parallel import comm
 
 
@@ -63,7 +63,7 @@ def expert_ffn(group, ep):
     # received rows are ordered (source rank, expert): regroup them by expert, stably
     expert_of = torch.arange(local, device=x_th.device).repeat(ep).repeat_interleave(recv_counts.view(-1))
     order = torch.sort(expert_of, stable=True).indices
-    y = moe.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf, gemms)
+    y = moe_kernels.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf, gemms)
     back = torch.zeros_like(y).index_copy(0, order, y)
     return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
 
@@ -83,7 +83,7 @@ def expert_buffers(group, ep):
     received = comm.all_to_all(buffers_erh.reshape(e * rows, h), group, split, split, 'all_to_all(expert buffers)')
     # received: [source rank, local expert, R, h] -> each local expert's rows from every source
     mine = received.view(ep, local, rows, h).transpose(0, 1).reshape(local, ep * rows, h)
-    out = moe.grouped_expert_ffn(mine, gate_efh, up_efh, down_ehf, gemms)
+    out = moe_kernels.grouped_expert_ffn(mine, gate_efh, up_efh, down_ehf, gemms)
     back = out.view(local, ep, rows, h).transpose(0, 1).reshape(e * rows, h)
     return comm.all_to_all(back, group, split, split, 'all_to_all(expert buffers back)').view(e, rows, h)
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import train
 from checkpoint import manager as managers
 from configs import from_files
-from model import adapters, hf, lora, transformer
+from model import adapters, hf, lora, lora_targets, transformer
 from tests import parity
 from tests.test_lora import IDS as LORA_IDS, hf_dirs, max_err, ours_like, with_peft  # pylint: disable=unused-import
 
@@ -146,7 +146,7 @@ def test_peft_directory_and_merged_export_round_trip(hf_dirs, tmp_path):
   model.save_pretrained(str(tmp_path / 'theirs'))
   cfg2, params2 = adapters.load_peft(str(tmp_path / 'theirs'), cfg, hf.load_hf(hf_dir, cfg)[1])
   assert (cfg2.peft.lora_rank, cfg2.peft.lora_alpha, cfg2.peft.use_rslora) == (4, 8.0, False)
-  assert lora.target_modules(cfg2.peft) == lora.MODULES
+  assert lora_targets.target_modules(cfg2.peft) == lora_targets.MODULES
   with torch.no_grad():
     err_ours = max_err(logits(params2, cfg2, LORA_IDS), model(LORA_IDS).logits)
   hf.save_hf(str(tmp_path / 'merged'), cfg, lora.merged(params, cfg))    # merged: a plain Llama

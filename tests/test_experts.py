@@ -68,11 +68,11 @@ def test_all_to_all_round_trip_matches_local_experts():
   """Each rank's tokens come back in order, through the experts the other rank holds too."""
   inputs = [torch.randn(6, 2, generator=torch.Generator().manual_seed(r)) for r in range(2)]
   results = world.run(_exchange, 2, inputs)
-  from model import moe  # pylint: disable=import-outside-toplevel
+  from model import moe_kernels  # pylint: disable=import-outside-toplevel
   gate = down = torch.cat([torch.ones(2, 2, 2), 2 * torch.ones(2, 2, 2)])
   for r, counts in enumerate(([1, 2, 0, 3], [2, 1, 1, 2])):
     x = inputs[r].clone().requires_grad_()
-    expected = moe.local_expert_ffn(x, counts, gate, gate, down)
+    expected = moe_kernels.local_expert_ffn(x, counts, gate, gate, down)
     expected.sum().backward()
     torch.testing.assert_close(results[r][0], expected.detach())
     torch.testing.assert_close(results[r][1], x.grad)

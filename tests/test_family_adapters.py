@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import train
 from configs import validate
-from model import adapters, hf, layers, lora, transformer
+from model import adapters, hf, layers, lora, lora_targets, transformer
 from tests import parity
 from tests.test_adapters import peft_adapter, response_logp
 from tests.test_hf import BASE_MODEL, VOCAB, random_tokens
@@ -105,7 +105,7 @@ def test_adapters_go_both_ways_with_peft_logits(family, tmp_path):
   assert all(torch.equal(again[n], params[n]) for n in params if lora.is_adapter(n))
   if family == 'qwen3_moe':                 # adapters on its MLPs: peft cannot hold them, either way
     trained = with_lora(cfg0)
-    adapted = lora.plan(trained, base)
+    adapted = lora_targets.plan(trained, base)
     assert any('.mlp.' in n for n in adapted) and not any('experts' in n for n in adapted)
     with pytest.raises(ValueError, match='peft on transformers 5 reads the target_modules gate_proj'):
       adapters.save_peft(str(tmp_path / 'mlp'), trained, dict(base, **transformer.init(trained, 3)))

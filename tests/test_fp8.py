@@ -108,7 +108,7 @@ def test_fp8_layouts_train_like_one_device_within_bf16_rounding(tmp_path, tmp_pa
 
 
 def test_each_expert_runs_in_float8_with_its_own_scales():
-  from model import moe  # pylint: disable=import-outside-toplevel
+  from model import moe_kernels  # pylint: disable=import-outside-toplevel
   g = torch.Generator().manual_seed(2)
   gate, up = (torch.randn(3, 24, 16, generator=g).bfloat16() for _ in range(2))
   down = torch.randn(3, 16, 24, generator=g).bfloat16()
@@ -120,10 +120,10 @@ def test_each_expert_runs_in_float8_with_its_own_scales():
     hidden = torch.nn.functional.silu(fp8.linear(t, gate[e], gemms=column)) * fp8.linear(t, up[e], gemms=column)
     return fp8.linear(hidden, down[e], gemms=gemms['row'])
   expected = torch.cat([swiglu(x[:4], 0), swiglu(x[4:], 2)])
-  assert torch.equal(moe.local_expert_ffn(x, counts, gate, up, down, gemms), expected)
-  assert not torch.equal(moe.local_expert_ffn(x, counts, gate, up, down), expected)
+  assert torch.equal(moe_kernels.local_expert_ffn(x, counts, gate, up, down, gemms), expected)
+  assert not torch.equal(moe_kernels.local_expert_ffn(x, counts, gate, up, down), expected)
   buffers = torch.stack([x[:4], x[4:8], x[5:]])
-  assert torch.equal(moe.grouped_expert_ffn(buffers, gate, up, down, gemms),
+  assert torch.equal(moe_kernels.grouped_expert_ffn(buffers, gate, up, down, gemms),
                      torch.stack([swiglu(buffers[e], e) for e in range(3)]))
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import train
 from checkpoint import manager as managers, state as states, steps as checkpoint_steps
 from configs import base, validate
-from model import adapters, hf, lora, transformer
+from model import adapters, hf, lora, lora_targets, transformer
 from optim import update
 from parallel import mesh as meshes, tensor
 from tests import parity
@@ -326,9 +326,9 @@ def test_config_validation_names_the_key(setting, expected):
 def test_target_module_names():
   peft = copy.deepcopy(parity.parity_config(lora=4).model.peft)
   peft.target_modules = ('o_proj', 'gate_up_proj', 'q_proj')
-  assert lora.target_modules(peft) == ('q_proj', 'o_proj', 'gate_proj', 'up_proj')
+  assert lora_targets.target_modules(peft) == ('q_proj', 'o_proj', 'gate_proj', 'up_proj')
   peft = types.SimpleNamespace(target_modules='all-linear')          # a plain string too
-  assert lora.target_modules(peft) == lora.MODULES
+  assert lora_targets.target_modules(peft) == lora_targets.MODULES
 
 
 @pytest.mark.parametrize('source', ['peft_dir', 'flatron_step'])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip('transformers')
 
 from configs import base as base_config
-from model import hf, layers, moe, router_losses, transformer
+from model import hf, layers, moe, moe_checks, moe_kernels, router_losses, transformer
 from tests import parity
 from tests.test_hf import SEQ, TOL, VOCAB, _randomize, random_tokens
 
@@ -197,12 +197,12 @@ def test_aux_loss_and_dropping_are_per_sequence_so_micro_batch_splits_agree():
 def test_checks_name_the_key():
   cfg = base_config.get_config()
   cfg.model.moe.update(num_experts=4, routing_algorithm='sinkhorn', top_k=5, dropout=0.1)
-  problems = moe.check(cfg.model)
+  problems = moe_checks.check(cfg.model)
   assert any('routing_algorithm=sinkhorn' in p for p in problems)
   assert any('top_k=5' in p for p in problems) and any('moe.dropout' in p for p in problems)
   cfg.distributed_strategy.pipeline_model_parallel_size = 2        # the losses cross stages: no refusal
   cfg.distributed_strategy.expert_model_parallel_size = 3
-  assert moe.check_layout(cfg.model, cfg.distributed_strategy) == [
+  assert moe_checks.check_layout(cfg.model, cfg.distributed_strategy) == [
       'model.moe.num_experts=4 is not divisible by distributed_strategy.expert_model_parallel_size=3']
 
 
@@ -215,11 +215,11 @@ def test_the_grouped_gemm_equals_a_matmul_triple_per_expert(dtype):
   e, h, f, counts = 4, 16, 8, [3, 0, 5, 0]
   tensors = [torch.randn(*shape, generator=g).to(dtype).requires_grad_()
              for shape in ((8, h), (e, f, h), (e, f, h), (e, h, f))]
-  assert moe._grouped_mm_fits(tensors[0], tensors[1], tensors[3])  # pylint: disable=protected-access
+  assert moe_kernels._grouped_mm_fits(tensors[0], tensors[1], tensors[3])  # pylint: disable=protected-access
   grad_y = torch.randn(8, h, generator=g).to(dtype)
-  grouped = moe.local_expert_ffn(tensors[0], counts, *tensors[1:])
-  with mock.patch.object(moe, '_grouped_mm_fits', lambda *args: False):
-    loop = moe.local_expert_ffn(tensors[0], counts, *tensors[1:])
+  grouped = moe_kernels.local_expert_ffn(tensors[0], counts, *tensors[1:])
+  with mock.patch.object(moe_kernels, '_grouped_mm_fits', lambda *args: False):
+    loop = moe_kernels.local_expert_ffn(tensors[0], counts, *tensors[1:])
   assert torch.equal(grouped, loop)
   for a, b in zip(torch.autograd.grad(grouped, tensors, grad_y), torch.autograd.grad(loop, tensors, grad_y)):
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -1,0 +1,60 @@
+"""Checks of the model.moe section and of the layouts MoE can run under: the problems
+configs/validate.py and model/checks.py collect before anything is built, kept apart from
+model/moe.py's forward so that validating a config reads as a list of rules and the forward
+module holds only what runs.
+"""
+from config_checks import one_of, positive
+from model.moe import enabled
+
+ROUTING = ('top_k',)
+ACTIVATIONS = ('softmax', 'sigmoid')
+
+
+def check(model) -> list:
+  """Problems with model.moe."""
+  problems = []
+  if not enabled(model):
+    if model.get('moe') and model.moe.num_experts < 0:
+      problems.append(f'model.moe.num_experts={model.moe.num_experts} must be >= 0 (0 = dense)')
+    return problems
+  moe = model.moe
+  positive(problems, 'model.moe.frequency', moe.frequency)
+  outside = [i for i in moe.get('dense_layers', ()) if not 0 <= i < model.num_layers]
+  if outside:
+    problems.append(f'model.moe.dense_layers has {outside}, outside the model\'s layers 0-{model.num_layers - 1}')
+  positive(problems, 'model.moe.top_k', moe.top_k)
+  if moe.top_k > moe.num_experts:
+    problems.append(f'model.moe.top_k={moe.top_k} > model.moe.num_experts={moe.num_experts}')
+  if moe.routing_algorithm == 'sinkhorn':
+    problems.append('model.moe.routing_algorithm=sinkhorn is not implemented (its exact NxD form is not '
+                    'reproduced here); use top_k')
+  else:
+    one_of(problems, 'model.moe.routing_algorithm', moe.routing_algorithm, ROUTING)
+  one_of(problems, 'model.moe.router_activation', moe.router_activation, ACTIVATIONS)
+  if moe.dropout:
+    problems.append(f'model.moe.dropout={moe.dropout} is not implemented (expert dropout); set 0.0')
+  if not moe.dropless:
+    positive(problems, 'model.moe.capacity_factor', moe.capacity_factor)
+  positive(problems, 'model.moe.router_aux_loss_coef', moe.router_aux_loss_coef, allow_zero=True)
+  positive(problems, 'model.moe.router_z_loss_coef', moe.router_z_loss_coef, allow_zero=True)
+  positive(problems, 'model.moe.ffn_hidden_size', moe.ffn_hidden_size, allow_zero=True)
+  positive(problems, 'model.moe.shared_expert_intermediate_size', moe.shared_expert_intermediate_size,
+           allow_zero=True)
+  if model.activation != 'swiglu' or model.has_bias:
+    problems.append(f'model.moe: experts are SwiGLU without biases; model.activation={model.activation!r} '
+                    f'and model.has_bias={model.has_bias} are not supported with num_experts > 0')
+  return problems
+
+
+def check_layout(model, strategy) -> list:
+  """Layouts MoE cannot run under (distributed_strategy degrees already > 0)."""
+  problems = []
+  ep = strategy.get('expert_model_parallel_size', 1)
+  if not enabled(model):
+    if ep > 1:
+      problems.append(f'distributed_strategy.expert_model_parallel_size={ep} needs model.moe.num_experts > 0')
+    return problems
+  if model.moe.num_experts % ep:
+    problems.append(f'model.moe.num_experts={model.moe.num_experts} is not divisible by '
+                    f'distributed_strategy.expert_model_parallel_size={ep}')
+  return problems
