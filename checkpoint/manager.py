@@ -1,5 +1,5 @@
 """Checkpoint steps: commit protocol, keep the top K (save_top_k by monitor), async save,
-resume (NxD Training's exp_manager semantics).
+resume (NxD Training's exp_manager semantics; choosing and loading the step is in resume.py).
 
 One step on disk (root: a local/shared directory, s3://... or gs://...; the directory name
 is step_00000100 or the `filename` template's, see steps.py):
@@ -43,8 +43,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from checkpoint import save_faults, steps as step_names, storage, store
-from checkpoint.steps import MARKER, committed_dirs, is_committed, read_metadata
+from checkpoint import resume, save_faults, steps as step_names, storage, store
+from checkpoint.steps import MARKER, is_committed, read_metadata
 from parallel import device as devices
 import user_errors
 from user_errors import UserError
@@ -58,7 +58,7 @@ class IncompatibleCheckpoint(UserError, ValueError):
   fatal, never a reason to fall back to an older step."""
 
 
-class CheckpointManager:
+class CheckpointManager(resume.Resuming):
   """Saves and restores the steps of one run under `root` (module docstring).
 
   hook(phase, step), for tests and tracing, is called at: 'waiting' (a save or wait found
@@ -250,80 +250,6 @@ class CheckpointManager:
       metrics = read_metadata(storage.join(self.root, name)).get('metrics') or {}
       self._values[name] = metrics.get(self.monitor)
     return self._values[name]
-
-  # ---- resume ----
-
-  def resolve_resume(self, resume_if_exists: bool, resume_ignore_no_checkpoint: bool,
-                     resume_from_checkpoint: str = None):
-    """Path of the step directory to resume from, or None to start fresh (same on all ranks).
-
-    resume_from_checkpoint (a step directory, or a root holding step directories) wins;
-    else with resume_if_exists the newest committed step under `root`; when there is none,
-    start fresh if resume_ignore_no_checkpoint, else raise FileNotFoundError."""
-    candidates = self.candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
-    return candidates[0] if candidates else None
-
-  def resume(self, requests: dict, *, resume_if_exists: bool = False, resume_ignore_no_checkpoint: bool = False,
-             resume_from_checkpoint: str = None, dtypes: dict = None, check=None, candidates=None):
-    """Load this rank's boxes of the first loadable step of `candidates` (default: resolved
-    from the three resume settings, see `candidates`) -> (step, arrays, metadata), or None to
-    start fresh. `check(path, metadata)` runs before anything is read; what it raises is fatal.
-    A checkpoint that fails to load (checksum, missing array or chunk) on any rank is skipped,
-    on all ranks together, for the previous committed one; a rejected step of this root is
-    moved aside (`reject`) so that the run writes that step afresh when it gets there."""
-    if candidates is None:
-      candidates = self.candidates(resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint)
-    for path in candidates:
-      def load(p=path):
-        if check is not None:
-          check(p, read_metadata(p))
-        return self.load(p, requests, dtypes)
-      error, loaded = save_faults.attempt(load)
-      corrupt = isinstance(error, store.CheckpointError)
-      bad, fatal = self._agree(corrupt, error is not None and not corrupt)
-      save_faults.raise_if(fatal, None if corrupt else error, f'loading {path} failed on another rank')
-      if not bad:
-        arrays, metadata = loaded
-        return metadata['step'], arrays, dict(metadata, path=path)
-      reason = error if error is not None else 'failed on another rank'
-      aside = step_names.reject(self.root, path) if self.rank == 0 else None
-      log.warning('checkpoint %s cannot be loaded (%s)%s; falling back to the previous committed step',
-                  path, reason, f'; moved it aside to {aside}' if aside else '')
-    if candidates:
-      raise store.CheckpointError(f'no checkpoint could be loaded; tried {candidates}')
-    return None
-
-  def candidates(self, resume_if_exists, resume_ignore_no_checkpoint, resume_from_checkpoint):
-    """Step paths to resume from, newest first; [] to start fresh (rank 0 lists, everyone gets
-    its answer or error). resume_from_checkpoint (a step directory, or a root holding step
-    directories) wins; else with resume_if_exists the committed steps under `root`; when there
-    are none, start fresh if resume_ignore_no_checkpoint, else raise FileNotFoundError."""
-    self.wait()
-
-    def lead():
-      if resume_from_checkpoint:
-        if is_committed(resume_from_checkpoint):
-          return [resume_from_checkpoint]
-        steps = committed_dirs(resume_from_checkpoint)
-        if not steps:
-          raise FileNotFoundError(f'resume_from_checkpoint={resume_from_checkpoint!r} is neither a '
-                                  'committed checkpoint step nor a directory holding one')
-        return [storage.join(resume_from_checkpoint, steps[s]) for s in sorted(steps, reverse=True)]
-      if not resume_if_exists:
-        return []
-      steps = self._committed()
-      if not steps and not resume_ignore_no_checkpoint:
-        raise FileNotFoundError(f'resume_if_exists: no committed checkpoint in {self.root}; to '
-                                'start fresh, set --config.exp_manager.resume_ignore_no_checkpoint=True '
-                                '(or resume_if_exists=False)')
-      if not steps:
-        log.warning('resume_if_exists: no committed checkpoint in %s; starting fresh', self.root)
-      return [storage.join(self.root, steps[s]) for s in sorted(steps, reverse=True)]
-    error, candidates = save_faults.attempt(lead) if self.rank == 0 else (None, None)
-    error, candidates = self._share((error, candidates))
-    if error is not None:
-      raise error
-    return candidates
 
   # ---- collectives over the checkpoint group ----
 
