@@ -20,7 +20,8 @@ def get_config(arg=None):
   c = config_dict.ConfigDict()
   c.name = 'flatron'                 # run name: logs, TensorBoard (<workdir>/tensorboard/<name>), exp_manager.exp_dir/<name>
   c.seed = 1234                      # root of every keyed random draw (init, data, dropout)
-  c.device = 'auto'                  # auto | cpu | cuda | xla  (auto: cuda if present, else cpu)
+  c.device = 'auto'                  # auto | cpu | cuda | xla | a plug-in's device type (neuron)  (auto: cuda if present, else a plug-in's accelerator, else cpu)
+  c.backend = 'auto'                 # process-group backend: auto (the device's: gloo, nccl, xla, a plug-in's) | gloo | nccl | fake | ...
   c.model_source = 'megatron'        # megatron | hf: with hf the model section comes from model.model_config
   # NxD Training's compiler / runtime keys (parallel/xla.py maps them; reported at start-up where
   # they do nothing): neuronx-cc flags, a persistent compilation cache, Neuron runtime settings.

@@ -15,7 +15,6 @@ from optim import optimizers, schedules
 from parallel import compiled, context, device as devices, grad_buffer, mesh as meshes, pipeline, remat, tensor
 from user_errors import UserError
 
-DEVICES = ('auto', 'cpu', 'cuda', 'xla')
 MODEL_SOURCES = ('megatron', 'hf')
 NONFINITE_POLICIES = ('error', 'skip')
 
@@ -66,7 +65,7 @@ def _check_fp8(config) -> list:
 def _check_run(config) -> list:
   """The top-level keys and trainer's own knobs (train.py reads them)."""
   problems, model, trainer = [], config.model, config.trainer
-  one_of(problems, 'device', config.device, DEVICES)
+  problems += devices.check_name(config.device) + devices.check_backend(config.get('backend', 'auto'))
   one_of(problems, 'model_source', config.model_source, MODEL_SOURCES)
   if devices.trim_setting(config) not in ('auto', True, False):
     problems.append(f'trim_host_heap={config.trim_host_heap!r}: one of auto, True, False')

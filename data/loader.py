@@ -34,13 +34,18 @@ from data.errors import DataError
 
 class Loader:
 
-  def __init__(self, config, split='train', dp_rank=0, dp_size=1):
+  def __init__(self, config, split='train', dp_rank=0, dp_size=1, source=None, eod_id=None):
+    """`source`, `eod_id`: the samples and end-of-document id to use instead of the config's
+    (data/stand_in.py)."""
     self.cfg = config.data
     self.split = split
     self.dp_rank, self.dp_size = dp_rank, dp_size
     pairs = config.model.objective in preference.OBJECTIVES
     self.sft = pairs or bool(sft.settings(config)['train_dir'])   # rows built from records
-    if pairs:
+    if source is not None:
+      self.source, self.num_samples = source, getattr(source, 'samples_per_epoch', None)
+      self.sft = isinstance(source, sft.SFTSource)
+    elif pairs:
       self.source = preference.PreferenceSource(config, split)
       self.num_samples = self.source.samples_per_epoch
     elif self.sft:
@@ -52,7 +57,7 @@ class Loader:
     else:
       self.source = synthetic.SyntheticSource(config, split)
       self.num_samples = None                            # endless
-    self.eod_id = self._eod_id()
+    self.eod_id = self._eod_id() if source is None else eod_id
     self.ref_logps = None           # [rows, 2]: set by the loop with dpo.precompute_ref_log_probs
 
   def _eod_id(self):

@@ -227,7 +227,8 @@ class PreferenceSource(sft.SFTSource):
   """A split's pair rows and micro batches for the loader; the epoch order, row_ids and
   micro_batch are SFTSource's (a permutation keyed by (seed, split, epoch))."""
 
-  def __init__(self, config, split='train'):  # pylint: disable=super-init-not-called
+  def __init__(self, config, split='train', records=None):  # pylint: disable=super-init-not-called
+    """`records`: pre-tokenized pairs to use instead of the split's files (data/stand_in.py)."""
     s = settings(config)
     if not s['train_dir']:
       raise DataError(f'model.objective={s["objective"]} trains on preference pairs; set '
@@ -236,8 +237,8 @@ class PreferenceSource(sft.SFTSource):
       raise DataError(f'preference data has splits {sorted(sft.SPLIT_DIRS)}, not {split!r}')
     self.path, self.split, self.seed = s[sft.SPLIT_DIRS[split]], split, s['seed']
     self.objective = s['objective']
-    tokenizer, template, special = sft.load_chat_tokenizer(s['tokenizer'])
-    records = read_pairs(self.path, s['dev_choose_samples'])
+    tokenizer, template, special = sft.load_chat_tokenizer(s['tokenizer'] if records is None else None)
+    records = read_pairs(self.path, s['dev_choose_samples']) if records is None else records
     if not records:
       raise DataError(f'{self.path}: no preference records; add some or point data.'
                       f'{sft.SPLIT_DIRS[split]} elsewhere')

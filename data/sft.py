@@ -174,13 +174,14 @@ class Rows:
 class SFTSource:
   """A split's SFT rows and micro batches for the loader (same keys as its other sources)."""
 
-  def __init__(self, config, split='train'):
+  def __init__(self, config, split='train', records=None):
+    """`records`: pre-tokenized ones to use instead of the split's files (data/stand_in.py)."""
     s = settings(config)
     if split not in SPLIT_DIRS:
       raise DataError(f'SFT data has splits {sorted(SPLIT_DIRS)}, not {split!r}')
     self.path, self.split, self.seed = s[SPLIT_DIRS[split]], split, s['seed']
-    tokenizer, template, special = load_chat_tokenizer(s['tokenizer'])
-    records = read_records(self.path, s['dev_choose_samples'])
+    tokenizer, template, special = load_chat_tokenizer(s['tokenizer'] if records is None else None)
+    records = read_records(self.path, s['dev_choose_samples']) if records is None else records
     if not records:
       raise DataError(f'{self.path}: no SFT records; add some or point data.'
                       f'{SPLIT_DIRS[split]} elsewhere')

@@ -191,7 +191,7 @@ def reduction_bytes(config, sizes, dp=1) -> int:
   it is point to point, one bucket at a time, receiving the other ranks' copies of this rank's
   part: (dp - 1) / dp of the largest bucket."""
   d = config.distributed_strategy
-  backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
+  backend = devices.collective_backend(config)
   if dp == 1 or not d.zero1 or grad_buffer.resolved(d.zero1_collectives) == 'all_reduce':
     return 0
   recipe = precision.recipe(config.precision)

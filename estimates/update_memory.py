@@ -85,7 +85,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
     widened = 4 * (1 + moments) * sum(owned) - 2 * moments * sum(owned)
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
-  backend = 'gloo' if devices.kind(config.device) == 'cpu' else 'nccl'
+  backend = devices.collective_backend(config)
   if shards > 1 and not zero.in_place_on(grad_buffer.resolved(config.distributed_strategy.zero1_collectives),
                                          backend):
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]

@@ -37,7 +37,10 @@ def _draw_rows(spec, full_shape, box, seed, *key):
   draw = ((lambda k: (2 * rng.uniform(shape, seed, 'init', *key, k) - 1) * spec.std) if spec.init == 'uniform'
           else (lambda k: rng.normal(shape, spec.std, seed, 'init', *key, k)))
   blocks = [draw(k)[(slice(None),) + tuple(box[1:])] for k in range(first, (rows.stop - 1) // r + 1)]
-  out = torch.cat(blocks)[rows.start - first * r:rows.stop - first * r]
+  drawn = torch.cat(blocks)
+  out = drawn[rows.start - first * r:rows.stop - first * r]
+  if out.numel() < drawn.numel():
+    out = out.clone()     # a view would keep the whole blocks' rows alive with the parameter
   if spec.used_rows:
     out[max(spec.used_rows - rows.start, 0):] = 0.0
   return out

@@ -24,7 +24,7 @@ import torch
 
 from numerics import precision
 from optim import optimizers, rounding, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grads as grad_ops, tensor, zero
+from parallel import comm, experts, grad_buffer, grads as grad_ops, host_values, tensor, zero
 
 
 class Rows(typing.NamedTuple):
@@ -126,7 +126,7 @@ class Updater:
       self._update(owned, step, keep_if_not=finite)
       ok = finite
     else:
-      ok = bool(finite)
+      ok = host_values.flag(finite, 'the finite check of the loss and grad norm (assumed finite)', True)
       if ok:
         self._update(owned, step, fused=fused, scale=coefficient, squares=param_squares)
     self._clear()

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from parallel import xla
+from parallel import host_values, xla
 
 # Dense bf16 datasheet peaks (never sparse), matched in order against
 # torch.cuda.get_device_name() ('NVIDIA H100 80GB HBM3' is the SXM part): the PCIe and NVL
@@ -25,10 +25,28 @@ def datasheet_peak(name: str):
 
 
 def kind(name: str) -> str:
-  """The device kind config.device names: `auto` is cuda where it is available, else cpu."""
+  """The device kind config.device names: `auto` is cuda where it is available, else the
+  accelerator a PyTorch plug-in provides (torch.accelerator: e.g. TorchNeuron's `neuron`), else cpu."""
   if name == 'auto':
-    return 'cuda' if torch.cuda.is_available() else 'cpu'
+    if torch.cuda.is_available():
+      return 'cuda'
+    accelerator = getattr(torch, 'accelerator', None)     # torch >= 2.6
+    current = accelerator.current_accelerator() if accelerator is not None and accelerator.is_available() else None
+    return current.type if current is not None else 'cpu'
   return name
+
+
+def check_name(name: str) -> list:
+  """Problems with config.device: auto, cpu, cuda, xla, or a device type this PyTorch knows
+  (one a plug-in registers, such as TorchNeuron's `neuron`)."""
+  if name in ('auto', 'cpu', 'cuda', 'xla'):
+    return []
+  try:
+    torch.device(name)
+  except (RuntimeError, ValueError):
+    return [f'device={name!r}: not a device type this PyTorch knows; use auto, cpu, cuda or xla, or install '
+            f'the PyTorch plug-in that provides {name!r} (e.g. TorchNeuron for `neuron`)']
+  return []
 
 
 def resolve(name: str, local_rank: int = 0) -> torch.device:
@@ -44,11 +62,46 @@ def resolve(name: str, local_rank: int = 0) -> torch.device:
     except ImportError as e:
       raise RuntimeError('device=xla needs torch-xla (its own environment: make test-xla, see docs/xla.md)') from e
     return xla.device()
-  return torch.device('cpu')
+  if name == 'cpu':
+    return torch.device('cpu')
+  device = torch.device(name, local_rank)    # a plug-in's device (check_name): its accelerator API
+  torch.accelerator.set_device_index(device)
+  return device
 
 
-def backend(device: torch.device) -> str:
-  return {'cuda': 'nccl', 'xla': 'xla'}.get(device.type, 'gloo')
+def backend(device: torch.device, name: str = 'auto') -> str:
+  """The process-group backend: config.backend's `name`, or with `auto` the device's own (gloo
+  on the CPU, nccl on CUDA, xla on XLA, the one a plug-in registers for its device type)."""
+  if name != 'auto':
+    return name
+  if device.type == 'xla':
+    return 'xla'
+  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  return dist.Backend.default_device_backend_map.get(device.type, 'gloo')
+
+
+def host_backend(backend_name: str) -> str:
+  """The backend of the host group (agreements on CPU tensors): the run's own where it takes
+  CPU tensors (gloo, fake), else gloo."""
+  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  return backend_name if 'cpu' in dist.Backend.backend_capability.get(backend_name, ()) else 'gloo'
+
+
+def collective_backend(config) -> str:
+  """The backend a run of `config` would use, without starting anything: what the estimates
+  assume of its collectives (gloo's point-to-point reduce-scatter, or a native one)."""
+  return backend(torch.device(kind(config.device)), config.get('backend', 'auto'))
+
+
+def check_backend(name: str) -> list:
+  """Problems with config.backend: auto, or a backend torch.distributed has (gloo, nccl, fake,
+  ...; xla with torch-xla; one a plug-in registers)."""
+  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
+  known = ['auto', 'xla'] + [b for b in dist.Backend.backend_list if b != 'undefined']
+  if name in known:
+    return []
+  return [f'backend={name!r}: not a process-group backend this PyTorch has ({", ".join(known)}); '
+          'use auto (the device\'s own) or install the plug-in that registers it']
 
 
 def synchronize(device: torch.device):
@@ -201,6 +254,9 @@ def step_boundary(device: torch.device):
 def to_host(tensors: dict, copy=False) -> dict:
   """{name: CPU tensor}: XLA tensors in one batched transfer; `copy` guarantees tensors that
   do not share memory with the originals (CPU tensors are otherwise returned as they are)."""
+  if any(host_values.is_fake(t) for t in tensors.values()):     # a traced step: no values to read
+    return {n: host_values.read(t, None, 'the logged values (a trace has none: logged as nan)',
+                                lambda t=t: host_values.placeholder(t)) for n, t in tensors.items()}
   xla_names = [n for n, t in tensors.items() if t.device.type == 'xla']
   out = xla.to_host({n: tensors[n].detach() for n in xla_names}) if xla_names else {}
   out.update({n: t.detach().to('cpu', copy=copy) for n, t in tensors.items() if n not in out})

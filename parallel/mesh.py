@@ -164,11 +164,13 @@ def _groups(grid, rank, make_group):
   return mine
 
 
-def init(config, device_name=None) -> Mesh:
-  """The mesh for this process, initializing torch.distributed when WORLD_SIZE > 1."""
+def init(config, device_name=None, world=None, rank=None) -> Mesh:
+  """The mesh for this process, initializing torch.distributed when the world has more than one
+  rank (`world`, `rank`: default torchrun's WORLD_SIZE and RANK) with config.backend's
+  process-group backend (devices.backend: the device's own by default)."""
   d = config.distributed_strategy
-  world = int(os.environ.get('WORLD_SIZE', '1'))
-  rank = int(os.environ.get('RANK', '0'))
+  world = int(os.environ.get('WORLD_SIZE', '1')) if world is None else world
+  rank = int(os.environ.get('RANK', '0')) if rank is None else rank
   device = devices.resolve(device_name or config.device, int(os.environ.get('LOCAL_RANK', '0')))
   tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
   if world % (tp * pp * cp):
@@ -181,11 +183,12 @@ def init(config, device_name=None) -> Mesh:
   if world == 1:
     return Mesh(device=device, kv_replicator=kv_replicator, timeout_s=d.collective_timeout_s)
   timeout = datetime.timedelta(seconds=d.collective_timeout_s)
+  backend = devices.backend(device, config.get('backend', 'auto'))
   if not dist.is_initialized():
-    if device.type == 'xla':
+    if backend == 'xla':
       xla.init_process_group(timeout)         # torchrun's env; the `xla` backend's collectives
     else:
-      dist.init_process_group(devices.backend(device), rank=rank, world_size=world, timeout=timeout)
+      dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_store(backend))
   # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
   make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
   groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, cp=cp, kv_replicator=kv_replicator, ep=ep), rank, make_group)
@@ -194,7 +197,16 @@ def init(config, device_name=None) -> Mesh:
               ep=ep, ep_group=groups.get('ep'), expert_dp_group=groups.get('expert_dp'),
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
               kv_group=groups.get('kv'), embed_group=groups.get('embed'), timeout_s=d.collective_timeout_s,
-              host_group=dist.new_group(backend='gloo', timeout=timeout))
+              host_group=dist.new_group(backend=devices.host_backend(backend), timeout=timeout))
+
+
+def _store(backend):
+  """The fake backend (one rank of any world, collectives that return at once: the traced dry
+  run) needs no rendezvous; the others meet at torchrun's MASTER_ADDR / MASTER_PORT."""
+  if backend != 'fake':
+    return None
+  from torch.testing._internal.distributed import fake_pg  # pylint: disable=import-outside-toplevel
+  return fake_pg.FakeStore()
 
 
 def shutdown():

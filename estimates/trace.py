@@ -1,0 +1,227 @@
+"""The traced dry run (`--dry_run=trace`): one rank of the target layout runs the real training
+step on fake tensors against the fake process-group backend, and its live bytes are counted.
+
+For each rank traced, in this one process and without allocating the model: torch.distributed
+starts with the `fake` backend as rank r of the target world (collectives return at once),
+the mesh builds every group of the layout, and under FakeTensorMode (tensors with shapes,
+dtypes and devices, no storage) the rank's parameters, optimizer state, gradient buckets and
+stand-in micro batches (data/stand_in.py) are made at their real shapes. Then STEPS real
+training steps run (forward and backward through the pipeline schedule, the gradient
+reduction, the clip and the optimizer, ZeRO-1's gathers, the logging) while
+estimates/live_bytes.py counts every tensor's storage; the second step's peak is the one
+reported (the first makes the optimizer's state). Its parts are set beside the estimate's
+(estimates/memory.py) at the estimate's peak phase.
+
+What it proves: every shape, collective and group of this rank's step at the target size, and
+the bytes its tensors hold. What it cannot see: time, the kernels' own workspaces, the
+allocator's fragmentation and the runtime's memory (those come from the estimate), nor a
+value-dependent path (parallel/host_values.py: each assumption is listed by name).
+
+The fake tensors carry the CPU's device type, so the step takes the eager path (CPU, CUDA):
+XLA's whole-step graph (fixed expert buffers, no overlapped gathers) is traced as such only
+where the config asks for it (model.moe.fixed_buffers).
+"""
+import copy
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import logs
+from data import stand_in
+from estimates import live_bytes, memory
+from model import flop_count, lora, objectives
+from optim import update
+from parallel import host_values, mesh as meshes, tensor, training
+from user_errors import UserError
+
+STEPS = 2                   # the first makes the optimizer state; the second is the steady step
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the estimate's components each traced category is set against
+COMPARED = {'params': ('params', 'reference'), 'master': ('master',), 'optimizer': ('optimizer',),
+            'grads': ('grads',), 'forward': ('activations', 'logits'), 'backward': ('grad_transient',),
+            'update': ('reduction', 'update_temporaries')}
+
+
+class TraceError(UserError, RuntimeError):
+  """The traced step failed: one line naming the rank, its layout and the failing operation."""
+
+
+def ranks(mesh) -> list:
+  """The ranks whose programs differ: the first and the last pipeline stage (the most
+  activations in flight; the head and the loss), each at the first and last cp rank (the
+  ring's causal blocks differ). TP, DP and EP ranks run the same shapes."""
+  stages = sorted({0, mesh.pp - 1})
+  cps = sorted({0, mesh.cp - 1})
+  return [mesh.rank_of(pp_rank=p, cp_rank=c) for p in stages for c in cps]
+
+
+def trace_rank(config, world_size, rank) -> dict:
+  """Trace rank `rank` of `world_size`: {'rank', 'where' (its layout coordinates), 'peak' and
+  'at_peak' (bytes by category, live_bytes), 'estimate' (memory.estimate of this rank's
+  tensors), 'assumed' (host_values' assumptions), 'seconds'}."""
+  cfg = copy.deepcopy(config)
+  with cfg.unlocked():
+    cfg.device, cfg.backend = 'cpu', 'fake'
+  start = time.perf_counter()
+  mesh = None
+  try:
+    mesh = meshes.init(cfg, world=world_size, rank=rank)
+    sizes = training.local_sizes(cfg, mesh)
+    est = memory.estimate(cfg, sizes, mesh.dp, mesh.pp_rank)
+    loader = stand_in.loader(cfg, mesh.dp_rank, mesh.dp)
+    gbs = cfg.data.global_batch_size
+    batches = [loader.global_batch(step * gbs) for step in range(STEPS)]    # real, small: made before faking
+    with FakeTensorMode() as fake, live_bytes.LiveBytes() as live, host_values.recording() as assumed:
+      _steps(cfg, mesh, live, [[{k: fake.from_tensor(v) for k, v in b.items()} for b in mbs] for mbs in batches])
+  except Exception as e:  # pylint: disable=broad-except
+    where = mesh.describe() if mesh is not None else f'rank {rank}/{world_size}'
+    raise TraceError(f'trace of {where}: {failing_operation(e)}: {type(e).__name__}: '
+                     f'{_first_line(e)}') from e
+  finally:
+    meshes.shutdown()
+  return {'rank': rank, 'where': mesh.describe(), 'peak': live.peak, 'at_peak': live.at_peak,
+          'estimate': est, 'assumed': assumed, 'seconds': time.perf_counter() - start}
+
+
+def _steps(cfg, mesh, live, batches):
+  """The loop's set-up and STEPS training steps (train.py's), on fake tensors."""
+  params = training.init_params(cfg, mesh)
+  live.hold(params.values(), 'params')
+  updater = update.Updater(params, cfg, mesh, training.placement(cfg, mesh), trainable=lora.trainable(cfg.model, params))
+  ops = tensor.config_ops(cfg, mesh)
+  reference = _reference(cfg, mesh, params, updater, batches)
+  if reference is not None:
+    live.hold([t for n, t in reference.items() if t is not params.get(n)], 'params')
+  reporter = logs.StepReporter(cfg, mesh, logs.MetricsLog(None, False, False), (1.0, 'trace'), STEPS, 0,
+                               flop_count.flops_per_token(cfg.model, cfg.data.seq_length))
+  consumed = 0
+  for step, micro_batches in enumerate(batches):
+    out = training.train_step(params, updater, micro_batches, cfg, step, mesh, ops, reference,
+                              defer_param_gather=True, param_norm=cfg.exp_manager.log_parameter_norm)
+    consumed += cfg.data.global_batch_size
+    reporter.add(step, out, consumed)
+    del out
+    _classify(live, params, updater)
+    if step == 0:
+      live.restart_peak()
+  updater.wait_params()
+  reporter.flush()
+
+
+def _reference(cfg, mesh, params, updater, batches):
+  """DPO's reference as the loop sets it up: precomputed log-probs on the batches, or the frozen
+  copy of the starting model or adapters (objectives.reference_copy), or the base itself."""
+  if objectives.for_config(cfg).reference is None:
+    return None
+  if cfg.model_alignment_strategy.dpo.precompute_ref_log_probs:
+    for micro_batches in batches:
+      for mb in micro_batches:
+        mb['ref_logps'] = torch.zeros(mb['tokens'].shape[0], 2)
+    return None
+  part = objectives.reference_copy(cfg)
+  copy_ = (training.init_params(cfg, mesh) if part == 'model'
+           else training.init_params(cfg, mesh, set(updater.trainable)) if part == 'adapters' else None)
+  from parallel import reference as references  # pylint: disable=import-outside-toplevel
+  return references.params(params, copy_)
+
+
+def _classify(live, params, updater):
+  """After a step: what stays is the parameters, the masters, the optimizer's state and the
+  gradient buckets (in this order of precedence: a master may be a view of its parameter)."""
+  live.hold(live_bytes.tensors_in(updater.grads), 'grads')
+  live.hold(live_bytes.tensors_in(updater.optimizer.state), 'optimizer')
+  live.hold([m for n, m in updater.master.items() if updater.has_master_copy(n)], 'master')
+  live.hold(params.values(), 'params')
+
+
+def failing_operation(error) -> str:
+  """The innermost frame of flatron's own code in `error`'s traceback: file:line, function, source."""
+  frames = [f for f in traceback.extract_tb(error.__traceback__)
+            if f.filename.startswith(ROOT) and '/site-packages/' not in f.filename
+            and os.path.basename(f.filename) not in ('trace.py', 'live_bytes.py', 'host_values.py')]
+  if not frames:
+    return 'in torch'
+  f = frames[-1]
+  return f'{os.path.relpath(f.filename, ROOT)}:{f.lineno} in {f.name}: {(f.line or "").strip()}'
+
+
+def _first_line(error) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0] if text else '(no message)'
+
+
+def trace(config, world_size, which=None, progress=None) -> list:
+  """trace_rank for each rank of `which` (default: `ranks` of the layout); `progress(line)`
+  hears of each as it finishes."""
+  d = config.distributed_strategy
+  layout = meshes.Mesh(dp=world_size // (d.tensor_model_parallel_size * d.pipeline_model_parallel_size
+                                         * d.context_parallel_size),
+                       pp=d.pipeline_model_parallel_size, tp=d.tensor_model_parallel_size, cp=d.context_parallel_size)
+  out = []
+  for rank in (which if which is not None else ranks(layout)):
+    out.append(trace_rank(config, world_size, rank))
+    if progress:
+      progress(f'traced {out[-1]["where"]}: peak {memory.human_bytes(out[-1]["peak"])} '
+               f'in {out[-1]["seconds"]:.1f} s')
+  return out
+
+
+def tensor_estimate(est) -> dict:
+  """`est` without what is not a tensor (the runtime, the CPU heap's holes): what a trace counts."""
+  return memory._with_phases(dict(memory.components(est), runtime=0, heap_holes=0))  # pylint: disable=protected-access
+
+
+def compare(result) -> list:
+  """[(category, traced bytes at the peak, estimated bytes at the estimate's peak phase)]."""
+  est = tensor_estimate(result['estimate'])
+  phase = est['peak_phase']
+  shown = {'forward': phase == 'forward_backward', 'backward': phase == 'forward_backward',
+           'update': phase in ('update', 'grad_reduction')}
+  rows = []
+  for category, parts in COMPARED.items():
+    estimated = sum(est.get(p, 0) for p in parts if shown.get(category, True)
+                    and not (p == 'update_temporaries' and phase == 'grad_reduction')
+                    and not (p == 'reduction' and phase == 'update'))
+    rows.append((category, result['at_peak'].get(category, 0), estimated))
+  rows.append(('other', result['at_peak'].get('other', 0), 0))
+  return rows + [('total', result['peak'], est['total'])]
+
+
+def off_by(traced, estimated) -> float:
+  """(traced - estimated) / estimated, the trace's difference from the estimate."""
+  return (traced - estimated) / estimated if estimated else math.inf if traced else 0.0
+
+
+def report(results, budget=None) -> tuple:
+  """(text, refusal): each traced rank's peak beside its estimate by category, the assumptions
+  made, and the verdict against `budget` ((bytes, what), or None): the traced peak plus what
+  the estimate adds beyond tensors (runtime, heap holes). `refusal` names the ranks over it."""
+  lines, over = [], []
+  for r in results:
+    est = r['estimate']
+    lines.append(f'traced {r["where"]} ({r["seconds"]:.1f} s, {STEPS} steps): peak '
+                 f'{memory.human_bytes(r["peak"])} of tensors, estimated {memory.human_bytes(tensor_estimate(est)["total"])}'
+                 f' ({100 * off_by(r["peak"], tensor_estimate(est)["total"]):+.1f}%)')
+    lines.append('  ' + ' | '.join(f'{c} {memory.human_bytes(t)} / {memory.human_bytes(e)}'
+                                   for c, t, e in compare(r)[:-1] if t or e) + '   (traced / estimated)')
+    for what, times in sorted(r['assumed'].items()):
+      lines.append(f'  assumed: {what} ({times}x)')
+    if budget is not None and budget[0] is not None:
+      need = r['peak'] + est['runtime'] + est['heap_holes']
+      fits = need <= budget[0]
+      lines.append(f'  memory: {"fits" if fits else "does not fit"} {budget[1]}: {memory.human_bytes(need)} of '
+                   f'{memory.human_bytes(budget[0])} (traced tensors + runtime {memory.human_bytes(est["runtime"])})')
+      if not fits:
+        over.append(f'{r["where"]} needs {memory.human_bytes(need)}')
+  refusal = (f'the traced step does not fit {budget[1]} ({memory.human_bytes(budget[0])}): ' + '; '.join(over)) \
+      if over else None
+  return '\n'.join(lines), refusal
+
+
+def print_progress(line):
+  print(line, file=sys.stderr, flush=True)
