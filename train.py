@@ -4,6 +4,7 @@
     python train.py --config=configs/llama7b.py:smoke --workdir=runs/s --config.trainer.max_steps=10
 
     python train.py --config=configs/nxd_yaml.py:their.yaml --dry_run          # check, print, touch nothing
+    python train.py --config=configs/nxd_yaml.py:their.yaml --dry_run=trace    # ... and trace one rank's real step
 
 Sections: validation / setup / loop (validate, save, stop); the step itself is
 parallel/training.py and its log lines logs.py. State the loop owns is plain data: `params`
@@ -14,6 +15,7 @@ so nothing else needs saving.
 import os
 import sys
 
+import torch
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -24,7 +26,7 @@ from checkpoint import session, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
 from data import tokenizer
 from data.loader import Loader
-from estimates import memory, memory_check, summary as summaries
+from estimates import memory, memory_check, summary as summaries, trace as traces
 from model import flop_count, lora, objectives
 from optim import update
 from parallel import comm, mesh as meshes, passes, reference as references, tensor
@@ -35,8 +37,10 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Python config file (c
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory: metrics.jsonl, TensorBoard, config (optional with '
                                 'exp_manager.explicit_log_dir or exp_dir).')
 _DEBUG = flags.DEFINE_bool('debug', False, 'Full tracebacks instead of one-line errors.')
-_DRY_RUN = flags.DEFINE_bool('dry_run', False, 'Resolve and validate the config (files, overrides), print it with the '
-                             'start-up summary and memory estimate, and exit; nothing is allocated or written.')
+_DRY_RUN = cli.define_dry_run('Resolve and validate the config (files, overrides), print it with the start-up summary '
+                              'and memory estimate, and exit; nothing is allocated or written. --dry_run=trace also '
+                              'runs the real training step of the layout\'s first and last stage on fake tensors '
+                              '(estimates/trace.py) and reports its peak beside the estimate.')
 
 
 # ======================================================================================
@@ -92,9 +96,12 @@ def check_tokenizer(config):
 # ======================================================================================
 
 
-def dry_run(config):
+def dry_run(config, mode='estimate'):
   """--dry_run: resolve and validate as a run would, print the config and rank 0's start-up
-  summary (at WORLD_SIZE processes, default one data-parallel replica), and exit."""
+  summary (at WORLD_SIZE processes, default one data-parallel replica), and exit. With
+  mode='trace' the ranks whose programs differ then run the real step on fake tensors
+  (estimates/trace.py); a traced peak over the named cluster's device fails it as the
+  estimate's does."""
   d = config.distributed_strategy
   world_size = int(os.environ.get('WORLD_SIZE', d.tensor_model_parallel_size * d.pipeline_model_parallel_size
                                   * d.context_parallel_size))
@@ -102,6 +109,13 @@ def dry_run(config):
     print(note)
   text, refusal = summaries.dry_run_report(config, world_size, config_validation.check)
   print(text)
+  if mode == 'trace':
+    target = memory_check.target_bytes(config)
+    budget = target or memory_check.available_bytes(torch.device(devices.kind(config.device)))
+    text, traced_refusal = traces.report(traces.trace(config, world_size, progress=traces.print_progress),
+                                         budget, another_device=target is not None)
+    print(text)
+    refusal = refusal or (traced_refusal if target is not None else None)
   if refusal:     # judged on the cluster trainer.plan_cluster names: the run would not fit there
     raise MemoryError(refusal)
 
@@ -246,7 +260,7 @@ def _run_flags():
   config = _CONFIG.value
   cli.command_line_wins(config, config_flags.get_override_values(flags.FLAGS['config']))
   if _DRY_RUN.value:
-    dry_run(config)
+    dry_run(config, _DRY_RUN.value)
   else:
     run(config, _WORKDIR.value)
 

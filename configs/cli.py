@@ -4,6 +4,7 @@ import difflib
 import importlib.util
 import os
 
+from absl import flags
 from ml_collections import config_dict
 
 import user_errors
@@ -87,3 +88,26 @@ def command_line_wins(config, overrides):
           ('model_config', 'model_config_overrides', 'optim', 'peft', 'fusions')]
   if keys:
     config.model.model_config_overrides = tuple(dict.fromkeys([*config.model.model_config_overrides, *keys]))
+
+
+class DryRunParser(flags.ArgumentParser):
+  """--dry_run (the estimate), --dry_run=trace (and one rank's step traced: estimates/trace.py),
+  --nodry_run: a boolean flag that also takes `trace`."""
+  VALUES = {'true': 'estimate', '1': 'estimate', 'estimate': 'estimate', 'trace': 'trace', 'false': '', '0': '', '': ''}
+
+  def parse(self, argument):
+    if isinstance(argument, bool):
+      return 'estimate' if argument else ''
+    value = self.VALUES.get(str(argument).lower())
+    if value is None:
+      raise ValueError(f'--dry_run={argument}: use --dry_run (the estimate), --dry_run=trace or --nodry_run')
+    return value
+
+  def flag_type(self):
+    return 'dry run'
+
+
+def define_dry_run(help_text):
+  """The --dry_run flag: '' (a run), 'estimate' or 'trace'."""
+  return flags.DEFINE_flag(flags.Flag(DryRunParser(), flags.ArgumentSerializer(), 'dry_run', '', help_text,
+                                      boolean=True))

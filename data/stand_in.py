@@ -25,7 +25,7 @@ def loader(config, dp_rank=0, dp_size=1) -> loaders.Loader:
             'rejected_input_ids': [3] * response}
     source = preference.PreferenceSource(config, 'train', [Record(f'stand-in {i}', pair) for i in range(rows)])
   elif sft.settings(config)['train_dir']:
-    example = {'input_ids': [1] * (n + 1)}
+    example = {'input_ids': [1] * (n + 1), 'loss_mask': [1] * (n + 1)}
     source = sft.SFTSource(config, 'train', [Record(f'stand-in {i}', example) for i in range(rows)])
   else:
     source = synthetic.SyntheticSource(config, 'train')

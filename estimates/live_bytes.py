@@ -6,10 +6,8 @@ storage's bytes from creation until Python drops the last reference (a weak refe
 callback), and keeps the peak of the sum with what each category held then. Tensors made
 before the mode (parameters, optimizer state) are added with `hold`, by category.
 
-What the step makes is counted by when it was made: 'forward' (autograd recording: the
-activations and logits the backward keeps, and the forward's temporaries), 'backward' (inside
-autograd's backward: the gradients in flight) and 'update' (outside both: the gradient
-reduction, the clip and the optimizer's temporaries).
+What the step makes is a transient, unless autograd saves it for the backward (a
+saved-tensors hook, `saving`): then it is an activation (the logits' log-probs among them).
 """
 import weakref
 
@@ -18,20 +16,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-HELD = ('params', 'master', 'optimizer', 'grads', 'other')     # made before the step
-MADE = ('forward', 'backward', 'update')                       # made by the step
-
-
-def storage_bytes(t) -> int:
-  return t.untyped_storage().nbytes()
-
-
-def in_backward() -> bool:
-  return torch._C._current_graph_task_id() != -1  # pylint: disable=protected-access
+HELD = ('params', 'master', 'optimizer', 'grads')     # made before the step, kept after it
+MADE = ('activations', 'transients')                 # made by the step
 
 
 class LiveBytes(TorchDispatchMode):
-  """with LiveBytes() as live: ...; live.peak, live.at_peak ({category: bytes}), live.now."""
+  """with LiveBytes() as live, live.saving(): ...; live.peak, live.at_peak ({category: bytes}), live.now."""
 
   def __init__(self):
     super().__init__()
@@ -53,6 +43,17 @@ class LiveBytes(TorchDispatchMode):
     """The peak from now on (e.g. the second step, with the first's lazily made state held)."""
     self.peak, self.at_peak = self.total, dict(self.now)
 
+  def saving(self):
+    """The context in which what autograd saves for the backward counts as activations."""
+    return torch.autograd.graph.saved_tensors_hooks(self._saved, lambda t: t)
+
+  def _saved(self, t):
+    if isinstance(t, torch.Tensor):
+      entry = self._seen.get(t.untyped_storage())
+      if entry is not None and entry[1] == 'transients':
+        self._add(t.untyped_storage(), 'activations')
+    return t
+
   def _add(self, storage, category):
     entry = self._seen.get(storage)
     if entry is not None:
@@ -73,11 +74,10 @@ class LiveBytes(TorchDispatchMode):
     out = func(*args, **(kwargs or {}))
     made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if made:
-      category = 'backward' if in_backward() else 'forward' if torch.is_grad_enabled() else 'update'
       for t in made:
         storage = t.untyped_storage()
         if storage not in self._seen:
-          self._add(storage, category)
+          self._add(storage, 'transients')
       total = self.total
       if total > self.peak:
         self.peak, self.at_peak = total, dict(self.now)

@@ -15,7 +15,7 @@ reported (the first makes the optimizer's state). Its parts are set beside the e
 What it proves: every shape, collective and group of this rank's step at the target size, and
 the bytes its tensors hold. What it cannot see: time, the kernels' own workspaces, the
 allocator's fragmentation and the runtime's memory (those come from the estimate), nor a
-value-dependent path (parallel/host_values.py: each assumption is listed by name).
+value-dependent path (host_values.py: each assumption is listed by name).
 
 The fake tensors carry the CPU's device type, so the step takes the eager path (CPU, CUDA):
 XLA's whole-step graph (fixed expert buffers, no overlapped gathers) is traced as such only
@@ -29,22 +29,24 @@ import time
 import traceback
 
 import torch
+from absl import logging as absl_logging
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import host_values
 import logs
 from data import stand_in
 from estimates import live_bytes, memory
 from model import flop_count, lora, objectives
 from optim import update
-from parallel import host_values, mesh as meshes, tensor, training
+from parallel import mesh as meshes, tensor, training
 from user_errors import UserError
 
 STEPS = 2                   # the first makes the optimizer state; the second is the steady step
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the estimate's components each traced category is set against
 COMPARED = {'params': ('params', 'reference'), 'master': ('master',), 'optimizer': ('optimizer',),
-            'grads': ('grads',), 'forward': ('activations', 'logits'), 'backward': ('grad_transient',),
-            'update': ('reduction', 'update_temporaries')}
+            'grads': ('grads',), 'activations': ('activations', 'logits'),
+            'transients': ('grad_transient', 'reduction', 'update_temporaries')}
 
 
 class TraceError(UserError, RuntimeError):
@@ -60,32 +62,64 @@ def ranks(mesh) -> list:
   return [mesh.rank_of(pp_rank=p, cp_rank=c) for p in stages for c in cps]
 
 
-def trace_rank(config, world_size, rank) -> dict:
+def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
   """Trace rank `rank` of `world_size`: {'rank', 'where' (its layout coordinates), 'peak' and
   'at_peak' (bytes by category, live_bytes), 'estimate' (memory.estimate of this rank's
-  tensors), 'assumed' (host_values' assumptions), 'seconds'}."""
+  tensors), 'assumed' (host_values' assumptions), 'seconds'}. Each step runs `schedule_micro_batches`
+  of the step's micro batches, or with `all_micro_batches` all of them."""
   cfg = copy.deepcopy(config)
   with cfg.unlocked():
     cfg.device, cfg.backend = 'cpu', 'fake'
+    compiled = cfg.model.get('compile')
+    cfg.model.compile = False       # dynamo does not trace under the trace's dispatch modes
   start = time.perf_counter()
-  mesh = None
+  mesh, verbosity = None, absl_logging.get_verbosity()
+  absl_logging.set_verbosity(absl_logging.WARNING)    # the step's own lines (loss nan) say nothing here
   try:
     mesh = meshes.init(cfg, world=world_size, rank=rank)
     sizes = training.local_sizes(cfg, mesh)
     est = memory.estimate(cfg, sizes, mesh.dp, mesh.pp_rank)
+    shortened = _shorten(cfg, mesh, all_micro_batches)
     loader = stand_in.loader(cfg, mesh.dp_rank, mesh.dp)
     gbs = cfg.data.global_batch_size
     batches = [loader.global_batch(step * gbs) for step in range(STEPS)]    # real, small: made before faking
-    with FakeTensorMode() as fake, live_bytes.LiveBytes() as live, host_values.recording() as assumed:
+    with FakeTensorMode() as fake, live_bytes.LiveBytes() as live, live.saving(), host_values.recording() as assumed:
+      if compiled:
+        host_values.note('model.compile: the blocks run eagerly (their eager temporaries)')
+      if shortened:
+        host_values.note(shortened)
       _steps(cfg, mesh, live, [[{k: fake.from_tensor(v) for k, v in b.items()} for b in mbs] for mbs in batches])
   except Exception as e:  # pylint: disable=broad-except
     where = mesh.describe() if mesh is not None else f'rank {rank}/{world_size}'
     raise TraceError(f'trace of {where}: {failing_operation(e)}: {type(e).__name__}: '
                      f'{_first_line(e)}') from e
   finally:
+    absl_logging.set_verbosity(verbosity)
     meshes.shutdown()
   return {'rank': rank, 'where': mesh.describe(), 'peak': live.peak, 'at_peak': live.at_peak,
           'estimate': est, 'assumed': assumed, 'seconds': time.perf_counter() - start}
+
+
+def schedule_micro_batches(config, dp) -> tuple:
+  """(micro batches a traced step runs, the step's own): enough for the pipeline schedule's
+  warm-up, a steady phase and its cool-down, pp (vp + 1) (a multiple of pp, as the interleaved
+  schedule needs), at least 2 (the first micro batch's gradients are copied into the buckets,
+  the later ones added); every further micro batch repeats the steady phase's shapes and bytes."""
+  d = config.distributed_strategy
+  own = config.data.global_batch_size // (config.data.micro_batch_size * dp)
+  pp, vp = d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size
+  return min(own, max(2, pp * (vp + 1))), own
+
+
+def _shorten(cfg, mesh, all_micro_batches):
+  """Cut cfg's global batch to schedule_micro_batches' count; the note saying so, or None."""
+  runs, own = schedule_micro_batches(cfg, mesh.dp)
+  if all_micro_batches or runs == own:
+    return None
+  with cfg.unlocked():
+    cfg.data.global_batch_size = runs * cfg.data.micro_batch_size * mesh.dp
+  return (f'each step runs {runs} of its {own} micro batches (the pipeline schedule\'s warm-up, steady phase and '
+          'cool-down; the others repeat the steady phase)')
 
 
 def _steps(cfg, mesh, live, batches):
@@ -155,7 +189,7 @@ def _first_line(error) -> str:
   return text.splitlines()[0] if text else '(no message)'
 
 
-def trace(config, world_size, which=None, progress=None) -> list:
+def trace(config, world_size, which=None, progress=None, all_micro_batches=False) -> list:
   """trace_rank for each rank of `which` (default: `ranks` of the layout); `progress(line)`
   hears of each as it finishes."""
   d = config.distributed_strategy
@@ -164,7 +198,7 @@ def trace(config, world_size, which=None, progress=None) -> list:
                        pp=d.pipeline_model_parallel_size, tp=d.tensor_model_parallel_size, cp=d.context_parallel_size)
   out = []
   for rank in (which if which is not None else ranks(layout)):
-    out.append(trace_rank(config, world_size, rank))
+    out.append(trace_rank(config, world_size, rank, all_micro_batches))
     if progress:
       progress(f'traced {out[-1]["where"]}: peak {memory.human_bytes(out[-1]["peak"])} '
                f'in {out[-1]["seconds"]:.1f} s')
@@ -177,18 +211,16 @@ def tensor_estimate(est) -> dict:
 
 
 def compare(result) -> list:
-  """[(category, traced bytes at the peak, estimated bytes at the estimate's peak phase)]."""
+  """[(category, traced bytes at the peak, estimated bytes at the estimate's peak phase)]: the
+  estimate's transients are those of its peak phase (memory._with_phases)."""
   est = tensor_estimate(result['estimate'])
   phase = est['peak_phase']
-  shown = {'forward': phase == 'forward_backward', 'backward': phase == 'forward_backward',
-           'update': phase in ('update', 'grad_reduction')}
+  counted = {'forward_backward': ('activations', 'logits', 'grad_transient'), 'grad_reduction': ('reduction',),
+             'update': ('update_temporaries',)}.get(phase, ())
   rows = []
   for category, parts in COMPARED.items():
-    estimated = sum(est.get(p, 0) for p in parts if shown.get(category, True)
-                    and not (p == 'update_temporaries' and phase == 'grad_reduction')
-                    and not (p == 'reduction' and phase == 'update'))
+    estimated = sum(est.get(p, 0) for p in parts if p in counted or category not in ('activations', 'transients'))
     rows.append((category, result['at_peak'].get(category, 0), estimated))
-  rows.append(('other', result['at_peak'].get('other', 0), 0))
   return rows + [('total', result['peak'], est['total'])]
 
 
@@ -197,29 +229,30 @@ def off_by(traced, estimated) -> float:
   return (traced - estimated) / estimated if estimated else math.inf if traced else 0.0
 
 
-def report(results, budget=None) -> tuple:
+def report(results, budget=None, another_device=False) -> tuple:
   """(text, refusal): each traced rank's peak beside its estimate by category, the assumptions
   made, and the verdict against `budget` ((bytes, what), or None): the traced peak plus what
-  the estimate adds beyond tensors (runtime, heap holes). `refusal` names the ranks over it."""
+  the estimate adds beyond tensors (the runtime; the CPU heap's holes, unless the run is judged
+  for `another_device`). `refusal` names the ranks over it."""
   lines, over = [], []
   for r in results:
-    est = r['estimate']
-    lines.append(f'traced {r["where"]} ({r["seconds"]:.1f} s, {STEPS} steps): peak '
-                 f'{memory.human_bytes(r["peak"])} of tensors, estimated {memory.human_bytes(tensor_estimate(est)["total"])}'
-                 f' ({100 * off_by(r["peak"], tensor_estimate(est)["total"]):+.1f}%)')
+    est, tensors = r['estimate'], tensor_estimate(r['estimate'])
+    lines.append(f'traced {r["where"]} in {r["seconds"]:.1f} s: peak {memory.human_bytes(r["peak"])} of tensors, '
+                 f'estimated {memory.human_bytes(tensors["total"])} ({100 * off_by(r["peak"], tensors["total"]):+.1f}%)')
     lines.append('  ' + ' | '.join(f'{c} {memory.human_bytes(t)} / {memory.human_bytes(e)}'
                                    for c, t, e in compare(r)[:-1] if t or e) + '   (traced / estimated)')
-    for what, times in sorted(r['assumed'].items()):
-      lines.append(f'  assumed: {what} ({times}x)')
+    lines += [f'  assumed: {what} ({times}x)' for what, times in sorted(r['assumed'].items())]
     if budget is not None and budget[0] is not None:
-      need = r['peak'] + est['runtime'] + est['heap_holes']
+      extra = est['runtime'] + (0 if another_device else est['heap_holes'])
+      need = r['peak'] + extra
       fits = need <= budget[0]
       lines.append(f'  memory: {"fits" if fits else "does not fit"} {budget[1]}: {memory.human_bytes(need)} of '
-                   f'{memory.human_bytes(budget[0])} (traced tensors + runtime {memory.human_bytes(est["runtime"])})')
+                   f'{memory.human_bytes(budget[0])} (traced tensors + {memory.human_bytes(extra)} runtime'
+                   f'{"" if another_device else " and heap holes"} from the estimate)')
       if not fits:
         over.append(f'{r["where"]} needs {memory.human_bytes(need)}')
-  refusal = (f'the traced step does not fit {budget[1]} ({memory.human_bytes(budget[0])}): ' + '; '.join(over)) \
-      if over else None
+  refusal = (f'the traced step does not fit {budget[1]} ({memory.human_bytes(budget[0])}): ' + '; '.join(over)
+             if over else None)
   return '\n'.join(lines), refusal
 
 

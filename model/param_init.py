@@ -3,6 +3,7 @@
 import torch
 
 import rng
+import host_values
 
 INIT_ROWS_PER_KEY = 64     # init draws rows in keyed blocks, so a shard can draw only its rows
 
@@ -20,6 +21,9 @@ def init_box(spec, seed: int, name: str, box=None) -> torch.Tensor:
   """
   box = box or full_box(spec.shape)
   shape = tuple(sl.stop - sl.start for sl in box)
+  if host_values.tracing():      # a traced step's parameters have shapes, not values: nothing to draw
+    host_values.note('the initial values are not drawn')
+    return torch.empty(shape)
   if spec.init == 'ones':
     return torch.ones(shape)
   if spec.init == 'zeros':

@@ -29,6 +29,7 @@ import torch
 
 from numerics import precision, stochastic_rounding
 from optim import graphed, inductor_bitcast
+import host_values
 from parallel import grads
 
 # Device types the kernels are compiled for (elsewhere, XLA, the eager pipeline runs).
@@ -187,6 +188,9 @@ def _run(kernel, device, *args):
   """kernel(*args), compiled where the device type allows; eager (the same bits) otherwise.
   Callers enter _compile_settings(device) around it (once for a whole step's calls)."""
   key = (kernel, device.type)
+  if host_values.fake_in(args):       # a traced step: the eager kernel, the compile cache untouched
+    host_values.note('the fused optimizer kernels run eagerly (their eager temporaries: an upper bound)')
+    return kernel(*args)
   if device.type in COMPILED_DEVICES and key not in _failed:
     try:
       if _checked(kernel, device):

@@ -22,9 +22,10 @@ import typing
 
 import torch
 
+import host_values
 from numerics import precision
 from optim import optimizers, rounding, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grads as grad_ops, host_values, tensor, zero
+from parallel import comm, experts, grad_buffer, grads as grad_ops, tensor, zero
 
 
 class Rows(typing.NamedTuple):

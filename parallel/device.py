@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from parallel import host_values, xla
+import host_values
+from parallel import xla
 
 # Dense bf16 datasheet peaks (never sparse), matched in order against
 # torch.cuda.get_device_name() ('NVIDIA H100 80GB HBM3' is the SXM part): the PCIe and NVL

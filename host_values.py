@@ -11,9 +11,15 @@ import contextlib
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._pytree import tree_flatten
 
 # the recorders of the traces running now (a trace is single-threaded; nested ones each see all)
 _RECORDERS = []
+
+
+def tracing() -> bool:
+  """Whether a fake-tensor mode is active here (tensors made now are fake)."""
+  return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None  # pylint: disable=protected-access
 
 
 def is_fake(t) -> bool:
@@ -26,10 +32,19 @@ def read(t, real, what, assumed):
   with `what` (the value read, and the assumption in words) recorded for the trace's report."""
   if not is_fake(t):
     return real(t)
-  for recorder in _RECORDERS:
-    recorder.setdefault(what, 0)
-    recorder[what] += 1
+  note(what)
   return assumed() if callable(assumed) else assumed
+
+
+def note(what):
+  """Record `what` a traced step does differently from the real one (for the trace's report)."""
+  for recorder in _RECORDERS:
+    recorder[what] = recorder.get(what, 0) + 1
+
+
+def fake_in(values) -> bool:
+  """Whether any tensor among `values` (nested lists, tuples, dicts) is fake."""
+  return any(is_fake(t) for t in tree_flatten(values)[0])
 
 
 def flag(t, what, assumed):
