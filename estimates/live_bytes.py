@@ -12,6 +12,7 @@ saved-tensors hook, `saving`): then it is an activation (the logits' log-probs a
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -20,11 +21,11 @@ HELD = ('params', 'master', 'optimizer', 'grads')     # made before the step, ke
 MADE = ('activations', 'transients')                 # made by the step
 
 
-class LiveBytes(TorchDispatchMode):
-  """with LiveBytes() as live, live.saving(): ...; live.peak, live.at_peak ({category: bytes}), live.now."""
+class _Counter:
+  """The bookkeeping of LiveBytes and FakeLiveBytes: live.peak, live.at_peak ({category:
+  bytes} at the peak), live.now; `hold`, `saving`, `restart_peak`."""
 
-  def __init__(self):
-    super().__init__()
+  def _start_counting(self):
     self.now = dict.fromkeys(HELD + MADE, 0)
     self.peak, self.at_peak = 0, dict(self.now)
     self._seen = WeakIdKeyDictionary()     # storage -> [bytes, category, weak reference]
@@ -70,9 +71,9 @@ class LiveBytes(TorchDispatchMode):
   def _drop(self, entry):
     self.now[entry[1]] -= entry[0]
 
-  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-    out = func(*args, **(kwargs or {}))
-    made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+  def _count(self, out):
+    """Count the storages an operation's outputs `out` hold that are new, and the peak."""
+    made = [out] if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if made:
       for t in made:
         storage = t.untyped_storage()
@@ -81,6 +82,40 @@ class LiveBytes(TorchDispatchMode):
       total = self.total
       if total > self.peak:
         self.peak, self.at_peak = total, dict(self.now)
+
+
+class LiveBytes(_Counter, TorchDispatchMode):
+  """Counts real tensors' bytes (or, above a FakeTensorMode, fake ones': FakeLiveBytes is faster)."""
+
+  def __init__(self):
+    super().__init__()
+    self._start_counting()
+
+  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    out = func(*args, **(kwargs or {}))
+    self._count(out)
+    return out
+
+
+class FakeLiveBytes(_Counter, FakeTensorMode):
+  """A FakeTensorMode that counts its tensors' bytes: one dispatch mode where LiveBytes above a
+  FakeTensorMode is two (each operation's Python dispatch is most of a traced step's time).
+  Only the operations the code calls are counted, not those a fake kernel decomposes into (the
+  real kernels of the former allocate no such intermediates)."""
+
+  def __init__(self):
+    super().__init__()
+    self._start_counting()
+    self._depth = 0
+
+  def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    self._depth += 1
+    try:
+      out = super().__torch_dispatch__(func, types, args, kwargs)
+    finally:
+      self._depth -= 1
+    if self._depth == 0:
+      self._count(out)
     return out
 
 

@@ -30,7 +30,6 @@ import traceback
 
 import torch
 from absl import logging as absl_logging
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 import host_values
 import logs
@@ -69,7 +68,12 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
   of the step's micro batches, or with `all_micro_batches` all of them."""
   cfg = copy.deepcopy(config)
   with cfg.unlocked():
-    cfg.device, cfg.backend = 'cpu', 'fake'
+    cfg.backend = 'fake'
+  layout = meshes.Mesh(**_degrees(cfg, world_size), rank=rank)
+  # the estimate of the device the config names (its runtime, its collectives' buffers)
+  est = memory.estimate(cfg, training.local_sizes(cfg, layout), layout.dp, layout.pp_rank)
+  with cfg.unlocked():
+    cfg.device = 'cpu'
     compiled = cfg.model.get('compile')
     cfg.model.compile = False       # dynamo does not trace under the trace's dispatch modes
   start = time.perf_counter()
@@ -77,18 +81,18 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
   absl_logging.set_verbosity(absl_logging.WARNING)    # the step's own lines (loss nan) say nothing here
   try:
     mesh = meshes.init(cfg, world=world_size, rank=rank)
-    sizes = training.local_sizes(cfg, mesh)
-    est = memory.estimate(cfg, sizes, mesh.dp, mesh.pp_rank)
     shortened = _shorten(cfg, mesh, all_micro_batches)
     loader = stand_in.loader(cfg, mesh.dp_rank, mesh.dp)
     gbs = cfg.data.global_batch_size
     batches = [loader.global_batch(step * gbs) for step in range(STEPS)]    # real, small: made before faking
-    with FakeTensorMode() as fake, live_bytes.LiveBytes() as live, live.saving(), host_values.recording() as assumed:
+    d = cfg.distributed_strategy     # the first step only makes the optimizer state: as few as the schedule takes
+    batches[0] = batches[0][:d.pipeline_model_parallel_size if d.virtual_pipeline_model_parallel_size > 1 else 1]
+    with live_bytes.FakeLiveBytes() as live, live.saving(), host_values.recording() as assumed:
       if compiled:
         host_values.note('model.compile: the blocks run eagerly (their eager temporaries)')
       if shortened:
         host_values.note(shortened)
-      _steps(cfg, mesh, live, [[{k: fake.from_tensor(v) for k, v in b.items()} for b in mbs] for mbs in batches])
+      _steps(cfg, mesh, live, [[{k: live.from_tensor(v) for k, v in b.items()} for b in mbs] for mbs in batches])
   except Exception as e:  # pylint: disable=broad-except
     where = mesh.describe() if mesh is not None else f'rank {rank}/{world_size}'
     raise TraceError(f'trace of {where}: {failing_operation(e)}: {type(e).__name__}: '
@@ -102,13 +106,14 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
 
 def schedule_micro_batches(config, dp) -> tuple:
   """(micro batches a traced step runs, the step's own): enough for the pipeline schedule's
-  warm-up, a steady phase and its cool-down, pp (vp + 1) (a multiple of pp, as the interleaved
-  schedule needs), at least 2 (the first micro batch's gradients are copied into the buckets,
-  the later ones added); every further micro batch repeats the steady phase's shapes and bytes."""
+  warm-up, one steady 1F1B round with every stage's micro batches in flight, and its cool-down:
+  pp + 1, and under the interleaved schedule pp (vp + 1) (a multiple of pp, as it needs); at
+  least 2 (the first micro batch's gradients are copied into the buckets, the later ones
+  added). Every further micro batch repeats the steady phase's shapes and bytes."""
   d = config.distributed_strategy
   own = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   pp, vp = d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size
-  return min(own, max(2, pp * (vp + 1))), own
+  return min(own, max(2, pp * (vp + 1) if vp > 1 else pp + 1)), own
 
 
 def _shorten(cfg, mesh, all_micro_batches):
@@ -189,15 +194,19 @@ def _first_line(error) -> str:
   return text.splitlines()[0] if text else '(no message)'
 
 
+def _degrees(config, world_size) -> dict:
+  """The Mesh fields of `config`'s layout at `world_size` ranks (no process group)."""
+  d = config.distributed_strategy
+  tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
+  return dict(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
+              ep=d.get('expert_model_parallel_size', 1))
+
+
 def trace(config, world_size, which=None, progress=None, all_micro_batches=False) -> list:
   """trace_rank for each rank of `which` (default: `ranks` of the layout); `progress(line)`
   hears of each as it finishes."""
-  d = config.distributed_strategy
-  layout = meshes.Mesh(dp=world_size // (d.tensor_model_parallel_size * d.pipeline_model_parallel_size
-                                         * d.context_parallel_size),
-                       pp=d.pipeline_model_parallel_size, tp=d.tensor_model_parallel_size, cp=d.context_parallel_size)
   out = []
-  for rank in (which if which is not None else ranks(layout)):
+  for rank in (which if which is not None else ranks(meshes.Mesh(**_degrees(config, world_size)))):
     out.append(trace_rank(config, world_size, rank, all_micro_batches))
     if progress:
       progress(f'traced {out[-1]["where"]}: peak {memory.human_bytes(out[-1]["peak"])} '

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+import host_values
 import rng
 from model import cross_entropy, lora
 from numerics import fp8
@@ -172,7 +173,9 @@ untraced_keep_mask = None
 def _keep_mask(shape, p, key, sample_ids_b):
   # model.compile passes the layer index as a tensor, so one graph serves every layer: key as eager's
   key = tuple(int(k) if torch.is_tensor(k) else k for k in key)
-  return torch.stack([rng.uniform(shape, *key, int(i)) for i in sample_ids_b]) >= p
+  ids = host_values.read(sample_ids_b, lambda t: t.tolist(), 'the sample ids keying dropout (the masks\' shapes, '
+                         'not their values)', lambda: list(range(sample_ids_b.shape[0])))
+  return torch.stack([rng.uniform(shape, *key, i) for i in ids]) >= p
 
 
 # --- linear layers (with LoRA adapters where the params have them) ---------------------------

@@ -39,6 +39,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+import host_values
 from model import moe_kernels
 
 
@@ -163,10 +164,16 @@ def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
   """Eager: the kept (token, expert) slots sorted by expert, each expert one matmul triple on
   exactly its tokens (the counts go to the host), weighted back onto their tokens."""
   n = flat_x.shape[0]
-  slot = kept.reshape(-1).nonzero().squeeze(-1)          # kept slots (token t's j-th: t k + j)
+  if host_values.is_fake(kept):     # a traced step: how many slots are kept, and where, is the routing's
+    host_values.note('MoE: every (token, expert) slot kept, the tokens spread evenly over the experts')
+    slot = torch.arange(kept.numel(), device=kept.device)
+  else:
+    slot = kept.reshape(-1).nonzero().squeeze(-1)        # kept slots (token t's j-th: t k + j)
   expert = experts.reshape(-1)[slot]
   slot = slot[torch.sort(expert, stable=True).indices]    # ... sorted by expert
-  counts = torch.bincount(expert, minlength=cfg.moe.num_experts).tolist()
+  counts = host_values.read(expert, lambda e: torch.bincount(e, minlength=cfg.moe.num_experts).tolist(),
+                            'MoE: the tokens per expert (spread evenly)',
+                            lambda: host_values.balanced(slot.shape[0], cfg.moe.num_experts))
   token = slot // cfg.moe.top_k
   out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks, ops.fp8_gemms)
   weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial

@@ -18,6 +18,7 @@ ranks holding the same experts) gives the global gradient. Dense gradients sum o
 """
 import torch
 
+import host_values
 from model import moe, moe_kernels
 from parallel import comm
 
@@ -58,12 +59,17 @@ def expert_ffn(group, ep):
     recv_counts = torch.empty_like(send_counts)
     comm.all_to_all_single(recv_counts.view(-1), send_counts.view(-1), [local] * ep, [local] * ep, group,
                            'all_to_all(tokens per expert)')
-    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    even = 'MoE: the tokens each EP rank sends and receives (as many as it routes: spread evenly)'
+    send = host_values.read(send_counts, lambda c: c.sum(1).tolist(), even, lambda: host_values.balanced(sum(counts), ep))
+    recv = host_values.read(recv_counts, lambda c: c.sum(1).tolist(), even, lambda: send)
     received = comm.all_to_all(x_th, group, send, recv, 'all_to_all(tokens to experts)')
     # received rows are ordered (source rank, expert): regroup them by expert, stably
-    expert_of = torch.arange(local, device=x_th.device).repeat(ep).repeat_interleave(recv_counts.view(-1))
+    expert_of = torch.arange(local, device=x_th.device).repeat(ep).repeat_interleave(recv_counts.view(-1),
+                                                                                      output_size=sum(recv))
     order = torch.sort(expert_of, stable=True).indices
-    y = moe_kernels.local_expert_ffn(received[order], recv_counts.sum(0).tolist(), gate_efh, up_efh, down_ehf, gemms)
+    per_expert = host_values.read(recv_counts, lambda c: c.sum(0).tolist(), even,
+                                  lambda: host_values.balanced(sum(recv), local))
+    y = moe_kernels.local_expert_ffn(received[order], per_expert, gate_efh, up_efh, down_ehf, gemms)
     back = torch.zeros_like(y).index_copy(0, order, y)
     return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
 

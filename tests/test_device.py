@@ -37,6 +37,25 @@ def test_xla_request_without_torch_xla_names_the_fix():
     device.resolve('xla')
 
 
+def test_the_backend_comes_from_the_config_or_the_device_and_the_host_group_takes_cpu_tensors():
+  assert device.backend(torch.device('cpu'), 'auto') == 'gloo' and device.backend(torch.device('xla'), 'auto') == 'xla'
+  assert device.backend(torch.device('cpu'), 'fake') == 'fake'
+  # the host group's agreements are CPU tensors: gloo where the run's backend takes none
+  assert [device.host_backend(b) for b in ('gloo', 'nccl', 'fake', 'xla')] == ['gloo', 'gloo', 'fake', 'gloo']
+  assert device.collective_backend(config_dict.ConfigDict({'device': 'cpu', 'backend': 'auto'})) == 'gloo'
+  assert device.collective_backend(config_dict.ConfigDict({'device': 'cuda', 'backend': 'auto'})) == 'nccl'
+  assert device.check_backend('fake') == [] and device.check_backend('auto') == []
+  assert 'not a process-group backend' in device.check_backend('neuronx')[0]
+
+
+def test_a_device_type_pytorch_does_not_know_is_refused_naming_the_plug_in():
+  """AWS's native PyTorch names its device `neuron` (a plug-in's privateuse1 type): not here."""
+  assert device.check_name('cpu') == [] and device.check_name('auto') == []
+  problem, = device.check_name('neuron')
+  assert "device='neuron'" in problem and 'TorchNeuron' in problem
+  assert device.check_name('privateuseone') == []       # a known type: a plug-in may back it
+
+
 def test_datasheet_peaks_tell_the_h100_parts_apart():
   # names as torch.cuda.get_device_name gives them (the first seen on the H100 of docs/performance.md)
   assert device.datasheet_peak('NVIDIA H100 80GB HBM3') == 989e12

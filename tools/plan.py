@@ -22,7 +22,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from configs import from_files, validate
-from estimates import clusters, memory, step_time, summary
+from estimates import clusters, memory, step_time, summary, trace as traces
 from model import flop_count, transformer
 import tools
 import user_errors
@@ -204,6 +204,19 @@ def report(config, cluster, world_size, plan, top=10) -> str:
   return '\n'.join(lines)
 
 
+def trace_top(plan, cluster, world_size, n, progress=None) -> tuple:
+  """(text, layouts that do not fit): the best `n` layouts of `plan` traced (estimates/trace.py:
+  the first and last stage's real step on fake tensors), each peak against the cluster's device."""
+  lines, over = [], []
+  for c in plan.ranked[:n]:
+    text, refusal = traces.report(traces.trace(c.config, world_size, progress=progress),
+                                  (cluster.memory_bytes, f'a {cluster.name} device'), another_device=True)
+    lines += [f'traced {c.layout.describe()} (estimated {memory.human_bytes(c.memory_bytes)}):', text]
+    if refusal:
+      over.append(f'{c.layout.describe()}: {refusal}')
+  return '\n'.join(lines), over
+
+
 def world(cluster, nodes, devices) -> int:
   """Devices of the run: --devices, else --nodes x the cluster's devices per node."""
   if devices:
@@ -232,6 +245,8 @@ def define_flags():
   flags.DEFINE_integer('top', 10, 'Layouts to print.')
   flags.DEFINE_enum('fp8', None, ['tensorwise', 'rowwise'], 'Also plan the layouts with this precision.fp8 '
                     'recipe (a config with FP8 on is planned without it too).')
+  flags.DEFINE_integer('trace', 0, 'Trace the best N layouts: one rank per differing program runs the real '
+                       'training step on fake tensors (--dry_run=trace), its peak set against the device.')
   flags.DEFINE_bool('calibrate', False, 'Measure this machine and write the `local` entry, then exit.')
 
 
@@ -255,6 +270,11 @@ def _main(argv):
   resolve(config)
   plan = search(config, cluster, world_size, keep=FLAGS.top, fp8=FLAGS.fp8)
   print(report(config, cluster, world_size, plan, FLAGS.top))
+  if FLAGS.trace and plan.ranked:
+    text, over = trace_top(plan, cluster, world_size, FLAGS.trace, traces.print_progress)
+    print(text)
+    if over:
+      tools.fail('traced peaks past the device: ' + '; '.join(over))
   if not plan.ranked:
     tools.fail(f'no layout of {world_size} {cluster.name} devices fits {config.name}: use more devices, '
                'a smaller data.global_batch_size or a smaller model (reasons above)')
