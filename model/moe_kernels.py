@@ -8,6 +8,7 @@ and estimates/activations.py asks the grouped GEMM's fit rule without building a
 import torch
 import torch.nn.functional as F
 
+import host_values
 from numerics import fp8
 
 
@@ -44,6 +45,9 @@ def grouped_mm_fits(h, f, dtype, device_type) -> bool:
 
 
 def _grouped_mm_fits(x, gate_efh, down_ehf) -> bool:
+  if host_values.is_fake(x) and x.dtype != torch.bfloat16:    # the fake kernel takes bf16 only (CUDA's rule)
+    host_values.note('MoE: fp32 experts run one matmul triple per expert (the grouped GEMM\'s fake kernel is bf16 only)')
+    return False
   return (not torch.compiler.is_compiling() and gate_efh.dtype == x.dtype == down_ehf.dtype and x.is_contiguous()
           and grouped_mm_fits(x.shape[-1], gate_efh.shape[1], x.dtype, x.device.type))
 
