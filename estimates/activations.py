@@ -4,6 +4,7 @@ import copy
 
 import torch
 
+from data import preference, sft
 from model import layers, lora, moe, moe_kernels, transformer
 from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
@@ -93,6 +94,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   elif m.fusions.flash_attention and not dropped:
     copied = m.position_embedding_type == 'rope' and heads > 1   # one head: the rearrange is a view
     attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
+    attention += w * mask_batch(config) * s * s if takes_mask(config) else 0   # SDPA's additive copy of the mask
   else:
     probs = (4 + (w if dropped or w != 4 else 0)) * b * heads * s * s
     attention += w * 3 * n * heads * d + probs + s * s + (b * mask_heads * s * s if dropped else 0)
@@ -109,6 +111,32 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
     mlp += (w * gathered * h * ((2 if swiglu else 1) if copies else 1) + w * n * ffn * inner
             + (n * ffn if m.ffn_dropout > 0 else 0))
   return attention + mlp
+
+
+def takes_mask(config) -> bool:
+  """Whether attention takes a mask (model/attention.py): rows of several segments (SFT and
+  preference rows, data.reset_attention_mask) or a sliding window; the ring (cp > 1) makes its own."""
+  if config.distributed_strategy.get('context_parallel_size', 1) > 1:
+    return False
+  return segmented(config) or bool(config.model.get('sliding_window'))
+
+
+def segmented(config) -> bool:
+  """Whether micro batches carry segment_ids (data/sft.py rows, data.reset_attention_mask)."""
+  return (config.model.objective in preference.OBJECTIVES or bool(sft.settings(config)['train_dir'])
+          or bool(config.data.reset_attention_mask))
+
+
+def mask_batch(config) -> int:
+  """The mask's batch dim: per row with segments, else one for all."""
+  return config.data.micro_batch_size if segmented(config) else 1
+
+
+def mask_bytes_per_micro_batch(config) -> int:
+  """The boolean mask [b or 1, 1, s, s] a micro batch's layers share (kept for backward, once
+  per micro batch in flight), where attention takes one (`takes_mask`)."""
+  s = config.data.seq_length
+  return mask_batch(config) * s * s if takes_mask(config) else 0
 
 
 def moe_bytes(config, w, tp, b, n) -> int:

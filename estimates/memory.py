@@ -70,10 +70,10 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'master': trained_base * 4 // shards if recipe.has_master(recipe.param_dtype) else 0,
       'optimizer': ((trained_base * recipe.state_dtype(recipe.param_dtype).itemsize + n['adapters'] * 4)
                     * ADAM_STATES.get(m.optim.name, 2) // shards),
-      'activations': (math.ceil(m.num_layers / pp) * in_flight
-                      * activations.activation_bytes_per_layer(config, param_bytes, tp)),
+      'activations': in_flight * (math.ceil(m.num_layers / pp) * activations.activation_bytes_per_layer(
+          config, param_bytes, tp) + activations.mask_bytes_per_micro_batch(config)),
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
-      'grad_transient': grad_transient + fp8_transient_bytes(config, tp),
+      'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + backward_working_bytes(config, tp),
       'reduction': reduction_bytes(config, sizes, group),
       'update_temporaries': update_temporaries(config, sizes, group),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
@@ -120,6 +120,23 @@ def _with_phases(out) -> dict:
   out['phases'] = phases
   out['peak_phase'] = max(PHASES, key=phases.get)
   out['total'] = phases[out['peak_phase']]
+  return out
+
+
+def backward_working_bytes(config, tp) -> int:
+  """What a layer's backward holds beyond its saved activations (measured by tracing NxD's
+  files at their layouts: estimates/trace.py): the gradient of the layer's input, and under
+  sequence parallelism the input gathered again for the weight gradients beside it, w N h
+  each (N = b s / cp tokens); with explicit attention (no SDPA, or attention dropout), the
+  softmax's backward in fp32 beside the probabilities' gradient: 3 x 4 b a' s^2 (a' = heads / t)."""
+  m, a, d = config.model, config.data, config.distributed_strategy
+  cp = d.get('context_parallel_size', 1)
+  w = precision.recipe(config.precision).param_dtype.itemsize
+  s, b = a.seq_length // cp, a.micro_batch_size
+  sp = tp > 1 and d.sequence_parallel
+  out = (2 if sp else 1) * w * b * s * m.hidden_size
+  if cp == 1 and not (m.fusions.flash_attention and m.attention_dropout == 0.0):
+    out += 3 * 4 * b * (m.num_attention_heads // tp) * s * s
   return out
 
 

@@ -135,3 +135,17 @@ def test_the_fake_backend_needs_no_rendezvous_and_builds_every_group():
     assert torch.distributed.get_backend(mesh.host_group) == 'fake'
   finally:
     meshes.shutdown()
+
+
+def test_an_nxd_file_traced_at_its_own_layout_sits_within_ten_percent_of_its_estimate():
+  """NxD Training 2.26's Llama-3-8B pretraining file at its 128 ranks (tp 32, ZeRO-1 over dp 4),
+  its model's config.json: the traced peak beside the estimate, and the same verdict on its trn1
+  device (every file: python -m tools.trace_nxd, docs/dry-run-trace.md)."""
+  from tools import trace_nxd  # pylint: disable=import-outside-toplevel
+  config, world_size = trace_nxd.load('hf_llama3_8B_config.yaml')
+  r, = trace.trace(config, world_size)
+  assert r['where'] == 'rank 0/128 = dp 0/4 pp 0/1 tp 0/32'
+  estimated = trace.tensor_estimate(r['estimate'])['total']
+  assert abs(trace.off_by(r['peak'], estimated)) < 0.1, (r['peak'], estimated)
+  _, refusal = trace.report([r], (16 * 2**30, 'a trn1 device'), another_device=True)
+  assert refusal is None and r['estimate']['total'] < 16 * 2**30
