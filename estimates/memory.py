@@ -88,6 +88,12 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       out['reference'] = out['params'] if part == 'model' else n['adapters'] * 4
   out['heap_holes'] = heap_holes_bytes(config, out['activations'] + out['logits'] + out['grad_transient'],
                                        devices.trim_setting(config) is True)
+  # overlap_grad_reduce: the reductions run during the last micro batch's backward, beside its
+  # activations, logits and backward working set (on the last stage, with one micro batch in flight,
+  # that is the peak: seen tracing NxD's 405B file)
+  overlapped = d.overlap_grad_reduce and out['reduction'] > 0
+  out['reduction_overlap'] = (out['activations'] // max(1, in_flight) + out['logits'] + out['grad_transient']
+                              if overlapped else 0)
   return _with_phases(out)
 
 
@@ -113,7 +119,7 @@ def _with_phases(out) -> dict:
       'init': held + (RUNTIME_BYTES['init'] if out['runtime'] else 0),
       'forward_backward': (steady + out['grads'] + out['activations'] + out['logits'] + out['grad_transient']
                            + out['heap_holes']),
-      'grad_reduction': steady + out['grads'] + out['reduction'],
+      'grad_reduction': steady + out['grads'] + out['reduction'] + out.get('reduction_overlap', 0),
       'update': steady + out['grads'] + out['update_temporaries'],
       'checkpoint_save': steady + out['checkpoint_copy'],
   }
@@ -156,8 +162,9 @@ def fp8_transient_bytes(config, tp) -> int:
 
 
 def components(est) -> dict:
-  """The byte components of an estimate (not 'phases', 'peak_phase', 'total')."""
-  return {k: v for k, v in est.items() if k not in ('phases', 'peak_phase', 'total')}
+  """The byte components of an estimate (not 'phases', 'peak_phase', 'total', nor
+  'reduction_overlap': what else the overlapped reduction meets, a part of other components)."""
+  return {k: v for k, v in est.items() if k not in ('phases', 'peak_phase', 'total', 'reduction_overlap')}
 
 
 def _holds_head(config, sizes):

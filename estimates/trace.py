@@ -216,21 +216,24 @@ def trace(config, world_size, which=None, progress=None, all_micro_batches=False
 
 def tensor_estimate(est) -> dict:
   """`est` without what is not a tensor (the runtime, the CPU heap's holes): what a trace counts."""
-  return memory._with_phases(dict(memory.components(est), runtime=0, heap_holes=0))  # pylint: disable=protected-access
+  return memory._with_phases(dict(memory.components(est), runtime=0, heap_holes=0,  # pylint: disable=protected-access
+                                  reduction_overlap=est.get('reduction_overlap', 0)))
 
 
 def compare(result) -> list:
   """[(category, traced bytes at the peak, estimated bytes at the estimate's peak phase)]: the
-  estimate's transients are those of its peak phase (memory._with_phases)."""
+  estimate's activations and transients are those of its peak phase (memory._with_phases)."""
   est = tensor_estimate(result['estimate'])
-  phase = est['peak_phase']
-  counted = {'forward_backward': ('activations', 'logits', 'grad_transient'), 'grad_reduction': ('reduction',),
-             'update': ('update_temporaries',)}.get(phase, ())
-  rows = []
-  for category, parts in COMPARED.items():
-    estimated = sum(est.get(p, 0) for p in parts if p in counted or category not in ('activations', 'transients'))
-    rows.append((category, result['at_peak'].get(category, 0), estimated))
-  return rows + [('total', result['peak'], est['total'])]
+  held = {c: sum(est.get(p, 0) for p in parts) for c, parts in COMPARED.items()
+          if c not in ('activations', 'transients')}
+  phase, overlap = est['peak_phase'], est['reduction_overlap']
+  made = {'forward_backward': (est['activations'] + est['logits'], est['grad_transient']),
+          'grad_reduction': (overlap - est['grad_transient'] if overlap else 0,
+                             est['reduction'] + (est['grad_transient'] if overlap else 0)),
+          'update': (0, est['update_temporaries'])}.get(phase, (0, 0))
+  estimated = dict(held, activations=made[0], transients=made[1])
+  return ([(c, result['at_peak'].get(c, 0), estimated[c]) for c in COMPARED]
+          + [('total', result['peak'], est['total'])])
 
 
 def off_by(traced, estimated) -> float:
