@@ -1,6 +1,6 @@
 """Values the host reads off the step's tensors, and what a traced step uses instead.
 
-A traced step (estimates/trace.py: `--dry_run=trace`) runs the real code on fake tensors,
+A traced step (step_trace.py: `--dry_run=trace`) runs the real code on fake tensors,
 which have shapes, dtypes and devices but no values. The few places where the step reads a
 value on the host (the finite check, the logged scalars) or where a shape depends on values
 (dropless MoE's tokens per expert, the ring's block masks) read it through `read` here: on

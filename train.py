@@ -20,13 +20,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 import logs
+import step_trace as traces
 import user_errors
 
 from checkpoint import session, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
 from data import tokenizer
 from data.loader import Loader
-from estimates import memory, memory_check, summary as summaries, trace as traces
+from estimates import memory, memory_check, summary as summaries
 from model import flop_count, lora, objectives
 from optim import update
 from parallel import comm, mesh as meshes, passes, reference as references, tensor
@@ -40,7 +41,7 @@ _DEBUG = flags.DEFINE_bool('debug', False, 'Full tracebacks instead of one-line 
 _DRY_RUN = cli.define_dry_run('Resolve and validate the config (files, overrides), print it with the start-up summary '
                               'and memory estimate, and exit; nothing is allocated or written. --dry_run=trace also '
                               'runs the real training step of the layout\'s first and last stage on fake tensors '
-                              '(estimates/trace.py) and reports its peak beside the estimate.')
+                              '(step_trace.py) and reports its peak beside the estimate.')
 
 
 # ======================================================================================
@@ -100,7 +101,7 @@ def dry_run(config, mode='estimate'):
   """--dry_run: resolve and validate as a run would, print the config and rank 0's start-up
   summary (at WORLD_SIZE processes, default one data-parallel replica), and exit. With
   mode='trace' the ranks whose programs differ then run the real step on fake tensors
-  (estimates/trace.py); a traced peak over the named cluster's device fails it as the
+  (step_trace.py); a traced peak over the named cluster's device fails it as the
   estimate's does."""
   d = config.distributed_strategy
   world_size = int(os.environ.get('WORLD_SIZE', d.tensor_model_parallel_size * d.pipeline_model_parallel_size

@@ -91,7 +91,7 @@ def command_line_wins(config, overrides):
 
 
 class DryRunParser(flags.ArgumentParser):
-  """--dry_run (the estimate), --dry_run=trace (and one rank's step traced: estimates/trace.py),
+  """--dry_run (the estimate), --dry_run=trace (and one rank's step traced: step_trace.py),
   --nodry_run: a boolean flag that also takes `trace`."""
   VALUES = {'true': 'estimate', '1': 'estimate', 'estimate': 'estimate', 'trace': 'trace', 'false': '', '0': '', '': ''}
 

@@ -1,5 +1,5 @@
 """Stand-in data: micro batches with the fields, shapes and dtypes the config's own data
-would give, made up without reading any file (the traced dry run: estimates/trace.py).
+would give, made up without reading any file (the traced dry run: step_trace.py).
 
 The loader and the sources are the real ones (data/loader.py, sft.py, preference.py); only the
 samples are invented: the synthetic stream for pretraining corpora, and for SFT or preference

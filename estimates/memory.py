@@ -131,7 +131,7 @@ def _with_phases(out) -> dict:
 
 def backward_working_bytes(config, tp) -> int:
   """What a layer's backward holds beyond its saved activations (measured by tracing NxD's
-  files at their layouts: estimates/trace.py): the gradient of the layer's input, and under
+  files at their layouts: step_trace.py): the gradient of the layer's input, and under
   sequence parallelism the input gathered again for the weight gradients beside it, w N h
   each (N = b s / cp tokens); with explicit attention (no SDPA, or attention dropout), the
   softmax's backward in fp32 beside the probabilities' gradient: 3 x 4 b a' s^2 (a' = heads / t)."""

@@ -8,12 +8,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Lowest first: a folder (or top-level module) may import from the layers below its own only.
 LAYERS = (
-    ('rng', 'config_checks', 'user_errors'),   # keyed randomness, config check helpers, the user's errors
+    ('rng', 'config_checks', 'user_errors', 'host_values'),   # keyed randomness, config check helpers, the user's
+                                                             # errors, the values the step reads on the host
     ('numerics', 'data'),                  # precision recipes and stochastic rounding; datasets
     ('model',),                            # the single-device model: it knows no parallelism
     ('parallel',),                         # the runtime on a mesh: collectives, TP/SP/PP/CP/EP, ZeRO-1, the step
     ('estimates', 'optim', 'checkpoint', 'logs'),   # what a run costs; the update; checkpoints; reports
-    ('configs',),                          # config files, their validation, NxD YAML
+    ('configs', 'step_trace'),             # config files, their validation, NxD YAML; one rank's step traced
     ('train', 'tools'),                    # the loop and the command-line tools
 )
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

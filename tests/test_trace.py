@@ -1,4 +1,4 @@
-"""estimates/trace.py: one rank's real step on fake tensors against the fake backend, its live
+"""step_trace.py: one rank's real step on fake tensors against the fake backend, its live
 bytes (estimates/live_bytes.py) beside the estimate, and its failures in one line."""
 import os
 import sys
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from configs import cli, llama_tiny, mixtral_tiny
-from estimates import live_bytes, memory, trace
+from estimates import live_bytes, memory
 from model import lora
 from optim import sr_update, update
 from parallel import mesh as meshes, tensor, training
+import step_trace as trace
 from tests import procs
 
 

@@ -22,8 +22,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from configs import from_files, validate
-from estimates import clusters, memory, step_time, summary, trace as traces
+from estimates import clusters, memory, step_time, summary
 from model import flop_count, transformer
+import step_trace as traces
 import tools
 import user_errors
 
@@ -205,7 +206,7 @@ def report(config, cluster, world_size, plan, top=10) -> str:
 
 
 def trace_top(plan, cluster, world_size, n, progress=None) -> tuple:
-  """(text, layouts that do not fit): the best `n` layouts of `plan` traced (estimates/trace.py:
+  """(text, layouts that do not fit): the best `n` layouts of `plan` traced (step_trace.py:
   the first and last stage's real step on fake tensors), each peak against the cluster's device."""
   lines, over = [], []
   for c in plan.ranked[:n]:

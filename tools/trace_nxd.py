@@ -13,7 +13,8 @@ import sys
 import yaml
 
 from configs import from_files, nxd_yaml
-from estimates import clusters, memory, trace
+from estimates import clusters, memory
+import step_trace as trace
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests', 'fixtures', 'nxd_yaml')
 RELEASE = os.path.join(FIXTURES, '2.26')

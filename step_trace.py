@@ -41,7 +41,7 @@ from parallel import mesh as meshes, tensor, training
 from user_errors import UserError
 
 STEPS = 2                   # the first makes the optimizer state; the second is the steady step
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.abspath(__file__))
 # the estimate's components each traced category is set against
 COMPARED = {'params': ('params', 'reference'), 'master': ('master',), 'optimizer': ('optimizer',),
             'grads': ('grads',), 'activations': ('activations', 'logits'),
@@ -182,7 +182,7 @@ def failing_operation(error) -> str:
   """The innermost frame of flatron's own code in `error`'s traceback: file:line, function, source."""
   frames = [f for f in traceback.extract_tb(error.__traceback__)
             if f.filename.startswith(ROOT) and '/site-packages/' not in f.filename
-            and os.path.basename(f.filename) not in ('trace.py', 'live_bytes.py', 'host_values.py')]
+            and os.path.basename(f.filename) not in ('step_trace.py', 'live_bytes.py', 'host_values.py')]
   if not frames:
     return 'in torch'
   f = frames[-1]
