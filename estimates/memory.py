@@ -62,7 +62,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   param_bytes = recipe.param_dtype.itemsize
   base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
-  in_flight = min(pp - pp_rank, microbatches)
+  layers_in_flight, in_flight = layers_held(config, pp_rank, microbatches)
+  per_layer = activations.activation_bytes_per_layer(config, param_bytes, tp)
+  mask = activations.mask_bytes_per_micro_batch(config)
   grads, grad_transient = gradient_bytes(config, sizes, group)
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
@@ -70,8 +72,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'master': trained_base * 4 // shards if recipe.has_master(recipe.param_dtype) else 0,
       'optimizer': ((trained_base * recipe.state_dtype(recipe.param_dtype).itemsize + n['adapters'] * 4)
                     * ADAM_STATES.get(m.optim.name, 2) // shards),
-      'activations': in_flight * (math.ceil(m.num_layers / pp) * activations.activation_bytes_per_layer(
-          config, param_bytes, tp) + activations.mask_bytes_per_micro_batch(config)),
+      'activations': layers_in_flight * per_layer + in_flight * mask,
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
       'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + backward_working_bytes(config, tp),
       'reduction': reduction_bytes(config, sizes, group),
@@ -92,9 +93,24 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   # activations, logits and backward working set (on the last stage, with one micro batch in flight,
   # that is the peak: seen tracing NxD's 405B file)
   overlapped = d.overlap_grad_reduce and out['reduction'] > 0
-  out['reduction_overlap'] = (out['activations'] // max(1, in_flight) + out['logits'] + out['grad_transient']
+  out['reduction_overlap'] = (math.ceil(m.num_layers / pp) * per_layer + mask + out['logits'] + out['grad_transient']
                               if overlapped else 0)
   return _with_phases(out)
+
+
+def layers_held(config, pp_rank, microbatches) -> tuple:
+  """(layers' activations stage `pp_rank` holds at its peak, micro batches they belong to): under
+  1F1B min(pp - pp_rank, micro batches) micro batches of its L / pp layers; under the interleaved
+  schedule (parallel/pipeline_schedule.py) its warm-up's 2 (pp - pp_rank - 1) + (vp - 1) pp
+  chunks and one more, each L / (pp vp) layers (the last stage too holds vp - 1 rounds: seen
+  tracing the planner's Mixtral layout)."""
+  d, layers = config.distributed_strategy, config.model.num_layers
+  pp, vp = d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size
+  if vp == 1:
+    in_flight = min(pp - pp_rank, microbatches)
+    return in_flight * math.ceil(layers / pp), in_flight
+  chunks = min(2 * (pp - pp_rank - 1) + (vp - 1) * pp + 1, microbatches * vp)
+  return chunks * math.ceil(layers / (pp * vp)), min(microbatches, chunks)
 
 
 def with_heap_trimmed(config, est) -> dict:
