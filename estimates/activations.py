@@ -10,7 +10,7 @@ from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
 
 
-def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
+def activation_bytes_per_layer(config, bytes_per_value=4, tp=1, recompute=True) -> int:
   """Bytes one of our blocks keeps for backward on one rank, causal masking. Exact for our
   code on CPU: tests/test_remat.py pins it to `measured_bytes_per_layer`.
 
@@ -69,7 +69,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1) -> int:
   peft = lora.settings(m)
   whole = precision.recipe(config.precision).autocast or (peft is not None and lora.option(peft, 'lora_dropout') > 0)
   gathered = local if sp and not whole else n
-  granularity = m.activations_checkpoint_granularity
+  granularity = m.activations_checkpoint_granularity if recompute else None   # recompute=False: as if off
   parts = tuple(m.activations_checkpoint_recompute) if granularity == 'selective' else ()
   if granularity == 'full':
     return w * local * h

@@ -58,9 +58,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
                        tp, pp, d.get('expert_model_parallel_size', 1))
   n = param_counts(config, sizes)
   group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp
-  shards = group if d.zero1 and group > 1 else 1
   param_bytes = recipe.param_dtype.itemsize
-  base, trained_base = n['params'] - n['adapters'], n['trainable'] - n['adapters']
+  base = n['params'] - n['adapters']
+  owned = owned_counts(config, sizes, dp)
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   layers_in_flight, in_flight = layers_held(config, pp_rank, microbatches)
   per_layer = activations.activation_bytes_per_layer(config, param_bytes, tp)
@@ -69,9 +69,9 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
       'grads': grads,
-      'master': trained_base * 4 // shards if recipe.has_master(recipe.param_dtype) else 0,
-      'optimizer': ((trained_base * recipe.state_dtype(recipe.param_dtype).itemsize + n['adapters'] * 4)
-                    * ADAM_STATES.get(m.optim.name, 2) // shards),
+      'master': owned['base'] * 4 if recipe.has_master(recipe.param_dtype) else 0,
+      'optimizer': ((owned['base'] * recipe.state_dtype(recipe.param_dtype).itemsize + owned['adapters'] * 4)
+                    * ADAM_STATES.get(m.optim.name, 2)),
       'activations': layers_in_flight * per_layer + in_flight * mask,
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
       'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + backward_working_bytes(config, tp),
@@ -96,6 +96,22 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   out['reduction_overlap'] = (math.ceil(m.num_layers / pp) * per_layer + mask + out['logits'] + out['grad_transient']
                               if overlapped else 0)
   return _with_phases(out)
+
+
+def owned_counts(config, sizes, dp) -> dict:
+  """{'base', 'adapters'}: trained elements whose masters and optimizer state this rank keeps.
+  ZeRO-1 shards a dense parameter's over dp x cp and an expert's over the DP ranks holding the
+  same experts, dp / ep (parallel/experts.py's domains): at ep = dp the experts' are not
+  sharded at all (seen tracing Mixtral at ep 8)."""
+  d = config.distributed_strategy
+  group, experts = dp * d.get('context_parallel_size', 1), dp // d.get('expert_model_parallel_size', 1)
+  trained = set(lora.trainable(config.model, sizes))
+  out = {'base': 0, 'adapters': 0}
+  for name, elements in sizes.items():
+    if name in trained:
+      parts = experts if moe.is_expert_param(name) else group
+      out['adapters' if lora.is_adapter(name) else 'base'] += elements // (parts if d.zero1 and parts > 1 else 1)
+  return out
 
 
 def layers_held(config, pp_rank, microbatches) -> tuple:
@@ -150,7 +166,8 @@ def backward_working_bytes(config, tp) -> int:
   files at their layouts: step_trace.py): the gradient of the layer's input, and under
   sequence parallelism the input gathered again for the weight gradients beside it, w N h
   each (N = b s / cp tokens); with explicit attention (no SDPA, or attention dropout), the
-  softmax's backward in fp32 beside the probabilities' gradient: 3 x 4 b a' s^2 (a' = heads / t)."""
+  softmax's backward in fp32 beside the probabilities' gradient: 3 x 4 b a' s^2 (a' = heads / t);
+  with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer)."""
   m, a, d = config.model, config.data, config.distributed_strategy
   cp = d.get('context_parallel_size', 1)
   w = precision.recipe(config.precision).param_dtype.itemsize
@@ -159,6 +176,9 @@ def backward_working_bytes(config, tp) -> int:
   out = (2 if sp else 1) * w * b * s * m.hidden_size
   if cp == 1 and not (m.fusions.flash_attention and m.attention_dropout == 0.0):
     out += 3 * 4 * b * (m.num_attention_heads // tp) * s * s
+  if m.activations_checkpoint_granularity in ('full', 'selective'):   # the layer recomputed for its backward
+    out += (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
+            - activations.activation_bytes_per_layer(config, w, tp))
   return out
 
 
