@@ -9,6 +9,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 import host_values
 from parallel import xla
@@ -77,14 +78,12 @@ def backend(device: torch.device, name: str = 'auto') -> str:
     return name
   if device.type == 'xla':
     return 'xla'
-  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
   return dist.Backend.default_device_backend_map.get(device.type, 'gloo')
 
 
 def host_backend(backend_name: str) -> str:
   """The backend of the host group (agreements on CPU tensors): the run's own where it takes
   CPU tensors (gloo, fake), else gloo."""
-  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
   return backend_name if 'cpu' in dist.Backend.backend_capability.get(backend_name, ()) else 'gloo'
 
 
@@ -97,7 +96,6 @@ def collective_backend(config) -> str:
 def check_backend(name: str) -> list:
   """Problems with config.backend: auto, or a backend torch.distributed has (gloo, nccl, fake,
   ...; xla with torch-xla; one a plug-in registers)."""
-  import torch.distributed as dist  # pylint: disable=import-outside-toplevel
   known = ['auto', 'xla'] + [b for b in dist.Backend.backend_list if b != 'undefined']
   if name in known:
     return []
