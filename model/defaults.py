@@ -73,6 +73,7 @@ def model_section() -> config_dict.ConfigDict:
   model.activations_checkpoint_granularity = placeholder(str)  # None | selective | full
   model.activations_checkpoint_recompute = ('attention',)      # selective: which parts to recompute (attention, mlp, norm, activation)
   model.compile = False                    # torch.compile each transformer block (one graph serves every layer; not with TP or XLA)
+  model.compile_backend = 'inductor'       # torch.compile's backend for model.compile: inductor, or one a PyTorch plug-in registers (a device's own compiler)
   model.moe = moe = config_dict.ConfigDict()   # mixture of experts (model/moe.py; NxD's keys + Qwen2-MoE's shared expert)
   moe.num_experts = 0                      # E experts per MoE layer; 0 = dense feed-forward everywhere
   moe.frequency = 1                        # layer i is MoE when (i + 1) % frequency == 0 (HF decoder_sparse_step)

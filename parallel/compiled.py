@@ -47,6 +47,11 @@ def check(config) -> list:
   if config.device == 'xla':
     problems.append('model.compile=True with device=xla: torch-xla compiles the whole step into one graph '
                     'already; set model.compile=False')
+  backend = config.model.get('compile_backend', 'inductor')
+  if backend != 'inductor' and backend not in torch._dynamo.list_backends(exclude_tags=()):  # pylint: disable=protected-access
+    problems.append(f'model.compile_backend={backend!r}: not a torch.compile backend here '
+                    f'({", ".join(torch._dynamo.list_backends())}); a PyTorch plug-in registers its own '  # pylint: disable=protected-access
+                    '(install it) or use inductor')
   if config.distributed_strategy.tensor_model_parallel_size > 1:
     problems.append(f'model.compile=True with distributed_strategy.tensor_model_parallel_size='
                     f'{config.distributed_strategy.tensor_model_parallel_size} is not supported: a block\'s TP '
@@ -59,13 +64,14 @@ def _block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, mo
   return transformer.block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, None, moe_layer)
 
 
-def _compiled():
-  if _state['fn'] is None:
+def _compiled(backend='inductor'):
+  """The block compiled by model.compile_backend's compiler (one per backend)."""
+  if _state['fn'] is None or _state['fn'][0] != backend:
     layers.untraced_keep_mask = torch.compiler.disable(layers._keep_mask)  # pylint: disable=protected-access
     # dynamic=False: every layer and step has the same shapes; a changed shape (evaluation at
     # another micro batch size) is a recompile, not a dynamic-shape graph for all.
-    _state['fn'] = torch.compile(_block, dynamic=False)
-  return _state['fn']
+    _state['fn'] = backend, torch.compile(_block, dynamic=False, backend=backend)
+  return _state['fn'][1]
 
 
 def _canonical(cfg, i):
@@ -84,8 +90,8 @@ class Blocks:
   """The model's `layer_fn` with model.compile: the compiled block, inside `wrap` (the recompute
   policy's layer_fn, e.g. a checkpoint) when given."""
 
-  def __init__(self, wrap=None, num_layers=0):
-    self.wrap = wrap or layers.no_recompute
+  def __init__(self, wrap=None, num_layers=0, backend='inductor'):
+    self.wrap, self.backend = wrap or layers.no_recompute, backend
     if num_layers:            # a graph per layer (query-key layer scaling): room for train + eval graphs
       limit = 2 * num_layers + 8
       torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
@@ -96,7 +102,7 @@ class Blocks:
     index = _canonical(cfg, i)
     if drop_key and drop_key[-1] == i:        # stage keys each layer's dropout by (..., i)
       drop_key = drop_key[:-1] + (torch.tensor(i),)
-    return self.wrap(_compiled(), _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
+    return self.wrap(_compiled(self.backend), _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
                      sample_ids_b, moe_layer)
 
 
@@ -114,8 +120,9 @@ def loss_ops(model_cfg, ops):
   if not model_cfg.get('compile') or ops.cross_entropy is not layers.LOCAL_OPS.cross_entropy:
     return ops
   if _state['cross_entropy'] is None:
-    _state['cross_entropy'] = torch.compile(cross_entropy.traced, dynamic=False)
-    _state['norm'] = torch.compile(layers.norm, dynamic=False)
+    backend = model_cfg.get('compile_backend', 'inductor')
+    _state['cross_entropy'] = torch.compile(cross_entropy.traced, dynamic=False, backend=backend)
+    _state['norm'] = torch.compile(layers.norm, dynamic=False, backend=backend)
   # the same Ops object each step: the compiled blocks take it as an argument
   cached = _state['loss_ops'].get(id(ops))
   if cached is None or cached[0] is not ops:
@@ -138,7 +145,8 @@ def layer_fn(model_cfg, device, wrap=None):
   if device.type == 'xla':
     raise ValueError('model.compile=True on an XLA device: torch-xla compiles the whole step already; '
                      'set model.compile=False')
-  return Blocks(wrap, model_cfg.num_layers if model_cfg.apply_query_key_layer_scaling else 0)
+  return Blocks(wrap, model_cfg.num_layers if model_cfg.apply_query_key_layer_scaling else 0,
+                model_cfg.get('compile_backend', 'inductor'))
 
 
 def stats() -> dict:

@@ -100,3 +100,13 @@ def test_off_by_default_and_leaves_the_layer_fn_alone():
   assert compiled.layer_fn(c.model, torch.device('cpu'), marker) is marker
   with pytest.raises(ValueError, match='model.compile=True on an XLA device'):
     compiled.layer_fn(tiny(True).model, torch.device('xla'), None)
+
+
+def test_the_compile_backend_comes_from_the_config_and_an_unknown_one_is_refused_by_name():
+  c = llama_tiny.get_config('test')
+  c.model.compile = True
+  assert compiled.check(c) == []
+  c.model.compile_backend = 'neuron'      # TorchNeuron's compiler, not installed here
+  problem, = compiled.check(c)
+  assert problem.startswith("model.compile_backend='neuron': not a torch.compile backend here") and 'plug-in' in problem
+  assert any('compile_backend' in p for p in validate.check(c, 1))
