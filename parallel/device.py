@@ -94,9 +94,12 @@ def collective_backend(config) -> str:
 
 
 def check_backend(name: str) -> list:
-  """Problems with config.backend: auto, or a backend torch.distributed has (gloo, nccl, fake,
-  ...; xla with torch-xla; one a plug-in registers)."""
-  known = ['auto', 'xla'] + [b for b in dist.Backend.backend_list if b != 'undefined']
+  """Problems with config.backend: auto, or a backend torch.distributed has (gloo, nccl, ...;
+  xla with torch-xla; one a plug-in registers); not `fake`, which only a trace sets."""
+  known = ['auto', 'xla'] + [b for b in dist.Backend.backend_list if b not in ('undefined', 'fake')]
+  if name == 'fake':       # its collectives do nothing: a run on it would train on wrong numbers
+    return ["backend='fake' is the traced dry run's (its collectives do nothing); use --dry_run=trace, which "
+            'sets it itself, and auto or a real backend to train']
   if name in known:
     return []
   return [f'backend={name!r}: not a process-group backend this PyTorch has ({", ".join(known)}); '

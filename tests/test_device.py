@@ -44,7 +44,8 @@ def test_the_backend_comes_from_the_config_or_the_device_and_the_host_group_take
   assert [device.host_backend(b) for b in ('gloo', 'nccl', 'fake', 'xla')] == ['gloo', 'gloo', 'fake', 'gloo']
   assert device.collective_backend(config_dict.ConfigDict({'device': 'cpu', 'backend': 'auto'})) == 'gloo'
   assert device.collective_backend(config_dict.ConfigDict({'device': 'cuda', 'backend': 'auto'})) == 'nccl'
-  assert device.check_backend('fake') == [] and device.check_backend('auto') == []
+  assert device.check_backend('gloo') == [] and device.check_backend('auto') == []
+  assert '--dry_run=trace' in device.check_backend('fake')[0]      # a run on it would train on nothing
   assert 'not a process-group backend' in device.check_backend('neuronx')[0]
 
 
