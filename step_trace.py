@@ -228,8 +228,7 @@ def compare(result) -> list:
           if c not in ('activations', 'transients')}
   phase, overlap = est['peak_phase'], est['reduction_overlap']
   made = {'forward_backward': (est['activations'] + est['logits'], est['grad_transient']),
-          'grad_reduction': (overlap - est['grad_transient'] if overlap else 0,
-                             est['reduction'] + (est['grad_transient'] if overlap else 0)),
+          'grad_reduction': (est['logits'] if overlap else 0, est['reduction'] + (est['grad_transient'] if overlap else 0)),
           'update': (0, est['update_temporaries'])}.get(phase, (0, 0))
   estimated = dict(held, activations=made[0], transients=made[1])
   return ([(c, result['at_peak'].get(c, 0), estimated[c]) for c in COMPARED]

@@ -90,11 +90,10 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   out['heap_holes'] = heap_holes_bytes(config, out['activations'] + out['logits'] + out['grad_transient'],
                                        devices.trim_setting(config) is True)
   # overlap_grad_reduce: the reductions run during the last micro batch's backward, beside its
-  # activations, logits and backward working set (on the last stage, with one micro batch in flight,
-  # that is the peak: seen tracing NxD's 405B file)
+  # logits and backward working set (on the last stage, with one micro batch in flight, that is the
+  # peak: seen tracing NxD's 405B file); its activations are freed as the buckets fill
   overlapped = d.overlap_grad_reduce and out['reduction'] > 0
-  out['reduction_overlap'] = (math.ceil(m.num_layers / pp) * per_layer + mask + out['logits'] + out['grad_transient']
-                              if overlapped else 0)
+  out['reduction_overlap'] = out['logits'] + out['grad_transient'] if overlapped else 0
   return _with_phases(out)
 
 
