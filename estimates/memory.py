@@ -172,13 +172,15 @@ def backward_working_bytes(config, tp) -> int:
   w = precision.recipe(config.precision).param_dtype.itemsize
   s, b = a.seq_length // cp, a.micro_batch_size
   sp = tp > 1 and d.sequence_parallel
-  out = (2 if sp else 1) * w * b * s * m.hidden_size
-  if cp == 1 and not (m.fusions.flash_attention and m.attention_dropout == 0.0):
-    out += 3 * 4 * b * (m.num_attention_heads // tp) * s * s
-  if m.activations_checkpoint_granularity in ('full', 'selective'):   # the layer recomputed for its backward
-    out += (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
-            - activations.activation_bytes_per_layer(config, w, tp))
-  return out
+  softmax = (3 * 4 * b * (m.num_attention_heads // tp) * s * s
+             if cp == 1 and not (m.fusions.flash_attention and m.attention_dropout == 0.0) else 0)
+  recomputed = (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
+                - activations.activation_bytes_per_layer(config, w, tp)
+                if m.activations_checkpoint_granularity in ('full', 'selective') else 0)
+  # selective recompute rebuilds the attention core the softmax backward then replaces: the larger
+  # of the two is live (NxD's Llama-2 7B file); full recompute rebuilds the whole layer beside it
+  both = max(softmax, recomputed) if m.activations_checkpoint_granularity == 'selective' else softmax + recomputed
+  return (2 if sp else 1) * w * b * s * m.hidden_size + both
 
 
 def fp8_transient_bytes(config, tp) -> int:
