@@ -9,7 +9,6 @@ import os
 import sys
 
 import numpy as np
-import yaml
 
 import pytest
 
@@ -383,30 +382,15 @@ def test_hf_mixtral_trains_3_steps_with_size_overrides_only(tmp_path, name, layo
 
 # Every release file at its own world size and layout, on its own cluster, with the model's
 # config.json from its public model card (HF files) or the vocabulary of the tokenizer it names
-# (Megatron files: Llama-2's 32,000; GPT-2's 50,257; Mixtral's 32,000).
-MODEL_CARDS = {'hf_llama3.1_405B': 'llama3.1_405b', 'hf_llama3.1_70B': 'llama3.1_70b', 'hf_llama3.1_8B': 'llama3.1_8b',
-               'hf_llama3_70B': 'llama3_70b', 'hf_llama3_8B': 'llama3_8b', 'hf_llama_7B': 'llama2_7b',
-               'hf_mixtral_8x7b': 'mixtral_8x7b'}
+# (Megatron files: Llama-2's 32,000; GPT-2's 50,257; Mixtral's 32,000): tools/trace_nxd.load.
 DENSE = [name for name in RELEASE if 'mixtral' not in name]
 MIXTRAL = [name for name in RELEASE if 'mixtral' in name]
 
 
 def _own_dry_run(name, kv_replicator=None):
   from estimates import summary  # pylint: disable=import-outside-toplevel
-  config = nxd_yaml.load(current(name)).config
-  with open(current(name), encoding='utf-8') as f:
-    trainer = yaml.safe_load(f)['trainer']
-  world_size = trainer['devices'] * trainer['num_nodes']
-  config.trainer.plan_cluster = 'trn2.48xlarge' if '_trn2' in name else 'trn1.32xlarge'
-  config.data.tokenizer.type = 'none'
-  card = next((v for k, v in MODEL_CARDS.items() if name.startswith(k + '_')), None)
-  if card:
-    config.model.model_config = os.path.join(FIXTURES, f'{card}_config.json')
-  else:
-    config.model.vocab_size = 50257 if 'gpt' in name else 32000
-  if kv_replicator:
-    config.distributed_strategy.kv_replicator = kv_replicator
-  from_files.resolve(config, world_size)
+  from tools import trace_nxd  # pylint: disable=import-outside-toplevel
+  config, world_size = trace_nxd.load(name, kv_replicator)
   return world_size, summary.dry_run_report(config, world_size, validate.check)
 
 
