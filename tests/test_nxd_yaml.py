@@ -9,7 +9,6 @@ import os
 import sys
 
 import numpy as np
-
 import pytest
 
 from configs import (base, from_files, llama3_8b, llama7b, llama_tiny, nxd_yaml, nxd_yaml_keys, smollm2_lora, smollm2_sft,
