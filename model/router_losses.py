@@ -29,7 +29,10 @@ class Collector:
   metrics over its MoE layers, added as each layer runs. They are running tensors, not a list of
   per-layer records: model.compile traces every layer as one graph, and a list growing inside it
   (or a Python count) would be guarded on, recompiling the block once per MoE layer. A recompute
-  pass records again in the backward, after `finish` has read the sums: those are never read.
+  pass runs the layers again in the backward, after `finish` has read the sums: it keeps
+  nothing (`finished`), as its records would never be read and would keep each recomputed
+  layer's graph, attention scores and all, alive until the micro batch's end (full recompute of
+  a MoE model then held every layer's insides at once: found tracing NxD's Mixtral files).
 
   Under pipeline parallelism the losses need every MoE layer's sums: each stage receives the
   earlier stages' (`carried`, [b, carry_width]: top-k counts per expert, router
@@ -53,17 +56,20 @@ class Collector:
       if torch.is_grad_enabled() and not t.requires_grad:
         t.requires_grad_()
     self.load, self.dropped, self.layers = zeros(b), zeros(b), zeros()   # this stage's MoE layers
+    self.finished = False
 
   def record(self, logits, probs, experts, kept):
     e = self.cfg.moe.num_experts
     chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
     kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
-    self.counts = self.counts + chosen.sum(1).float().detach()
-    self.probs = self.probs + probs.sum(1)
-    self.z = self.z + torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1)
-    self.load = self.load + (kept_counts.max(-1).values / kept_counts.mean(-1)).detach()
-    self.dropped = self.dropped + (1 - kept.float().mean((1, 2))).detach()
-    self.layers = self.layers + 1
+    sums = (self.counts + chosen.sum(1).float().detach(), self.probs + probs.sum(1),
+            self.z + torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
+            self.load + (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
+            self.dropped + (1 - kept.float().mean((1, 2))).detach(), self.layers + 1)
+    # a recompute pass in the backward runs the same operations (checkpoint checks it saves the
+    # same tensors) but keeps nothing: its sums are never read
+    if not self.finished:
+      self.counts, self.probs, self.z, self.load, self.dropped, self.layers = sums
 
   def sums(self):
     """(counts [b, E], probs [b, E], z [b]): this stage's layers' sums plus the carried ones."""
@@ -97,6 +103,7 @@ class Collector:
     """After the stage's layers: the metric sums added into `tally` (a dict, or None), and, on
     the `last` stage when `objective_adds` them, the auxiliary losses' share of the loss sum
     (None when nothing adds)."""
+    self.finished = True
     # carried sums reach the last stage with every layer's; without, one stage must hold them all
     all_layers = last if self.carried is not None else self._recorded() == len(moe.moe_layers(self.cfg))
     if tally is not None:
