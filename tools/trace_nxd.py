@@ -8,9 +8,9 @@ Each file with its model's config.json (the fixtures tests/test_nxd_yaml.py uses
 the device of its own cluster (trn2 files: trn2.48xlarge; the others trn1.32xlarge).
 """
 import os
-import sys
 
 import yaml
+from absl import app
 
 from configs import from_files, nxd_yaml
 from estimates import clusters, memory
@@ -69,7 +69,12 @@ def row(name) -> list:
   return rows
 
 
-def main(names):
+def define_flags():
+  """No flags: the files to trace are the arguments (all 22 when none)."""
+
+
+def main(argv):
+  names = argv[1:]
   print('| file | ranks | layout | stage | traced | estimated | traced vs estimate | verdict | time |')
   print('|---|---|---|---|---|---|---|---|---|')
   for name in names or sorted(os.listdir(RELEASE)):
@@ -81,4 +86,5 @@ def main(names):
 
 
 if __name__ == '__main__':
-  main(sys.argv[1:])
+  define_flags()
+  app.run(main)
