@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from numerics import stochastic_rounding
-from optim import sr_update
+from optim import sr_kernels, sr_update
 from parallel import grads as grad_ops
 from tests import parity
 
@@ -288,13 +288,13 @@ def test_eager_sqrt_is_correctly_rounded_as_compiled_kernels_sqrt_is():
   g = torch.Generator().manual_seed(8)
   x = torch.rand(1 << 20, generator=g) * torch.exp2(torch.randint(-120, 120, (1 << 20,), generator=g).float())
   exact = torch.from_numpy(np.sqrt(x.numpy()))            # IEEE sqrt, correctly rounded
-  assert torch.equal(bits32(sr_update._sqrt(x)), bits32(exact))
+  assert torch.equal(bits32(sr_kernels._sqrt(x)), bits32(exact))
 
 
 def test_the_probe_sees_a_kernel_that_contracts_or_divides_differently(monkeypatch):
   # what triton's fma or approximate division would do: an fp32 ulp before the rounding
   def nudged(kernel):
-    return lambda x, layout, seed: sr_update._round(torch.nextafter(x.float(), torch.tensor(float('inf'))),
+    return lambda x, layout, seed: sr_kernels._round(torch.nextafter(x.float(), torch.tensor(float('inf'))),
                                                     stochastic_rounding.index_from_layout(x.shape, layout), seed)
   monkeypatch.setattr(sr_update, '_compiled', nudged)
   assert sr_update.differing_bits(sr_update._round_kernel, torch.device('cpu'))[0] > 0
