@@ -27,7 +27,7 @@ import re
 import torch
 
 from checkpoint import nxd_files
-from model import moe, transformer
+from model import moe, param_table, transformer
 
 HW = ('trn1', 'trn2')
 LAYER = re.compile(r'(?:^|\.)layers\.(\d+)\.')
@@ -55,7 +55,7 @@ def merge(tag, model_cfg, hw=None) -> dict:
   ranks = [shards[(0, r)] for r in range(tp)]
   megatron = any(n.startswith('language_model.') for n in ranks[0])
   names = _megatron_names if megatron else _hf_names
-  specs = transformer.param_specs(model_cfg, adapters=False)
+  specs = param_table.param_specs(model_cfg, adapters=False)
   m, d = model_cfg, transformer.head_dim(model_cfg)
   _check_degrees(tag, shards, stages, names, m, d)
   out, used = {}, set()
@@ -116,7 +116,7 @@ def merge(tag, model_cfg, hw=None) -> dict:
 
 def _attention(take, has, n, tp, m, d, hw, where):
   """(q, k, v, o) global weights of one layer from its tp shards."""
-  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
+  heads, kv = m.num_attention_heads, param_table.kv_heads(m)
   q_r, k_r, v_r = [], [], []
   for r in range(tp):
     q, k, v = _qkv(take, has, n, r, heads // tp, d)

@@ -10,14 +10,14 @@ import os
 
 import torch
 
-from model import moe, transformer
+from model import moe, param_table, transformer
 from parallel import pipeline
 
 
 def split(params, model_cfg, tp, pp=1, ep=1, kv_replicator=1, hw='trn1', cuts=()) -> dict:
   """{(ep, tp, pp): state dict} of NxD's HF-style modules for `params` (flatron's names)."""
   m, d = model_cfg, transformer.head_dim(model_cfg)
-  heads, kv = m.num_attention_heads, transformer.kv_heads(model_cfg)
+  heads, kv = m.num_attention_heads, param_table.kv_heads(model_cfg)
   if (kv_replicator == 1 and kv % tp) or (kv_replicator > 1 and kv * kv_replicator != tp):
     raise ValueError(f'num_kv_heads={kv} over tp={tp} with kv_replicator={kv_replicator}: NxD needs tp to divide the '
                      f'KV heads, or kv_replicator = tp / num_kv_heads ({tp // kv if tp % kv == 0 else "?"})')

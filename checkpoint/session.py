@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from checkpoint import (manager as managers, nxd_files, nxd_params, preemption, state as states, steps as checkpoint_steps,
                         storage, store)
-from model import adapters, hf, lora, transformer
+from model import adapters, hf, lora, param_table
 from parallel import comm
 
 
@@ -137,7 +137,7 @@ class Session:
     tag = nxd_files.open_tag(path)
     merged = nxd_params.merge(tag, self.config.model)
     progress = nxd_files.progress(tag)
-    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    specs = param_table.param_specs(self.config.model, self.mesh.tp)
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=[n for n in specs if not lora.is_adapter(n)],
                                 weights_only=True)
     layout.restore({n: merged[n][tuple(box)] for n, box in layout.requests().items() if n in merged}, 0,
@@ -161,7 +161,7 @@ class Session:
   def _load_adapters(self, path, params=None):
     """load_lora_from_ckpt: the adapters (weights only) of a peft directory or a flatron step,
     into the updater's parameters or `params`."""
-    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    specs = param_table.param_specs(self.config.model, self.mesh.tp)
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=lora.trainable(self.config.model, specs),
                                 weights_only=True)
     requests = layout.requests()
@@ -176,7 +176,7 @@ class Session:
   def _resume_names(self, path, meta):
     """The parameters to read when resuming from step `path`. A LoRA step holding adapters
     only needs its base from exp_manager.init_from, which is loaded here first."""
-    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    specs = param_table.param_specs(self.config.model, self.mesh.tp)
     stored = meta.get('lora', {}).get('stored', 'all')
     peft = lora.settings(self.config.model)
     if peft is None and stored != 'all':
@@ -213,7 +213,7 @@ class Session:
     """Weights only: a Hugging Face Llama directory or a flatron checkpoint step (the base
     model; LoRA adapters keep their init, or load_lora_from_ckpt's), into the updater's
     parameters or `params`."""
-    specs = transformer.param_specs(self.config.model, self.mesh.tp)
+    specs = param_table.param_specs(self.config.model, self.mesh.tp)
     layout = states.StateLayout(self.config, self.mesh, self.updater, names=[n for n in specs if not lora.is_adapter(n)],
                                 weights_only=True)
     requests = layout.requests()
@@ -241,7 +241,7 @@ class Session:
     keys = ('num_layers', 'hidden_size', 'ffn_hidden_size', 'num_attention_heads', 'vocab_size',
             'share_embeddings_and_output_weights')
     diff = [f'model.{k}: config {mine[k]} vs checkpoint {other[k]}' for k in keys if mine[k] != other[k]]
-    if transformer.kv_heads(mine) != transformer.kv_heads(other):
+    if param_table.kv_heads(mine) != param_table.kv_heads(other):
       diff.append(f'model.num_kv_heads: config {mine.num_kv_heads} vs checkpoint {other.num_kv_heads}')
     if diff:
       raise managers.IncompatibleCheckpoint(

@@ -16,7 +16,7 @@ from ml_collections import config_dict
 import torch
 
 from checkpoint import steps as checkpoint_steps, storage, store
-from model import hf, lora, transformer
+from model import hf, lora, param_table
 from parallel import device as devices, experts, pipeline, tensor, zero
 
 
@@ -74,7 +74,7 @@ class StateLayout:
     a step of this run stores, lora.stored). Masters and optimizer state are those of the
     trained parameters (none for a merged LoRA model, nor with `weights_only`)."""
     self.config, self.mesh, self.updater = config, mesh, updater
-    self.specs = transformer.param_specs(config.model, mesh.tp)
+    self.specs = param_table.param_specs(config.model, mesh.tp)
     self.all_boxes = [param_boxes(config, mesh, r) for r in range(mesh.world_size)]
     self.state_keys = list(state_keys) if state_keys is not None else updater.state_keys()
     self.names = list(names) if names is not None else lora.stored(config.model, self.specs)
@@ -181,7 +181,7 @@ def read_model(path):
   stored = meta.get('lora', {}).get('stored', 'all')
   if stored == 'merged':
     config.model.peft.lora_rank = 0
-  specs = transformer.param_specs(config.model)
+  specs = param_table.param_specs(config.model)
   in_step = [n for n in specs if n in meta.get('arrays', {})]
   arrays = store.load_arrays(path, {n: tuple(slice(0, k) for k in logical_shape(n, specs[n], config.model))
                                     for n in in_step})

@@ -9,7 +9,7 @@ from checkpoint import steps as checkpoint_steps
 from checkpoint.manager import IncompatibleCheckpoint
 from configs import validate
 from data import tokenizer as tokenizers
-from model import adapters, hf, lora, lora_targets, transformer
+from model import adapters, hf, lora, lora_targets, param_table
 
 
 def resolve(config, world_size) -> list:
@@ -61,7 +61,7 @@ def apply_tokenizer_vocab(config):
     raise validate.ConfigError(f'model.vocab_size=0 takes the tokenizer\'s size: {e}') from None
   tp = config.distributed_strategy.tensor_model_parallel_size
   return (f'model.vocab_size={m.vocab_size}: the tokenizer\'s; the embedding pads it to '
-          f'{transformer.padded_vocab_size(m, tp)} rows (a multiple of make_vocab_size_divisible_by '
+          f'{param_table.padded_vocab_size(m, tp)} rows (a multiple of make_vocab_size_divisible_by '
           f'{m.make_vocab_size_divisible_by} x tp {tp})')
 
 
@@ -131,7 +131,7 @@ def resolve_adapter_settings(config):
 
 def _check_same_adapters(config, theirs, path):
   """The starting adapter must adapt the same linears with the same ranks as this run."""
-  names = transformer.param_specs(config.model, adapters=False)
+  names = param_table.param_specs(config.model, adapters=False)
   mine = lora_targets.plan(config.model, names)
   other = config.model.copy_and_resolve_references()
   other.peft = config_dict.ConfigDict(dict(other.peft.to_dict(), **{k: theirs[k] for k in (

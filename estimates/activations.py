@@ -5,7 +5,7 @@ import copy
 import torch
 
 from data import preference, sft
-from model import layers, lora, moe, moe_kernels, transformer
+from model import layers, lora, moe, moe_kernels, param_table, transformer
 from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
 
@@ -61,7 +61,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1, recompute=True) 
   cp = config.distributed_strategy.get('context_parallel_size', 1)
   w, s, b, h = bytes_per_value, a.seq_length // cp, a.micro_batch_size, m.hidden_size   # s: this rank's slice
   n, d = s * b, transformer.head_dim(m)
-  heads, kv = m.num_attention_heads // tp, max(transformer.kv_heads(m), tp) // tp   # per rank
+  heads, kv = m.num_attention_heads // tp, max(param_table.kv_heads(m), tp) // tp   # per rank
   ffn = m.ffn_hidden_size // tp
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   local = n // tp if sp else n                 # residual-stream tokens on this rank

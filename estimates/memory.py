@@ -7,7 +7,7 @@ from estimates import activations, update_memory
 from estimates.host_heap import heap_holes_bytes
 from estimates.update_memory import (ADAM_STATES, bucket_bytes, fused_fp32_names, fused_sr, largest_bucket,
                                      update_temporaries)
-from model import lora, moe, objectives, transformer
+from model import lora, moe, objectives, param_table, transformer
 from numerics import precision
 from parallel import device as devices, grad_buffer
 
@@ -54,7 +54,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   tp, pp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size
   recipe = precision.recipe(config.precision)
   if sizes is None:
-    sizes = even_share({n: math.prod(spec.shape) for n, spec in transformer.param_specs(m, tp).items()},
+    sizes = even_share({n: math.prod(spec.shape) for n, spec in param_table.param_specs(m, tp).items()},
                        tp, pp, d.get('expert_model_parallel_size', 1))
   n = param_counts(config, sizes)
   group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp
@@ -220,7 +220,7 @@ def logits_bytes(config, tp=1) -> int:
   m, a = config.model, config.data
   tokens = a.micro_batch_size * a.seq_length // config.distributed_strategy.get('context_parallel_size', 1)
   chunk = m.fusions.get('chunked_cross_entropy', 0)
-  return (min(chunk, tokens) if chunk else tokens) * transformer.padded_vocab_size(m, tp) // tp * 8
+  return (min(chunk, tokens) if chunk else tokens) * param_table.padded_vocab_size(m, tp) // tp * 8
 
 
 def gradient_bytes(config, sizes, dp=1) -> tuple:

@@ -9,7 +9,7 @@ import torch
 
 from estimates import clusters, host_heap, memory
 from parallel import device as devices
-from model import transformer
+from model import param_table
 
 
 def available_bytes(device, local_ranks=1):
@@ -122,7 +122,7 @@ def fitting_layouts(config, world_size, budget, check) -> list:
         d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.zero1 = tp, pp, zero1
         d.virtual_pipeline_model_parallel_size, d.pipeline_cuts = 1, ()
         d.sequence_parallel = d.sequence_parallel and tp > 1
-        kv = transformer.kv_heads(c.model)
+        kv = param_table.kv_heads(c.model)
         d.kv_replicator = tp // kv if tp > kv and tp % kv == 0 else 1
         if check(c, world_size):
           continue

@@ -25,7 +25,7 @@ overlapped; expert gradients reduce over the dp / ep ranks holding the same expe
 ones over dp x cp.
 """
 from estimates.collective_cost import collective
-from model import layers, moe, transformer
+from model import layers, moe, param_table, transformer
 from numerics import precision
 
 
@@ -63,7 +63,7 @@ def elementwise_bytes(config, tp, cp=1, is_moe=False) -> tuple:
   under SP the norms and residuals hold s / tp tokens."""
   m, a, d = config.model, config.data, config.distributed_strategy
   n, h, hd = a.micro_batch_size * a.seq_length // cp, m.hidden_size, transformer.head_dim(m)
-  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
+  heads, kv = m.num_attention_heads, param_table.kv_heads(m)
   ffn_act = (m.moe.top_k * moe.expert_ffn_size(m) + m.moe.shared_expert_intermediate_size if is_moe
              else m.ffn_hidden_size) / tp
   w = 4 if compute_dtype(config) == 'fp32' else 2
@@ -81,7 +81,7 @@ def fp8_cast_bytes(config, tp, cp=1, ep=1, is_moe=False) -> tuple:
   16-bit."""
   m, a = config.model, config.data
   n, h, hd = a.micro_batch_size * a.seq_length // cp, m.hidden_size, transformer.head_dim(m)
-  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
+  heads, kv = m.num_attention_heads, param_table.kv_heads(m)
   dims = [(n, h, heads * hd / tp), (n, h, kv * hd / tp), (n, h, kv * hd / tp), (n, heads * hd / tp, h)]   # q k v o
   if is_moe:               # a rank's experts see the routed tokens, however EP spreads them
     f, experts = moe.expert_ffn_size(m) / tp, m.moe.num_experts // ep
@@ -106,7 +106,7 @@ def layer_cost(config, cluster, tp, cp=1, ep=1, is_moe=False):
   m, a, d = config.model, config.data, config.distributed_strategy
   b, s, h = a.micro_batch_size, a.seq_length, m.hidden_size
   n, hd = b * s // cp, transformer.head_dim(m)
-  heads, kv, f = m.num_attention_heads, transformer.kv_heads(m), m.ffn_hidden_size
+  heads, kv, f = m.num_attention_heads, param_table.kv_heads(m), m.ffn_hidden_size
   gated = m.activation in layers.GATED
   w = 4 if compute_dtype(config) == 'fp32' else 2
   peak = cluster.peak[compute_dtype(config)]
@@ -193,7 +193,7 @@ def edge_comm(config, cluster, tp, cp=1, first_stage=True):
 def head_cost(config, cluster, tp, cp=1):
   """(forward s, backward s) of the LM head and the loss, one micro batch on the last stage."""
   m, a = config.model, config.data
-  n, vocab = a.micro_batch_size * a.seq_length // cp, transformer.padded_vocab_size(m, tp) // tp
+  n, vocab = a.micro_batch_size * a.seq_length // cp, param_table.padded_vocab_size(m, tp) // tp
   gemm = cluster.peak[compute_dtype(config)] * cluster.matmul_eff
   flops = 2 * n * m.hidden_size * vocab
   # fp32 logits: the softmax and its gradient, read and written (or as measured, per element)

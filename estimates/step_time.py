@@ -31,7 +31,7 @@ import math
 from estimates import schedule_sim
 from estimates.collective_cost import all_gather, collective, link, reduce_scatter
 from estimates.micro_batch_cost import compute_dtype, edge_comm, head_cost, layer_cost
-from model import flop_count, moe, transformer
+from model import flop_count, moe, param_table
 from numerics import precision
 from parallel import grad_buffer
 
@@ -127,7 +127,7 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   cf, cb = cf + ef, cb + eb
   fwd = lf + cf + hf
   bwd = lb + cb + hb
-  total, trained, per_token = counts or (transformer.count_params(m), transformer.count_params(m, trainable_only=True),
+  total, trained, per_token = counts or (param_table.count_params(m), param_table.count_params(m, trainable_only=True),
                                          flop_count.flops_per_token(m, a.seq_length))
   # experts: split over TP, 1/ep of them per rank, gradients summed over the dp / ep ranks
   # holding the same ones (parallel/experts.py); a LoRA run freezes them

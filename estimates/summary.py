@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from estimates import clusters, memory, memory_check, step_time
-from model import flop_count, lora, lora_targets, transformer
+from model import flop_count, lora, lora_targets, param_table, transformer
 from parallel import device as devices, mesh as meshes, tensor, training
 
 
@@ -16,7 +16,7 @@ def startup(config, mesh, sizes, est) -> str:
   """The start-up summary of `config` on this rank of `mesh`: `sizes` (name -> elements of each
   parameter box it holds) and `est` (memory.estimate's components)."""
   m, a = config.model, config.data
-  n_total, n_nonembed = transformer.count_params(m), transformer.count_params(m, embedding=False)
+  n_total, n_nonembed = param_table.count_params(m), param_table.count_params(m, embedding=False)
   tokens_per_step = a.global_batch_size * a.seq_length
   accum = a.global_batch_size // (a.micro_batch_size * mesh.dp)
   sp = ' +sp' if config.distributed_strategy.sequence_parallel and mesh.tp > 1 else ''
@@ -25,8 +25,8 @@ def startup(config, mesh, sizes, est) -> str:
       f'dp={mesh.dp} x pp={mesh.pp}' + (f' x cp={mesh.cp} (ring attention)' if mesh.cp > 1 else '')
       + f' x tp={mesh.tp}{sp}' + (f' | ep={mesh.ep} (experts over dp)' if mesh.ep > 1 else ''),
       f'model {m.num_layers} layers x hidden {m.hidden_size} | heads {m.num_attention_heads} (kv '
-      f'{transformer.kv_heads(m)}) x head_dim {transformer.head_dim(m)} | ffn {m.ffn_hidden_size} | vocab '
-      f'{m.vocab_size} (padded {transformer.padded_vocab_size(m, mesh.tp)})'
+      f'{param_table.kv_heads(m)}) x head_dim {transformer.head_dim(m)} | ffn {m.ffn_hidden_size} | vocab '
+      f'{m.vocab_size} (padded {param_table.padded_vocab_size(m, mesh.tp)})'
       + (f' | from {m.model_config} + {len(m.model_config_overrides)} key(s) set over it' if config.model_source == 'hf' else ''),
       f'params {n_total:,} ({n_nonembed:,} non-embedding), {sum(sizes.values()):,} on this rank | FLOPs/token '
       f'{flop_count.flops_per_token(m, a.seq_length):.3e} (6N + 12 x heads x head_dim x span, summed over layers' + (', frozen base 4N' if lora.settings(m) else '') + ')',
@@ -93,13 +93,13 @@ def _lora_line(config, sizes, est, n_total) -> str:
   and what trains."""
   m = config.model
   peft = lora.settings(m)
-  trained = transformer.count_params(m, trainable_only=True)
+  trained = param_table.count_params(m, trainable_only=True)
   patterns = ' with rank/alpha patterns' if peft.get('rank_pattern') or peft.get('alpha_pattern') else ''
   source = f' (from {lora.adapter_source(peft)})' if peft.load_lora_from_ckpt else ''
   return (f'LoRA r={peft.lora_rank} alpha={lora.option(peft, "lora_alpha"):g}'
           f'{" (rsLoRA)" if lora.option(peft, "use_rslora") else ""}{patterns} dropout='
           f'{lora.option(peft, "lora_dropout"):g} bias={lora.option(peft, "lora_bias")}{source} on '
-          f'{len(lora_targets.plan(m, transformer.param_specs(m, adapters=False)))} linears '
+          f'{len(lora_targets.plan(m, param_table.param_specs(m, adapters=False)))} linears '
           f'({", ".join(lora_targets.target_modules(peft))}): '
           f'trainable {trained:,} of {n_total:,} ({100 * trained / n_total:.3f}%), '
           f'{memory.param_counts(config, sizes)["trainable"]:,} on this rank; optimizer state '

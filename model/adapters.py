@@ -15,7 +15,7 @@ from ml_collections import config_dict
 import torch
 from safetensors.torch import save_file
 
-from model import hf_files, hf_names, lora, lora_fused, lora_targets, moe, transformer
+from model import hf_files, hf_names, lora, lora_fused, lora_targets, moe, param_table
 
 CONFIG_FILE = 'adapter_config.json'
 WEIGHTS_FILE = 'adapter_model.safetensors'
@@ -196,6 +196,6 @@ def load_peft(path, model_cfg, params):
   tensors): a peft directory applied to a whole model of this process."""
   model_cfg = model_cfg.copy_and_resolve_references()
   model_cfg.peft = config_dict.ConfigDict(dict(model_cfg.peft.to_dict(), **read_settings(path)))
-  specs = transformer.param_specs(model_cfg)
+  specs = param_table.param_specs(model_cfg)
   wanted = {n: tuple(slice(0, k) for k in specs[n].shape) for n in lora.trainable(model_cfg, specs)}
   return model_cfg, dict(params, **read_boxes(path, wanted, model_cfg))

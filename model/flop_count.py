@@ -1,5 +1,5 @@
 """Training FLOPs per token: what MFU, the planner and the benchmarks divide by."""
-from model import moe, transformer
+from model import moe, param_table, transformer
 
 
 def attention_spans(cfg, seq_length: int) -> list:
@@ -22,7 +22,7 @@ def flops_per_token(cfg, seq_length: int) -> float:
   4 FLOPs per frozen parameter, 6 per trained. MoE counts active parameters: of each MoE
   layer's experts, the top_k a token runs.
   """
-  n, trained = transformer.count_params(cfg, embedding=False), transformer.count_params(cfg, embedding=False, trainable_only=True)
+  n, trained = param_table.count_params(cfg, embedding=False), param_table.count_params(cfg, embedding=False, trainable_only=True)
   if moe.enabled(cfg):        # a token runs top_k of the experts: active parameters only
     full = trained == n       # else LoRA: the experts are frozen (adapters never target them)
     n -= moe.inactive_params(cfg)

@@ -19,7 +19,7 @@ import re
 import torch
 from safetensors.torch import save_file
 
-from model import defaults, moe, transformer
+from model import defaults, moe, param_table
 from model.hf_files import HFFileError, open_safetensors, read_json
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf  # pylint: disable=unused-import
 from model.hf_export import config_to_hf  # pylint: disable=unused-import
@@ -75,7 +75,7 @@ def read_config(path, base_model=None):
 def _checked_names(path, model_cfg):
   """(our name -> [[(file, HF name), ...] per expert]) for every parameter, after checking
   names and shapes."""
-  specs = transformer.param_specs(model_cfg, adapters=False)
+  specs = param_table.param_specs(model_cfg, adapters=False)
   files, source = _weight_map(path)
   layouts = {name: layout(name, model_cfg, files) for name in specs}
   wanted = {hf_name for pieces in layouts.values() for piece in pieces for hf_name in piece}
@@ -126,7 +126,7 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
       rows = slice(box[0].start + fused[1], box[0].stop + fused[1])
       tensor = _read(*pieces[0][0], (rows,) + tuple(box[1:]))
     elif pieces[0][0][1].endswith('.gate_up_proj'):
-      half, f = fused_expert_stack(name)[1], transformer.param_specs(model_cfg, adapters=False)[name].shape[1]
+      half, f = fused_expert_stack(name)[1], param_table.param_specs(model_cfg, adapters=False)[name].shape[1]
       rows = slice(box[1].start + half * f, box[1].stop + half * f)     # this half's rows of gate_up_proj
       tensor = _read(*pieces[0][0], (box[0], rows) + tuple(box[2:]))
     elif len(pieces) == 1 and len(pieces[0]) == 1:
@@ -145,7 +145,7 @@ def load_hf(path, base_model=None, dtype=torch.float32):
   model section). dtype=None keeps each tensor's stored dtype.
   """
   model_cfg = read_config(path, base_model)
-  specs = transformer.param_specs(model_cfg, adapters=False)
+  specs = param_table.param_specs(model_cfg, adapters=False)
   whole = {name: tuple(slice(0, n) for n in ((model_cfg.vocab_size,) + spec.shape[1:]
                                              if name in VOCAB_PARAMS else spec.shape))
            for name, spec in specs.items()}
@@ -198,7 +198,7 @@ def _remove_old_weights(path):
 def save_hf(path, model_cfg, params, max_shard_bytes=None):
   """Write an HF model directory (config.json + safetensors, sharded past max_shard_bytes)."""
   hf_config = config_to_hf(model_cfg)
-  specs = transformer.param_specs(model_cfg, adapters=False)
+  specs = param_table.param_specs(model_cfg, adapters=False)
   _check_params(model_cfg, params, specs)
   tensors, fused = {}, {}
   for name in specs:

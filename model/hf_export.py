@@ -1,6 +1,6 @@
 """flatron's model section -> an HF config.json: the family that expresses it (one of
 model/hf_config.py's FAMILIES), or an error naming what none can."""
-from model import rope, transformer
+from model import param_table, rope, transformer
 from model.hf_config import FAMILIES, MOE_FAMILIES, WINDOW_EVERYWHERE
 
 
@@ -139,7 +139,7 @@ def config_to_hf(model_cfg) -> dict:
       'intermediate_size': m.ffn_hidden_size,
       'num_hidden_layers': m.num_layers,
       'num_attention_heads': m.num_attention_heads,
-      'num_key_value_heads': transformer.kv_heads(m),
+      'num_key_value_heads': param_table.kv_heads(m),
       'head_dim': transformer.head_dim(m),
       'vocab_size': m.vocab_size,
       'max_position_embeddings': m.max_position_embeddings,

@@ -1,7 +1,7 @@
 """Which tensor of an HF model's files holds each of ours: names (ours are HF's minus `model.`),
 Mixtral's and Qwen-MoE's experts stored one tensor per expert (or as transformers 5's stacks),
 Phi-3's fused qkv_proj and gate_up_proj rows."""
-from model import lora_fused, moe, transformer
+from model import lora_fused, moe, param_table, transformer
 from model.hf_config import MOE_FAMILIES
 from model.hf_export import family_of
 
@@ -37,7 +37,7 @@ def fused_rows(name, model_cfg):
   if not lora_fused.is_fused(model_cfg) or len(parts) < 3 or parts[-1] != 'weight' or parts[-2] not in lora_fused.FUSED:
     return None
   d, f = transformer.head_dim(model_cfg), model_cfg.ffn_hidden_size
-  q, kv = model_cfg.num_attention_heads * d, transformer.kv_heads(model_cfg) * d
+  q, kv = model_cfg.num_attention_heads * d, param_table.kv_heads(model_cfg) * d
   first = {'q_proj': 0, 'k_proj': q, 'v_proj': q + kv, 'gate_proj': 0, 'up_proj': f}[parts[-2]]
   rows = q + 2 * kv if parts[-2] in ('q_proj', 'k_proj', 'v_proj') else 2 * f
   return to_hf_name('.'.join(parts[:-2] + [lora_fused.FUSED[parts[-2]], 'weight'])), first, rows

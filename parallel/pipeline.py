@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from model import transformer
+from model import param_table
 from parallel import pipeline_schedule as schedules
 
 
@@ -74,7 +74,7 @@ def owned_names(model_cfg, mesh, bounds, vp):
   last = len(bounds) - 1
   layer_ids = {i for vs in mine for i in range(*bounds[vs])}
   names = []
-  for name in transformer.param_specs(model_cfg):
+  for name in param_table.param_specs(model_cfg):
     if name.startswith('layers.'):
       keep = int(name.split('.')[1]) in layer_ids
     elif name in ('embed_tokens.weight', 'embed_positions.weight'):

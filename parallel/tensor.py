@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import layers, moe, param_init, transformer
+from model import layers, moe, param_init, param_table, transformer
 from numerics import fp8, precision
 from parallel import comm, context, experts, sequence
 
@@ -22,7 +22,7 @@ def check(model_cfg, strategy, seq_length) -> list:
   """Whether the model splits over distributed_strategy's TP degree (degrees already > 0):
   heads and FFN columns evenly, KV heads evenly or replicated exactly, SP's sequence evenly."""
   problems, tp, replicator = [], strategy.tensor_model_parallel_size, strategy.kv_replicator
-  heads, kv = model_cfg.num_attention_heads, transformer.kv_heads(model_cfg)
+  heads, kv = model_cfg.num_attention_heads, param_table.kv_heads(model_cfg)
   if heads % tp:
     problems.append(f'model.num_attention_heads={heads} is not divisible by '
                     f'distributed_strategy.tensor_model_parallel_size={tp}')
@@ -61,7 +61,7 @@ SPLIT_DIMS = {'vocab': 0, 'column': 0, 'column_kv': 0, 'row': 1, 'expert_column'
 
 def layouts(model_cfg) -> dict:
   """name -> the layout the model declares for it (param_specs refuses one that declares none)."""
-  return {name: spec.layout for name, spec in transformer.param_specs(model_cfg).items()}
+  return {name: spec.layout for name, spec in param_table.param_specs(model_cfg).items()}
 
 
 def split_dim(layout):
@@ -110,7 +110,7 @@ def tp_box(spec, tp, tp_rank, kv_replicator=1):
 
 def boxes(model_cfg, mesh, names=None):
   """name -> box for this rank (all parameters, or `names`), at the TP-padded vocabulary."""
-  specs = transformer.param_specs(model_cfg, mesh.tp)
+  specs = param_table.param_specs(model_cfg, mesh.tp)
   return {name: experts.ep_box(name, tp_box(specs[name], mesh.tp, mesh.tp_rank, mesh.kv_replicator),
                                specs[name], mesh)
           for name in (names or specs)}
@@ -277,7 +277,7 @@ def config_ops(config, mesh):
 def describe_layout(config, mesh):
   """One line per rank: its mesh coordinates and which heads / ffn columns / vocab rows it holds."""
   m = config.model
-  specs = transformer.param_specs(m, mesh.tp)
+  specs = param_table.param_specs(m, mesh.tp)
   d = transformer.head_dim(m)
 
   def span(name, t, divisor=1):

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from model import transformer
+from model import param_table, transformer
 from numerics import precision
 from parallel import grads, passes, pipeline, tensor
 
@@ -55,7 +55,7 @@ def param_boxes(config, mesh):
 
 def placement(config, mesh):
   """name -> (this rank's box, the global shape) of each parameter of its stage."""
-  specs = transformer.param_specs(config.model, mesh.tp)
+  specs = param_table.param_specs(config.model, mesh.tp)
   return {n: (box, specs[n].shape) for n, box in param_boxes(config, mesh).items()}
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoint import state as states
-from model import adapters, generation, hf, lora, transformer
+from model import adapters, generation, hf, lora, param_table, transformer
 from tools import convert, generate
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -68,7 +68,7 @@ def test_peft_adapters_save_load_and_merge(hf_dir, tmp_path):
   path, _ = hf_dir
   model_cfg, params = hf.load_hf(path)
   model_cfg.peft.update(dict(lora_rank=2, lora_alpha=4.0, target_modules=('q_proj', 'v_proj')))
-  specs = transformer.param_specs(model_cfg)
+  specs = param_table.param_specs(model_cfg)
   g = torch.Generator().manual_seed(0)
   params = dict(params, **{n: torch.randn(specs[n].shape, generator=g) * 0.1 for n in specs if lora.is_adapter(n)})
   adapters.save_peft(str(tmp_path / 'adapter'), model_cfg, params)          # save_peft(dir, model_cfg, params)

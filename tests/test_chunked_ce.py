@@ -12,7 +12,7 @@ import numpy as np
 
 import train
 from configs import base, validate
-from model import chunked_ce, layers, objectives, transformer
+from model import chunked_ce, layers, objectives, param_table, transformer
 from parallel import tensor
 from tests import parity, world
 
@@ -141,7 +141,7 @@ def test_logits_for_generation_and_eval_stay_whole():
   params = transformer.init(m, 3)
   batch = packed_batch()
   logits = transformer.forward(params, batch['tokens'], m, segment_ids_bs=batch['segment_ids'])
-  assert logits.shape == (2, 12, transformer.padded_vocab_size(m, 1))
+  assert logits.shape == (2, 12, param_table.padded_vocab_size(m, 1))
 
 
 @pytest.mark.parametrize('objective', ['dpo', 'ipo', 'orpo_token', 'orpo_pair'])

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from configs import base, cli, validate
-from model import defaults, transformer
+from model import defaults, param_table
 from optim import schedules
 
 PUBLISHED = {'llama7b': 6_738_415_616, 'llama3_8b': 8_030_261_248, 'llama3_70b': 70_553_706_496}
@@ -31,7 +31,7 @@ SMOKE = tuple(name for name in ALL if offers(name, 'smoke'))
 
 @pytest.mark.parametrize('name', sorted(PUBLISHED))
 def test_parameter_count_equals_published_size(name):
-  assert transformer.count_params(load(name).model) == PUBLISHED[name]
+  assert param_table.count_params(load(name).model) == PUBLISHED[name]
 
 
 def test_the_model_section_is_the_models_defaults_and_shares_its_lora_keys():
@@ -47,9 +47,9 @@ def test_gpt_345m_count_and_features():
   m = load('gpt_345m').model
   # Megatron GPT-2 medium: 24 x (12 h^2 + 13 h) + (V + 1024) h + 2h with tied embeddings.
   h, v = 1024, 50257
-  assert transformer.count_params(m) == 24 * (12 * h * h + 13 * h) + (v + 1024) * h + 2 * h
-  assert transformer.padded_vocab_size(m) == 50304
-  specs = transformer.param_specs(m)
+  assert param_table.count_params(m) == 24 * (12 * h * h + 13 * h) + (v + 1024) * h + 2 * h
+  assert param_table.padded_vocab_size(m) == 50304
+  specs = param_table.param_specs(m)
   assert 'lm_head.weight' not in specs and 'embed_positions.weight' in specs
   assert 'layers.0.mlp.gate_proj.weight' not in specs and 'layers.0.mlp.up_proj.bias' in specs
 
@@ -67,7 +67,7 @@ def test_the_big_configs_offer_smoke():
 def test_smoke_preset_keeps_features_and_shrinks(name):
   full, smoke = load(name), load(name, 'smoke')
   validate.validate(smoke)
-  assert transformer.count_params(smoke.model) < 1_000_000
+  assert param_table.count_params(smoke.model) < 1_000_000
   for key in ('position_embedding_type', 'normalization', 'activation', 'has_bias',
               'share_embeddings_and_output_weights'):
     assert smoke.model[key] == full.model[key]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 import train
 from configs import validate
-from model import adapters, hf, layers, lora, lora_targets, transformer
+from model import adapters, hf, layers, lora, lora_targets, param_table, transformer
 from tests import parity
 from tests.test_adapters import peft_adapter, response_logp
 from tests.test_hf import BASE_MODEL, VOCAB, random_tokens
@@ -72,7 +72,7 @@ def test_adapters_go_both_ways_with_peft_logits(family, tmp_path):
   tokens = random_tokens(5, s=24)
   targets = TARGETS.get(family, 'all-linear')
   cfg = with_lora(cfg0, targets)
-  adapted = lora.trainable(cfg, transformer.param_specs(cfg))
+  adapted = lora.trainable(cfg, param_table.param_specs(cfg))
   params = dict(base, **transformer.init(cfg, 3, boxes={n: None for n in adapted}))
   randomized(params.items(), 1)
   adapters.save_peft(str(tmp_path / 'ours'), cfg, params, base_model_name_or_path=base_dir)      # ours -> peft
@@ -173,11 +173,11 @@ def test_what_peft_cannot_hold_on_phi3_is_refused_with_both_values(peft, message
   c.model_alignment_strategy.peft.update(peft)
   assert any(message in p for p in validate.check(c))
   with pytest.raises(ValueError, match='fused'):
-    transformer.param_specs(c.model)
+    param_table.param_specs(c.model)
   c = parity.parity_config(family='qwen3', lora=4)           # elsewhere qkv_proj is NxD's: q, k and v
   c.model_alignment_strategy.peft.update(dict(peft, target_modules=('qkv_proj',)))
   assert not any('fused' in p for p in validate.check(c))
-  names = transformer.param_specs(c.model)
+  names = param_table.param_specs(c.model)
   assert all(f'layers.0.self_attn.{p}.lora_A.weight' in names for p in ('q_proj', 'k_proj', 'v_proj'))
 
 

@@ -2,7 +2,7 @@
 (Gemma 3 270M: heads x head_dim 1024 against hidden 640, sliding-window layers; Qwen3-0.6B:
 heads x head_dim 2048 against hidden 1024), LoRA's frozen base, MoE's active experts."""
 from configs import base as base_config
-from model import flop_count, hf_config, transformer
+from model import flop_count, hf_config, param_table
 
 # google/gemma-3-270m's config.json (text model), the keys the import reads
 GEMMA3_270M = {
@@ -38,7 +38,7 @@ def test_gemma3_270m_counts_its_heads_and_windows():
   attention = 640 * 4 * 256 + 2 * 640 * 1 * 256 + 4 * 256 * 640      # q, k, v, o
   layer = attention + 2 * 256 + 4 * 640 + 3 * 640 * 2048               # q/k norms, sandwich norms, GeGLU
   n = 18 * layer + 640 + 262144 * 640                                  # final norm; the tied table is the head
-  assert n == 268_098_176 == transformer.count_params(m)
+  assert n == 268_098_176 == param_table.count_params(m)
   assert flop_count.attention_spans(m, 1024) == [512] * 5 + [1024] + [512] * 5 + [1024] + [512] * 5 + [1024]
   # 15 sliding layers attend 512 keys, 3 full ones the whole sequence
   assert flop_count.flops_per_token(m, 1024) == 6 * n + 12 * 4 * 256 * (15 * 512 + 3 * 1024) == 1_740_709_632
@@ -52,14 +52,14 @@ def test_qwen3_06b_counts_heads_times_head_dim_not_hidden():
   attention = 1024 * 16 * 128 + 2 * 1024 * 8 * 128 + 16 * 128 * 1024
   layer = attention + 2 * 128 + 2 * 1024 + 3 * 1024 * 3072            # q/k norms, 2 norms, SwiGLU
   n = 28 * layer + 1024 + 151936 * 1024
-  assert n == 596_049_920 == transformer.count_params(m)
+  assert n == 596_049_920 == param_table.count_params(m)
   assert flop_count.flops_per_token(m, 4096) == 6 * n + 12 * 28 * 16 * 128 * 4096 == 6_394_871_808
 
 
 def test_a_window_on_every_layer_without_layer_types_slides_them_all():
   m = qwen3_06b()
   m.sliding_window = 1024                # Mistral's form: a window and no per-layer types
-  n = transformer.count_params(m, embedding=False)
+  n = param_table.count_params(m, embedding=False)
   assert flop_count.flops_per_token(m, 4096) == 6 * n + 12 * 28 * 16 * 128 * 1024
 
 
@@ -74,14 +74,14 @@ def tiny(**overrides):
 
 def test_flops_per_token_formula():
   m = tiny()
-  n_nonembed = transformer.count_params(m) - 100 * 32
+  n_nonembed = param_table.count_params(m) - 100 * 32
   assert flop_count.flops_per_token(m, 16) == 6 * n_nonembed + 12 * 2 * 4 * 8 * 16
 
 
 def test_lora_charges_4_flops_per_frozen_parameter():
   m = tiny()
   m.peft.lora_rank = 4
-  n, trained = transformer.count_params(m, embedding=False), transformer.count_params(m, embedding=False, trainable_only=True)
+  n, trained = param_table.count_params(m, embedding=False), param_table.count_params(m, embedding=False, trainable_only=True)
   assert 0 < trained < n
   assert flop_count.flops_per_token(m, 16) == 6 * trained + 4 * (n - trained) + 12 * 2 * 4 * 8 * 16
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip('transformers')
 
 from configs import base as base_config
-from model import hf, transformer
+from model import hf, param_table, transformer
 
 VOCAB = 300        # not a multiple of 128: exercises the vocab padding
 BASE_MODEL = base_config.get_config().model   # what HF does not set comes from here
@@ -94,7 +94,7 @@ def test_hf_to_flatron_logits(case, tmp_path):
   assert os.path.exists(tmp_path / hf.INDEX_FILE) == (case == 'sharded')
 
   m, params = hf.load_hf(str(tmp_path), BASE_MODEL)
-  assert params['embed_tokens.weight'].shape[0] == transformer.padded_vocab_size(m) == 384
+  assert params['embed_tokens.weight'].shape[0] == param_table.padded_vocab_size(m) == 384
   assert m.share_embeddings_and_output_weights == (case == 'tied')
   assert m.rope_theta == CASES[case].get('rope_theta', 10000.0)
   assert m.rope_scaling.type == CASES[case].get('rope_scaling', {}).get('rope_type', 'none')

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import train
 from checkpoint import manager as managers, state as states, steps as checkpoint_steps
 from configs import base, validate
-from model import adapters, hf, lora, lora_targets, transformer
+from model import adapters, hf, lora, lora_targets, param_table, transformer
 from optim import update
 from parallel import mesh as meshes, tensor
 from tests import parity
@@ -63,7 +63,7 @@ def ours_like(path, model, targets, rslora):
   cfg, params = hf.load_hf(path, base.get_config().model)
   cfg.peft.update(dict(lora_rank=4, lora_alpha=8.0, use_rslora=rslora, target_modules=TARGETS[targets][0]))
   theirs = dict(model.named_parameters())
-  names = [n for n in transformer.param_specs(cfg) if lora.is_adapter(n)]
+  names = [n for n in param_table.param_specs(cfg) if lora.is_adapter(n)]
   for name in names:
     key = adapters.peft_key(name).replace('.weight', '.default.weight')
     params[name] = theirs[key].detach().clone()
@@ -135,7 +135,7 @@ def test_init_is_the_base_model_and_keyed():
   assert len([n for n in params if lora.is_adapter(n)]) == 2 * 7 * cfg.num_layers
   ids = IDS[:, :8] % cfg.vocab_size
   assert torch.equal(logits(params, cfg, ids), logits(base_params, cfg, ids))   # B = 0: exactly the base
-  specs = transformer.param_specs(cfg)
+  specs = param_table.param_specs(cfg)
   for name, p in params.items():
     if lora.split_name(name) and lora.split_name(name)[1] == 'lora_A':
       bound = 1 / np.sqrt(specs[name].shape[1])
@@ -291,7 +291,7 @@ def test_base_and_merged_checkpoints(runs, tmp_path, option, stored):
   meta = checkpoint_steps.read_metadata(step_path(tmp_path, 2))
   assert meta['lora'] == {'stored': stored}
   names = {a for a in meta['arrays'] if not a.startswith(('optim.', 'master.'))}
-  specs = transformer.param_specs(config.model)
+  specs = param_table.param_specs(config.model)
   if option == 'save_lora_base':
     assert names == set(specs)
     expected = params

@@ -6,7 +6,7 @@ import pytest
 from configs import base, llama7b, llama_tiny
 from data.loader import Loader
 from estimates import host_heap, memory
-from model import transformer
+from model import param_table
 from numerics import precision
 from optim import optimizers, update
 from parallel import mesh as meshes, passes, tensor, training
@@ -15,7 +15,7 @@ from parallel import mesh as meshes, passes, tensor, training
 def test_static_bytes_follow_the_parameter_count():
   c = llama_tiny.get_config()
   n = sum(spec.shape[0] * (spec.shape[1] if len(spec.shape) > 1 else 1)
-          for spec in transformer.param_specs(c.model).values())
+          for spec in param_table.param_specs(c.model).values())
   est = memory.estimate(c)
   assert est['params'] == est['grads'] == 4 * n
   assert est['optimizer'] == 8 * n                     # AdamW: two fp32 moments
@@ -129,9 +129,9 @@ def test_first_pipeline_stage_holds_the_most_micro_batches():
 
 def test_logits_term_is_the_fp32_log_probs_and_their_gradient():
   c = llama_tiny.get_config()
-  n, v = c.data.micro_batch_size * c.data.seq_length, transformer.padded_vocab_size(c.model)
+  n, v = c.data.micro_batch_size * c.data.seq_length, param_table.padded_vocab_size(c.model)
   assert memory.logits_bytes(c) == 8 * n * v
-  assert memory.logits_bytes(c, tp=2) == 8 * n * transformer.padded_vocab_size(c.model, 2) // 2
+  assert memory.logits_bytes(c, tp=2) == 8 * n * param_table.padded_vocab_size(c.model, 2) // 2
 
 
 def test_startup_summary_names_the_peak_phase():
@@ -150,7 +150,7 @@ def test_memory_estimate_counts_one_chunk_of_logits():
   off = memory.estimate(c)['logits']
   c.model.fusions.chunked_cross_entropy = 16
   on = memory.estimate(c)['logits']
-  assert off - on == 2 * 4 * (2 * 64 - 16) * transformer.padded_vocab_size(c.model, 1)
+  assert off - on == 2 * 4 * (2 * 64 - 16) * param_table.padded_vocab_size(c.model, 1)
   c.model.fusions.chunked_cross_entropy = 4096          # longer than the micro batch: no change
   assert memory.estimate(c)['logits'] == off
 
@@ -161,12 +161,12 @@ def test_moe_estimate_counts_every_expert_and_a_share_of_them_under_expert_paral
   from configs import mixtral_tiny  # pylint: disable=import-outside-toplevel
   from model import moe  # pylint: disable=import-outside-toplevel
   c = mixtral_tiny.get_config()
-  specs = transformer.param_specs(c.model)
+  specs = param_table.param_specs(c.model)
   experts = sum(math.prod(s.shape) for n, s in specs.items() if moe.is_expert_param(n))
   one = memory.estimate(c)
   c.distributed_strategy.expert_model_parallel_size = 2
   two = memory.estimate(c)
-  assert one['params'] == 4 * transformer.count_params(c.model) + 4 * (transformer.padded_vocab_size(c.model)
+  assert one['params'] == 4 * param_table.count_params(c.model) + 4 * (param_table.padded_vocab_size(c.model)
                                                                      - c.model.vocab_size) * 2 * c.model.hidden_size
   assert one['params'] - two['params'] == 4 * experts // 2
   mesh = meshes.Mesh(dp=2, ep=2, rank=1)

@@ -6,7 +6,7 @@ import os
 import torch
 
 from checkpoint import nxd_files, nxd_write
-from model import hf, transformer
+from model import hf, param_table
 from tests.test_hf import BASE_MODEL, family_model
 from tests.test_nxd_params import NXD_CORE
 
@@ -18,7 +18,7 @@ def test_where_nxd_puts_each_head():
   cfg = family_model('llama', dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=1)).config
   m = hf.config_from_hf(cfg.to_dict(), BASE_MODEL)
   d, h = 8, 64
-  params = {n: torch.zeros(s.shape) for n, s in transformer.param_specs(m, adapters=False).items()}
+  params = {n: torch.zeros(s.shape) for n, s in param_table.param_specs(m, adapters=False).items()}
   params['layers.0.self_attn.q_proj.weight'] = torch.arange(8).repeat_interleave(d)[:, None].float().expand(64, h)
   params['layers.0.self_attn.k_proj.weight'] = 100 + torch.arange(2).repeat_interleave(d)[:, None].float().expand(16, h)
   params['layers.0.self_attn.v_proj.weight'] = 200 + torch.arange(2).repeat_interleave(d)[:, None].float().expand(16, h)
@@ -36,7 +36,7 @@ def test_nxd_write_holds_the_experts_as_nxd_s_expert_mlps_does():
   cfg = hf.config_from_hf(dict(architectures=['MixtralForCausalLM'], model_type='mixtral', hidden_size=32,
                                intermediate_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                                vocab_size=64, num_local_experts=4, num_experts_per_tok=2), BASE_MODEL)
-  params = {n: torch.zeros(s.shape) for n, s in transformer.param_specs(cfg, adapters=False).items()}
+  params = {n: torch.zeros(s.shape) for n, s in param_table.param_specs(cfg, adapters=False).items()}
   params.update({'layers.0.mlp.experts.' + n: full[n + '.weight'] for n in ('gate_proj', 'up_proj', 'down_proj')})
   shards = nxd_write.split(params, cfg, 2)
   for r in range(2):
@@ -49,7 +49,7 @@ def test_nxd_write_holds_the_experts_as_nxd_s_expert_mlps_does():
 def test_the_tag_is_named_and_marked_as_nxd_training_writes_it(tmp_path):
   cfg = family_model('llama', dict(num_hidden_layers=1)).config
   m = hf.config_from_hf(cfg.to_dict(), BASE_MODEL)
-  params = {n: torch.zeros(s.shape) for n, s in transformer.param_specs(m, adapters=False).items()}
+  params = {n: torch.zeros(s.shape) for n, s in param_table.param_specs(m, adapters=False).items()}
   tag = nxd_write.write_tag(str(tmp_path), nxd_write.split(params, m, 2, 1, 1), 'hf_llama3_8B', 5, 160)
   assert os.path.basename(tag) == 'hf_llama3_8B--step=5-consumed_samples=160.0.ckpt'
   assert sorted(os.listdir(tag)) == ['checkpoint', 'done', 'model', 'user_content.pt']

@@ -7,7 +7,7 @@ import torch
 
 from configs import base, llama_tiny
 from estimates import activations
-from model import attention, layers, transformer
+from model import attention, layers, param_table, transformer
 from parallel import mesh as meshes, remat, tensor
 from tests import world
 
@@ -49,7 +49,7 @@ def config(shape='llama_gqa', mode='none', flash=True, dropout=0.1, tp=1, sp=Fal
   c.data.seq_length, c.data.micro_batch_size = s, b
   d = c.distributed_strategy
   d.tensor_model_parallel_size, d.sequence_parallel = tp, sp
-  d.kv_replicator = max(1, tp // transformer.kv_heads(m))
+  d.kv_replicator = max(1, tp // param_table.kv_heads(m))
   d.collective_timeout_s = 60
   return c
 

@@ -7,7 +7,7 @@ import pytest
 
 from configs import llama3_8b, llama_tiny
 from estimates import clusters, collective_cost, micro_batch_cost, schedule_sim, step_time
-from model import flop_count, transformer
+from model import flop_count, param_table, transformer
 
 H100 = clusters.CLUSTERS['h100']
 
@@ -89,7 +89,7 @@ def test_cp_divides_per_token_work_and_adds_the_ring():
   assert base.terms['cp_comm'] == 0 < cp2.terms['cp_comm']
   # the ring by hand: 2 steps per layer; the one forward send and the backward's K/V + dK/dV
   # send exceed their step's compute by what is exposed, and the last dK/dV hop is all exposed
-  n, kv = b * s // 2, 2 * transformer.kv_heads(m) * hd
+  n, kv = b * s // 2, 2 * param_table.kv_heads(m) * hd
   bw, lat = SLOW.intra_bw * SLOW.link_eff, SLOW.intra_lat
   step = core / 2
   ring = (max(0, collective_cost.p2p(n * kv * 2, bw, lat) - step) + max(0, collective_cost.p2p(n * kv * 6, bw, lat) - 2 * step)
@@ -222,7 +222,7 @@ def test_measured_overheads_and_elementwise_rates_add_what_they_say():
   assert step_time.predict(c, over, 1).step_s - base == pytest.approx(
       layers * micro * 1e-3 + layers * 2e-3 + micro * 3e-3 + 4e-3)
   ew_bytes = 3 * layers * micro * sum(micro_batch_cost.elementwise_bytes(c, 1))
-  logits = micro * a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)
+  logits = micro * a.micro_batch_size * a.seq_length * param_table.padded_vocab_size(m, 1)
   rates = dataclasses.replace(local, ew_bw=1e9, logit_s=1e-8)
   assert step_time.predict(c, rates, 1).step_s - base == pytest.approx(
       ew_bytes * (1 / 1e9 - 1 / local.mem_bw) + logits * (1e-8 - 24 / local.mem_bw))

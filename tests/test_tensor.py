@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import param_init, transformer
+from model import param_init, param_table, transformer
 from parallel import comm, mesh as meshes, tensor
 from tests import parity, world
 
@@ -35,7 +35,7 @@ def test_boxes_tile_every_parameter_exactly_once():
   cfg = parity.parity_config().model
   cfg.num_kv_heads = 2
   for tp, rep in ((1, 1), (2, 1), (4, 2)):
-    specs = transformer.param_specs(cfg, tp)
+    specs = param_table.param_specs(cfg, tp)
     for name, spec in specs.items():
       cover = np.zeros(spec.shape, dtype=int)
       for t in range(tp):
@@ -65,7 +65,7 @@ def test_sharded_init_equals_the_slice_of_the_single_device_init():
 def test_a_rank_draws_only_its_experts_rows():
   """Mixtral-8x7B's up_proj stack [8, 14336, 4096] at tp 32: a rank's box is 1/32 of each expert;
   it draws 64-row blocks of its own rows, never a block of 64 whole experts (15 GiB)."""
-  spec = transformer.ParamSpec((8, 14336, 4096), 'normal', 0.02)
+  spec = param_table.ParamSpec((8, 14336, 4096), 'normal', 0.02)
   box = (slice(0, 8), slice(448, 896), slice(0, 4096))
   drawn = []
   real = param_init.rng.normal
@@ -160,8 +160,8 @@ def test_each_parameter_declares_its_layout_and_none_is_guessed():
     assert not tensor.is_sequence_parallel_replicated(layouts[name])      # summed once, not twice under SP
   assert not tensor.is_tp_partial(layouts['layers.0.pre_feedforward_layernorm.weight'])
   # a parameter a fork adds without a layout is refused by name, not replicated by default
-  specs = transformer.param_specs(m)
-  specs['layers.0.self_attn.gate_proj.weight'] = transformer.ParamSpec((4, 4), 'normal', 0.02)
+  specs = param_table.param_specs(m)
+  specs['layers.0.self_attn.gate_proj.weight'] = param_table.ParamSpec((4, 4), 'normal', 0.02)
   with pytest.raises(ValueError, match=r'layers\.0\.self_attn\.gate_proj\.weight.*declare one of vocab, column'):
-    transformer.check_layouts(specs)
+    param_table.check_layouts(specs)
   assert comm.group_size(None) == 1

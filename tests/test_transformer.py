@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from configs import base
-from model import hf, objectives, transformer
+from model import hf, objectives, param_table, transformer
 from parallel import remat
 from tests import parity
 
@@ -48,11 +48,11 @@ def test_megatron_init_statistics():
 
 def test_param_shapes_and_vocab_padding():
   m = tiny()
-  specs = transformer.param_specs(m)
+  specs = param_table.param_specs(m)
   assert specs['embed_tokens.weight'].shape == (128, 32)
   assert specs['layers.0.self_attn.k_proj.weight'].shape == (16, 32)          # 2 kv heads x d 8
-  assert transformer.padded_vocab_size(m, tp=4) == 512
-  assert transformer.count_params(m) == sum(
+  assert param_table.padded_vocab_size(m, tp=4) == 512
+  assert param_table.count_params(m) == sum(
       torch.Size(s.shape).numel() for s in specs.values()) - 2 * 28 * 32      # padding not counted
 
 

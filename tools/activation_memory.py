@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from estimates import activations
-from model import transformer
+from model import param_table, transformer
 from parallel import mesh as meshes
 import tools
 
@@ -40,13 +40,13 @@ def variant(config, flash, mode, tp, sp):
   m.fusions.flash_attention = flash
   m.activations_checkpoint_granularity, m.activations_checkpoint_recompute = MODES[mode]
   d.tensor_model_parallel_size, d.sequence_parallel, d.pipeline_model_parallel_size = tp, sp, 1
-  d.kv_replicator = max(1, tp // transformer.kv_heads(m))
+  d.kv_replicator = max(1, tp // param_table.kv_heads(m))
   return c
 
 
 def fits(config, tp, sp):
   m = config.model
-  g = transformer.kv_heads(m)
+  g = param_table.kv_heads(m)
   heads_split = m.num_attention_heads % tp == 0 and (g % tp == 0 or tp % g == 0)
   return heads_split and m.ffn_hidden_size % tp == 0 and (not sp or config.data.seq_length % tp == 0)
 
@@ -108,7 +108,7 @@ def render(config, table, dtype_name):
   m, a = config.model, config.data
   dropout = max(m.hidden_dropout, m.attention_dropout, m.ffn_dropout)
   lines = [f'{config.name}: s={a.seq_length} b={a.micro_batch_size} h={m.hidden_size} '
-           f'f={m.ffn_hidden_size} a={m.num_attention_heads} g={transformer.kv_heads(m)} '
+           f'f={m.ffn_hidden_size} a={m.num_attention_heads} g={param_table.kv_heads(m)} '
            f'd={transformer.head_dim(m)} {m.activation} {m.normalization} {dtype_name} dropout={dropout}',
            'bytes kept for backward per layer and rank: ' + (
                'measured, = when the formula agrees' if _measured(table) else 'formula only')]

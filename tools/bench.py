@@ -39,7 +39,7 @@ import tools
 from configs import validate
 from data.loader import Loader
 from estimates import memory, memory_check
-from model import flop_count, hf, moe, transformer
+from model import flop_count, hf, moe, param_table
 from optim import update
 from parallel import compiled, device as devices, mesh as meshes, tensor, training
 
@@ -95,7 +95,7 @@ def bench(config, steps, warmup):
   peak, source = devices.peak_flops(device) if device.type == 'cuda' else (
       devices.measured_matmul_flops(device, n=2048), f'measured fp32 2048^3 matmul on {device.type}')
   after = compiled.stats()
-  return {'name': config.name, 'params': transformer.count_params(config.model), 'mesh': mesh.describe(),
+  return {'name': config.name, 'params': param_table.count_params(config.model), 'mesh': mesh.describe(),
           'device': str(device), 'tokens_per_step': tokens, 'step_time': step_time,
           'tokens_per_sec': tokens / step_time, 'flops': flops, 'peak': peak, 'peak_source': source,
           'mfu': flops / (peak * mesh.world_size), 'threads': torch.get_num_threads(),
@@ -208,14 +208,14 @@ def main(argv):
     if FLAGS.bench_hf_model:
       from tools import bench_hf  # pylint: disable=import-outside-toplevel
       config = bench_hf.bench_config('fp32')
-    print(f'{config.name}: {transformer.count_params(config.model):,} params, {torch.get_num_threads()} threads, '
+    print(f'{config.name}: {param_table.count_params(config.model):,} params, {torch.get_num_threads()} threads, '
           f'median of {FLAGS.steps} steps after {FLAGS.warmup} warm-up, eager and compiled interleaved')
     print(format_table(compare_compile(config, FLAGS.compare_compile, FLAGS.steps, FLAGS.warmup)))
     return
   if FLAGS.compare_moe:
     c = FLAGS.config
     print(f'{c.name}: {c.model.moe.num_experts} experts, top-{c.model.moe.top_k}, '
-          f'{transformer.count_params(c.model):,} params, {torch.get_num_threads()} threads, '
+          f'{param_table.count_params(c.model):,} params, {torch.get_num_threads()} threads, '
           f'{c.data.global_batch_size * c.data.seq_length:,} tokens/step, median of {FLAGS.steps} steps after '
           f'{FLAGS.warmup} warm-up, interleaved')
     for name, rate in compare_moe(c, FLAGS.steps, FLAGS.warmup).items():

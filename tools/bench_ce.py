@@ -18,7 +18,7 @@ from ml_collections import config_flags
 import torch
 
 import tools
-from model import transformer
+from model import param_table
 from tools import bench
 
 FLAGS = flags.FLAGS
@@ -56,7 +56,7 @@ def time_head_and_loss(config, values, reps=3):
   d, m = config.data, config.model
   g = torch.Generator().manual_seed(0)
   x = torch.randn(d.micro_batch_size, d.seq_length, m.hidden_size, generator=g)
-  w = torch.randn(transformer.padded_vocab_size(m, 1), m.hidden_size, generator=g) * m.init_method_std
+  w = torch.randn(param_table.padded_vocab_size(m, 1), m.hidden_size, generator=g) * m.init_method_std
   labels = torch.randint(0, m.vocab_size, (d.micro_batch_size, d.seq_length), generator=g)
   out = {v: [] for v in values}
   for _ in range(reps):
@@ -71,7 +71,7 @@ def time_head_and_loss(config, values, reps=3):
 
 def print_chunked_cross_entropy(config, runs):
   d, m = config.data, config.model
-  logits = d.micro_batch_size * d.seq_length * transformer.padded_vocab_size(m, 1)
+  logits = d.micro_batch_size * d.seq_length * param_table.padded_vocab_size(m, 1)
   print(f"{config.name}: vocab {m.vocab_size:,}, micro batch {d.micro_batch_size} x seq {d.seq_length}: "
         f"fp32 logits {logits * 4 / 2**20:,.0f} MiB per copy (tp 1)")
   for value, rs in runs.items():

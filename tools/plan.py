@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from configs import from_files, validate
 from estimates import clusters, memory, step_time, summary
-from model import flop_count, transformer
+from model import flop_count, param_table
 import step_trace as traces
 import tools
 import user_errors
@@ -66,7 +66,7 @@ class Layout:
     d.context_parallel_size, d.expert_model_parallel_size = self.cp, self.ep
     if self.cp > 1:            # the ring is how flatron runs context parallelism (parallel/context.py)
       config.model.fusions.ring_attention = True
-    kv = transformer.kv_heads(config.model)
+    kv = param_table.kv_heads(config.model)
     d.kv_replicator = self.tp // kv if self.tp > kv and self.tp % kv == 0 else 1
     config.data.micro_batch_size = self.micro_batch
     config.precision.fp8 = self.fp8
@@ -150,7 +150,7 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
   work = copy.deepcopy(config)
   work.device = cluster.device
   refused, found, searched, fitting = collections.Counter(), [], 0, 0
-  counts = (transformer.count_params(work.model), transformer.count_params(work.model, trainable_only=True),
+  counts = (param_table.count_params(work.model), param_table.count_params(work.model, trainable_only=True),
             flop_count.flops_per_token(work.model, work.data.seq_length))
   specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
   too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
@@ -172,7 +172,7 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
       refused[MEMORY] += 1
       continue
     if layout.tp not in specs:
-      specs[layout.tp] = {n: math.prod(spec.shape) for n, spec in transformer.param_specs(work.model, layout.tp).items()}
+      specs[layout.tp] = {n: math.prod(spec.shape) for n, spec in param_table.param_specs(work.model, layout.tp).items()}
     sizes = memory.even_share(specs[layout.tp], layout.tp, layout.pp, layout.ep)
     need = memory.estimate(work, sizes, layout.dp)['total']
     if need > cluster.memory_bytes:

@@ -136,7 +136,7 @@ def elementwise_figures(cluster) -> dict:
   count) at ew_bw plus logit elements at logit_s, from steps at two vocabularies, each at 1 and
   3 micro batches: the difference leaves out what a step pays once (the embedding's and head's
   gradients zeroed and updated), which would otherwise be charged to every micro batch."""
-  from model import transformer  # pylint: disable=import-outside-toplevel
+  from model import param_table  # pylint: disable=import-outside-toplevel
   from estimates import micro_batch_cost, step_time  # pylint: disable=import-outside-toplevel
   bare = dataclasses.replace(cluster, ew_bw=float('inf'), logit_s=1e-300)
   rows, rest = [], []
@@ -148,7 +148,7 @@ def elementwise_figures(cluster) -> dict:
       beyond.append(_step_seconds(config, 1.5) - step_time.predict(config, bare, 1).step_s)
     a, m = config.data, config.model
     rows.append((3 * m.num_layers * sum(micro_batch_cost.elementwise_bytes(config, 1)),
-                 a.micro_batch_size * a.seq_length * transformer.padded_vocab_size(m, 1)))
+                 a.micro_batch_size * a.seq_length * param_table.padded_vocab_size(m, 1)))
     rest.append((beyond[1] - beyond[0]) / 2)
   return fit_elementwise(rows, rest, cluster.mem_bw)
 

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model import transformer
+from model import param_table, transformer
 from parallel import device as devices
 
 
@@ -17,7 +17,7 @@ def ceiling_step_time(config, dtype, clock=time.perf_counter, device=torch.devic
   micro batch times the micro batches of a step."""
   m, d = config.model, config.data
   tokens, hd = d.micro_batch_size * d.seq_length, transformer.head_dim(m)
-  heads, kv = m.num_attention_heads, transformer.kv_heads(m)
+  heads, kv = m.num_attention_heads, param_table.kv_heads(m)
   shapes = [(heads * hd, m.hidden_size), (kv * hd, m.hidden_size), (kv * hd, m.hidden_size),
             (m.hidden_size, heads * hd), (m.ffn_hidden_size, m.hidden_size), (m.ffn_hidden_size, m.hidden_size),
             (m.hidden_size, m.ffn_hidden_size)] * m.num_layers + [(m.vocab_size, m.hidden_size)]
