@@ -77,7 +77,7 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
     compiled = cfg.model.get('compile')
     cfg.model.compile = False       # dynamo does not trace under the trace's dispatch modes
   start = time.perf_counter()
-  mesh, verbosity = None, absl_logging.get_verbosity()
+  mesh, level = None, absl_logging.get_absl_logger().level    # restored as it was: set_verbosity would pin it
   absl_logging.set_verbosity(absl_logging.WARNING)    # the step's own lines (loss nan) say nothing here
   try:
     mesh = meshes.init(cfg, world=world_size, rank=rank)
@@ -98,7 +98,7 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
     raise TraceError(f'trace of {where}: {failing_operation(e)}: {type(e).__name__}: '
                      f'{_first_line(e)}') from e
   finally:
-    absl_logging.set_verbosity(verbosity)
+    absl_logging.get_absl_logger().setLevel(level)
     meshes.shutdown()
   return {'rank': rank, 'where': mesh.describe(), 'peak': live.peak, 'at_peak': live.at_peak,
           'estimate': est, 'assumed': assumed, 'seconds': time.perf_counter() - start}

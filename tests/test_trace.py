@@ -3,6 +3,7 @@ bytes (estimates/live_bytes.py) beside the estimate, and its failures in one lin
 import os
 import sys
 
+from absl import logging as absl_logging
 import pytest
 import torch
 
@@ -67,7 +68,9 @@ def test_fake_tensors_count_the_bytes_real_ones_hold(monkeypatch):
 
 def test_a_traced_layout_lists_its_ranks_assumptions_and_sits_near_the_estimate():
   c = _tiny(tp=2, pp=2, zero1=True)
+  level = absl_logging.get_absl_logger().level
   results = trace.trace(c, 8)
+  assert absl_logging.get_absl_logger().level == level    # the run's own log lines show as before
   assert [r['where'] for r in results] == ['rank 0/8 = dp 0/2 pp 0/2 tp 0/2', 'rank 2/8 = dp 0/2 pp 1/2 tp 0/2']
   for r in results:
     rows = {name: (traced, estimated) for name, traced, estimated in trace.compare(r)}
