@@ -63,6 +63,20 @@ def recording():
     _RECORDERS.remove(seen)
 
 
+def host():
+  """A context where operations on real host tensors run for real even inside a trace: for
+  what the step computes from its layout alone, never from the data (the ring's positions)."""
+  return unset_fake_temporarily()
+
+
+def on_device(t, like):
+  """The real host tensor `t` on `like`'s device; in a trace a fake of its shape, dtype and
+  bytes on that device (its values are never read there)."""
+  if is_fake(like):
+    return torch.empty(t.shape, dtype=t.dtype, device=like.device)
+  return t.to(like.device, non_blocking=True)
+
+
 def balanced(total: int, parts: int) -> list:
   """`total` split as evenly as it goes over `parts` (the first ones one larger): the token
   counts a traced step assumes where the routing decides them."""

@@ -217,7 +217,8 @@ def trace(config, world_size, which=None, progress=None, all_micro_batches=False
 def tensor_estimate(est) -> dict:
   """`est` without what is not a tensor (the runtime, the CPU heap's holes): what a trace counts."""
   return memory._with_phases(dict(memory.components(est), runtime=0, heap_holes=0,  # pylint: disable=protected-access
-                                  reduction_overlap=est.get('reduction_overlap', 0)))
+                                  reduction_overlap=est.get('reduction_overlap', 0),
+                                  logits_apart=est.get('logits_apart', 0)))
 
 
 def compare(result) -> list:
@@ -227,8 +228,9 @@ def compare(result) -> list:
   held = {c: sum(est.get(p, 0) for p in parts) for c, parts in COMPARED.items()
           if c not in ('activations', 'transients')}
   phase, overlap = est['peak_phase'], est['reduction_overlap']
-  made = {'forward_backward': (est['activations'] + est['logits'], est['grad_transient']),
-          'grad_reduction': (est['logits'] if overlap else 0, est['reduction'] + (est['grad_transient'] if overlap else 0)),
+  logits = est['logits'] - est['logits_apart']      # the logits' bytes beside the backward's working set
+  made = {'forward_backward': (est['activations'] + logits, est['grad_transient']),
+          'grad_reduction': (logits if overlap else 0, est['reduction'] + (est['grad_transient'] if overlap else 0)),
           'update': (0, est['update_temporaries'])}.get(phase, (0, 0))
   estimated = dict(held, activations=made[0], transients=made[1])
   return ([(c, result['at_peak'].get(c, 0), estimated[c]) for c in COMPARED]

@@ -66,6 +66,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   per_layer = activations.activation_bytes_per_layer(config, param_bytes, tp)
   mask = activations.mask_bytes_per_micro_batch(config)
   grads, grad_transient = gradient_bytes(config, sizes, group)
+  working = backward_working_bytes(config, tp)
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
       'grads': grads,
@@ -74,7 +75,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
                     * ADAM_STATES.get(m.optim.name, 2)),
       'activations': layers_in_flight * per_layer + in_flight * mask,
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
-      'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + backward_working_bytes(config, tp),
+      'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + working,
       'reduction': reduction_bytes(config, sizes, group),
       'update_temporaries': update_temporaries(config, sizes, group),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
@@ -93,7 +94,10 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   # logits and backward working set (on the last stage, with one micro batch in flight, that is the
   # peak: seen tracing NxD's 405B file); its activations are freed as the buckets fill
   overlapped = d.overlap_grad_reduce and out['reduction'] > 0
-  out['reduction_overlap'] = out['logits'] + out['grad_transient'] if overlapped else 0
+  # the logits and their gradient are freed before the layers' backward starts: the larger of
+  # them and a layer's backward working set is live, not both (seen tracing NxD's Llama-2 7B)
+  out['logits_apart'] = min(out['logits'], working)
+  out['reduction_overlap'] = out['logits'] + out['grad_transient'] - out['logits_apart'] if overlapped else 0
   return _with_phases(out)
 
 
@@ -149,7 +153,7 @@ def _with_phases(out) -> dict:
   phases = {
       'init': held + (RUNTIME_BYTES['init'] if out['runtime'] else 0),
       'forward_backward': (steady + out['grads'] + out['activations'] + out['logits'] + out['grad_transient']
-                           + out['heap_holes']),
+                           - out.get('logits_apart', 0) + out['heap_holes']),
       'grad_reduction': steady + out['grads'] + out['reduction'] + out.get('reduction_overlap', 0),
       'update': steady + out['grads'] + out['update_temporaries'],
       'checkpoint_save': steady + out['checkpoint_copy'],
@@ -166,7 +170,8 @@ def backward_working_bytes(config, tp) -> int:
   sequence parallelism the input gathered again for the weight gradients beside it, w N h
   each (N = b s / cp tokens); with explicit attention (no SDPA, or attention dropout), the
   softmax's backward in fp32 beside the probabilities' gradient: 3 x 4 b a' s^2 (a' = heads / t);
-  with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer)."""
+  with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer),
+  the larger of the two."""
   m, a, d = config.model, config.data, config.distributed_strategy
   cp = d.get('context_parallel_size', 1)
   w = precision.recipe(config.precision).param_dtype.itemsize
@@ -177,10 +182,10 @@ def backward_working_bytes(config, tp) -> int:
   recomputed = (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
                 - activations.activation_bytes_per_layer(config, w, tp)
                 if m.activations_checkpoint_granularity in ('full', 'selective') else 0)
-  # selective recompute rebuilds the attention core the softmax backward then replaces: the larger
-  # of the two is live (NxD's Llama-2 7B file); full recompute rebuilds the whole layer beside it
-  both = max(softmax, recomputed) if m.activations_checkpoint_granularity == 'selective' else softmax + recomputed
-  return (2 if sp else 1) * w * b * s * m.hidden_size + both
+  # recompute rebuilds the attention core the softmax backward then replaces, and under full
+  # recompute the rest of the layer is freed by then: the larger of the two is live (NxD's
+  # Llama-2 7B and Megatron Llama-2 70B files)
+  return (2 if sp else 1) * w * b * s * m.hidden_size + max(softmax, recomputed)
 
 
 def fp8_transient_bytes(config, tp) -> int:
@@ -199,9 +204,10 @@ def fp8_transient_bytes(config, tp) -> int:
 
 
 def components(est) -> dict:
-  """The byte components of an estimate (not 'phases', 'peak_phase', 'total', nor
-  'reduction_overlap': what else the overlapped reduction meets, a part of other components)."""
-  return {k: v for k, v in est.items() if k not in ('phases', 'peak_phase', 'total', 'reduction_overlap')}
+  """The byte components of an estimate (not 'phases', 'peak_phase', 'total', nor the parts of
+  other components the phases need: 'reduction_overlap', what else the overlapped reduction
+  meets, and 'logits_apart', the logits' bytes never live beside the backward working set)."""
+  return {k: v for k, v in est.items() if k not in ('phases', 'peak_phase', 'total', 'reduction_overlap', 'logits_apart')}
 
 
 def _holds_head(config, sizes):

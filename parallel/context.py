@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 
+import host_values
 from model import layers
 from parallel import comm, ring_attention
 
@@ -57,7 +58,8 @@ def with_ring(ops, mesh):
 
     def fn(q, k, v, scale):
       s = q.shape[2]
-      index = ring_attention.layout_indices(s * mesh.cp, mesh.cp).to(q.device)
+      with host_values.host():      # the layout's positions: the ring decides its blocks on the host
+        index = ring_attention.layout_indices(s * mesh.cp, mesh.cp)
       by_rank = segments.view(segments.shape[0], mesh.cp, s).transpose(0, 1) if segments is not None else None
       chunks = 2 * max(1, -(-s // (2 * PIECE)))     # whole pieces of each of the rank's two chunks
       return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale, chunks)

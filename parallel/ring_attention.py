@@ -97,15 +97,44 @@ class _Mailbox:
     return self.box.get(timeout=60)
 
 
-def _mask(q_index, k_index, q_seg, k_seg, window):
-  """[b or 1, 1, 1, sq, sk] (True = attend), None when every pair attends, False when none does."""
-  mask = k_index[None, :] <= q_index[:, None]
-  if window:
-    mask = mask & (k_index[None, :] > q_index[:, None] - window)
-  mask = mask[None, None, None]
-  if q_seg is not None:
-    mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
-  partly = 'ring attention: every block partly masked (its mask made and kept: an upper bound)'
+def _span(piece):
+  """(first, last) of a piece of positions that is one run of consecutive ones, else None."""
+  first, last = int(piece[0]), int(piece[-1])
+  return (first, last) if last - first + 1 == len(piece) and bool((piece.diff() == 1).all()) else None
+
+
+def _visible(q_span, k_span, window):
+  """(some, every): whether some or every query of a run of positions attends some or every key
+  of another run (causal, and within `window` when one is set); None for pieces not runs."""
+  if q_span is None or k_span is None:
+    return None
+  (q0, q1), (k0, k1) = q_span, k_span
+  some = k0 <= q1 and (not window or k1 > q0 - window)
+  every = k1 <= q0 and (not window or k0 > q1 - window)
+  return some, every
+
+
+def _mask(q_index, k_index, q_seg, k_seg, window, like, visible=None):
+  """[b or 1, 1, 1, sq, sk] (True = attend) on `like`'s device, None when every pair attends,
+  False when none does. The positions are the layout's, on the host: which blocks are skipped
+  or unmasked is decided there (from their runs, `visible`, where known) without a device sync
+  and exactly in a trace; only the document ids of packed rows are read off the device."""
+  some, every = visible if visible is not None else (None, None)
+  if not some and visible is not None:
+    return False
+  allowed = None
+  if not every or q_seg is not None:
+    with host_values.host():
+      allowed = k_index[None, :] <= q_index[:, None]
+      if window:
+        allowed = allowed & (k_index[None, :] > q_index[:, None] - window)
+      some, every = bool(allowed.any()), bool(allowed.all())
+  if not some:
+    return False
+  if q_seg is None:
+    return None if every else host_values.on_device(allowed, like)[None, None, None]
+  mask = host_values.on_device(allowed, like)[None, None, None] & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+  partly = 'ring attention: the blocks of packed rows that positions allow are partly masked (their mask kept)'
   if not host_values.read(mask, lambda m: bool(m.any()), partly, True):
     return False
   return None if host_values.read(mask, lambda m: bool(m.all()), partly, False) else mask
@@ -120,17 +149,19 @@ def _scores(q, k, mask, scale):
 
 def _finite(lse):
   """lse with -inf (a row that saw no key yet) as 0, so exp(s - lse) is 0 there, not nan."""
-  return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+  return torch.nan_to_num(lse, nan=float('nan'), posinf=0.0, neginf=0.0)   # one operation, not isinf, zeros, where
 
 
-def _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
+def _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, like):
   """(query piece, key piece, mask) for the block of rank `src`, without the excluded pairs."""
-  qi, ki = index_by_rank[ring.rank].chunk(chunks), index_by_rank[src].chunk(chunks)
+  with host_values.host():
+    qi, ki = index_by_rank[ring.rank].chunk(chunks), index_by_rank[src].chunk(chunks)
+    q_spans, k_spans = [_span(p) for p in qi], [_span(p) for p in ki]
   qs = seg_by_rank[ring.rank].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
   ks = seg_by_rank[src].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
   for a in range(chunks):
     for c in range(chunks):
-      mask = _mask(qi[a], ki[c], qs[a], ks[c], window)
+      mask = _mask(qi[a], ki[c], qs[a], ks[c], window, like, _visible(q_spans[a], k_spans[c], window))
       if mask is not False:
         yield a, c, mask
 
@@ -152,16 +183,17 @@ def _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):
     src = (ring.rank - step) % ring.size
     pending = ring.start(kv, KV) if step < ring.size - 1 else None
     k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
-    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
+    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, q):
       probs = _scores(q5[a], k5[c], mask, scale)
       top = probs.amax(-1)                                  # -inf on rows this block hides entirely
-      probs = probs.sub_(_finite(top)[..., None]).exp_()   # unnormalized: exp(s - top)
-      block_lse = _finite(top) + probs.sum(-1).log()
-      new = torch.logaddexp(lse[a], block_lse)
+      shift = _finite(top)
+      probs = probs.sub_(shift[..., None]).exp_()          # unnormalized: exp(s - top)
+      new = torch.logaddexp(lse[a], shift + probs.sum(-1).log())    # with the block's lse
       # out = e^(lse - new) out + e^(block_lse - new) probs v / sum(probs), and the block's
       # weight is e^(top - new): 0, not nan, where the block hides the row (top = -inf)
-      out[a] = torch.exp(lse[a] - _finite(new))[..., None] * out[a] + \
-          torch.exp(top - _finite(new))[..., None] * (probs @ v5[c])
+      new_shift = _finite(new)
+      out[a] = torch.exp(lse[a] - new_shift)[..., None] * out[a] + \
+          torch.exp(top - new_shift)[..., None] * (probs @ v5[c])
       lse[a] = new
     if pending is not None:
       kv = pending.wait()
@@ -183,7 +215,7 @@ def _backward(grad_out, q, k, v, out, lse, ring, index_by_rank, seg_by_rank, win
     k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
     dk = [torch.zeros_like(p[:, :, 0]) for p in k5]
     dv = [torch.zeros_like(p[:, :, 0]) for p in v5]
-    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks):
+    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, q):
       probs = _scores(q5[a], k5[c], mask, scale).sub_(lse[a][..., None]).exp_()
       dv[c] = dv[c] + (probs.transpose(-1, -2) @ do5[a]).sum(2)
       dscores = (do5[a] @ v5[c].transpose(-1, -2)).sub_(delta[a][..., None]).mul_(probs)

@@ -31,3 +31,15 @@ def test_a_fake_read_gives_nan_or_zero_and_nothing_is_recorded_outside_a_recordi
 
 def test_balanced_splits_a_total_as_evenly_as_it_goes():
   assert host_values.balanced(10, 4) == [3, 3, 2, 2] and sum(host_values.balanced(7, 7)) == 7
+
+
+def test_the_layouts_host_tensors_compute_for_real_in_a_trace_and_reach_it_as_fakes():
+  with FakeTensorMode():
+    like = torch.ones(2)
+    with host_values.host():
+      positions = torch.arange(4)
+      causal = positions[None, :] <= positions[:, None]
+      assert not host_values.is_fake(causal) and int(causal.sum()) == 10
+    moved = host_values.on_device(causal, like)
+    assert host_values.is_fake(moved) and moved.shape == (4, 4) and moved.dtype == torch.bool
+  assert host_values.on_device(causal, torch.ones(1)) is causal     # real: the tensor itself, same device

@@ -196,8 +196,9 @@ def test_heap_holes_are_counted_where_train_py_keeps_freed_host_memory(monkeypat
   est = memory.estimate(c)                                   # auto: untrimmed unless memory is short
   transient = est['activations'] + est['logits'] + est['grad_transient']
   assert est['heap_holes'] == int(host_heap.HEAP_HOLES_KEPT * transient) > 0
+  assert 0 < est['logits_apart'] == min(est['logits'], memory.backward_working_bytes(c, 1))
   assert est['phases']['forward_backward'] == (est['params'] + est['optimizer'] + est['runtime'] + est['grads']
-                                               + transient + est['heap_holes'])
+                                               + transient - est['logits_apart'] + est['heap_holes'])
   c.trim_host_heap = False                                   # the holes of every micro batch stay resident
   assert memory.estimate(c) == est
   c.trim_host_heap = True                                    # trimmed near the estimate: fewer holes counted

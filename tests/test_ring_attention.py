@@ -1,10 +1,14 @@
 """Ring attention on one process (the ring emulated by threads) against SDPA over the whole
 sequence: outputs and gradients of q, k, v in fp32, within fp32's round-off of SDPA in fp64."""
+import contextlib
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import host_values
 
 from model import attention
 from parallel import ring_attention as ra
@@ -101,13 +105,24 @@ def test_window_with_documents():
   _compare(2, segments=segments, window=6)
 
 
-def test_window_skips_the_blocks_it_excludes():
+@pytest.mark.parametrize('fake', [False, True])
+def test_window_skips_the_blocks_it_excludes_in_a_trace_too(fake):
+  """The positions decide on the host which blocks run and which need a mask: a traced step
+  (fake q) skips exactly the real step's blocks and assumes nothing for them."""
   index = ra.layout_indices(32, 4)   # chunks of 4 tokens
   ring = ra.ThreadRing(4).member(3)  # chunks 3 and 4
-  pairs = lambda w: [(src, a, c) for src in range(4)
-                     for a, c, _ in ra._pairs(ring, src, index, None, w, 2)]  # pylint: disable=protected-access
-  assert len(pairs(0)) == 3 + 2 + 2 + 2   # causal: 3 of the own 4 pairs, the earlier chunk of each other block
-  assert sorted(pairs(3)) == [(2, 0, 0), (3, 0, 0), (3, 1, 0), (3, 1, 1)]   # only neighbouring chunks
+  with contextlib.ExitStack() as stack:
+    if fake:
+      stack.enter_context(FakeTensorMode())
+    assumed = stack.enter_context(host_values.recording())
+    q = torch.zeros(1, 2, 8, 4)
+    blocks = lambda w: [(src, a, c, mask is None) for src in range(4)
+                        for a, c, mask in ra._pairs(ring, src, index, None, w, 2, q)]  # pylint: disable=protected-access
+    causal, window = blocks(0), blocks(3)
+  assert host_values.is_fake(q) == fake and assumed == {}
+  assert len(causal) == 3 + 2 + 2 + 2   # causal: 3 of the own 4 pairs, the earlier chunk of each other block
+  assert [b[:3] for b in causal if not b[3]] == [(3, 0, 0), (3, 1, 1)]     # the diagonals: the others unmasked
+  assert sorted(b[:3] for b in window) == [(2, 0, 0), (3, 0, 0), (3, 1, 0), (3, 1, 1)]   # only neighbouring chunks
 
 
 def test_bf16_inputs_come_back_in_bf16():
