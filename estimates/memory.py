@@ -169,19 +169,23 @@ def backward_working_bytes(config, tp) -> int:
   files at their layouts: step_trace.py): the gradient of the layer's input, and under
   sequence parallelism the input gathered again for the weight gradients beside it, w N h
   each (N = b s / cp tokens); with explicit attention (no SDPA, or attention dropout), the
-  softmax's backward in fp32 beside the probabilities' gradient: 3 x 4 b a' s^2 (a' = heads / t);
-  with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer),
+  softmax's backward in fp32 beside the probabilities' gradient, 2 x 4 b a' s^2 (a' = heads / t),
+  and 4 b a' s^2 more for the probabilities where recompute rebuilds them; with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer),
   the larger of the two."""
   m, a, d = config.model, config.data, config.distributed_strategy
   cp = d.get('context_parallel_size', 1)
   w = precision.recipe(config.precision).param_dtype.itemsize
   s, b = a.seq_length // cp, a.micro_batch_size
   sp = tp > 1 and d.sequence_parallel
-  softmax = (3 * 4 * b * (m.num_attention_heads // tp) * s * s
+  granularity = m.activations_checkpoint_granularity
+  rebuilt = granularity == 'full' or (granularity == 'selective' and 'attention' in m.activations_checkpoint_recompute)
+  # the probabilities' gradient in fp32 and the softmax's backward output, and the probabilities
+  # themselves where recompute rebuilds them (else they are a saved activation already)
+  softmax = ((3 if rebuilt else 2) * 4 * b * (m.num_attention_heads // tp) * s * s
              if cp == 1 and not (m.fusions.flash_attention and m.attention_dropout == 0.0) else 0)
   recomputed = (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
                 - activations.activation_bytes_per_layer(config, w, tp)
-                if m.activations_checkpoint_granularity in ('full', 'selective') else 0)
+                if granularity in ('full', 'selective') else 0)
   # recompute rebuilds the attention core the softmax backward then replaces, and under full
   # recompute the rest of the layer is freed by then: the larger of the two is live (NxD's
   # Llama-2 7B and Megatron Llama-2 70B files)

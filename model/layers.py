@@ -175,7 +175,8 @@ def _keep_mask(shape, p, key, sample_ids_b):
   key = tuple(int(k) if torch.is_tensor(k) else k for k in key)
   ids = host_values.read(sample_ids_b, lambda t: t.tolist(), 'the sample ids keying dropout (the masks\' shapes, '
                          'not their values)', lambda: list(range(sample_ids_b.shape[0])))
-  return torch.stack([rng.uniform(shape, *key, i) for i in ids]) >= p
+  # each sample's draw compared as it is made: one fp32 draw alive at a time, not all and their stack
+  return torch.stack([rng.uniform(shape, *key, i) >= p for i in ids])
 
 
 # --- linear layers (with LoRA adapters where the params have them) ---------------------------

@@ -3,6 +3,7 @@ check on each) and print the traced-against-estimated table of docs/dry-run-trac
 
     python -m tools.trace_nxd                         # all 22 files (~25 minutes on 2 cores)
     python -m tools.trace_nxd hf_llama3_8B_config.yaml
+    python -m tools.trace_nxd --best                  # at the planner's best layout for each
 
 Each file with its model's config.json (the fixtures tests/test_nxd_yaml.py uses), judged on
 the device of its own cluster (trn2 files: trn2.48xlarge; the others trn1.32xlarge).
@@ -10,11 +11,12 @@ the device of its own cluster (trn2 files: trn2.48xlarge; the others trn1.32xlar
 import os
 
 import yaml
-from absl import app
+from absl import app, flags
 
 from configs import from_files, nxd_yaml
 from estimates import clusters, memory
 import step_trace as trace
+from tools import plan as planner
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests', 'fixtures', 'nxd_yaml')
 RELEASE = os.path.join(FIXTURES, '2.26')
@@ -49,14 +51,21 @@ def kv_replicator(name):
   return 4 if name.startswith('hf_mixtral') else None
 
 
-def row(name) -> list:
-  """The table's rows of one file: one per traced rank."""
+def row(name, best=False) -> list:
+  """The table's rows of one file: one per traced rank; `best`: at the planner's best layout for
+  the file's model, batch and cluster instead of the file's own."""
   config, world_size = load(name, kv_replicator(name))
   cluster = clusters.get(config.trainer.plan_cluster)
-  d = config.distributed_strategy
-  layout = (f'tp{d.tensor_model_parallel_size} pp{d.pipeline_model_parallel_size}'
-            + (f' cp{d.context_parallel_size}' if d.context_parallel_size > 1 else '')
-            + (f' ep{d.expert_model_parallel_size}' if d.get('expert_model_parallel_size', 1) > 1 else ''))
+  if best:
+    plan = planner.search(config, cluster, world_size, keep=1)
+    if not plan.ranked:
+      return [f'| {name} | {world_size:,} | no layout fits | | | | | | |']
+    config, layout = plan.ranked[0].config, plan.ranked[0].layout.describe()
+  else:
+    d = config.distributed_strategy
+    layout = (f'tp{d.tensor_model_parallel_size} pp{d.pipeline_model_parallel_size}'
+              + (f' cp{d.context_parallel_size}' if d.context_parallel_size > 1 else '')
+              + (f' ep{d.expert_model_parallel_size}' if d.get('expert_model_parallel_size', 1) > 1 else ''))
   rows = []
   for r in trace.trace(config, world_size):
     est = trace.tensor_estimate(r['estimate'])
@@ -70,7 +79,9 @@ def row(name) -> list:
 
 
 def define_flags():
-  """No flags: the files to trace are the arguments (all 22 when none)."""
+  """The files to trace are the arguments (all 22 when none)."""
+  flags.DEFINE_bool('best', False, "Trace the planner's best layout for each file (its model, batch and cluster) "
+                    "instead of the file's own layout.")
 
 
 def main(argv):
@@ -79,7 +90,7 @@ def main(argv):
   print('|---|---|---|---|---|---|---|---|---|')
   for name in names or sorted(os.listdir(RELEASE)):
     try:
-      lines = row(name)
+      lines = row(name, flags.FLAGS.best)
     except Exception as e:  # pylint: disable=broad-except
       lines = [f'| {name} | failed: {e} | | | | | | | |']
     print('\n'.join(lines), flush=True)
