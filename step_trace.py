@@ -34,8 +34,8 @@ from absl import logging as absl_logging
 import host_values
 import logs
 from data import stand_in
-from estimates import live_bytes, memory
-from model import flop_count, lora, objectives
+from estimates import activations, live_bytes, memory
+from model import flop_count, lora, moe, objectives
 from optim import update
 from parallel import mesh as meshes, tensor, training
 from user_errors import UserError
@@ -72,10 +72,14 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
   layout = meshes.Mesh(**_degrees(cfg, world_size), rank=rank)
   # the estimate of the device the config names (its runtime, its collectives' buffers)
   est = memory.estimate(cfg, training.local_sizes(cfg, layout), layout.dp, layout.pp_rank)
+  # the experts in fixed-size buffers where the target runs them so (XLA, model.compile): its program
+  buffered = moe.enabled(cfg.model) and activations.fixed_buffers(cfg) and not cfg.model.moe.get('fixed_buffers')
   with cfg.unlocked():
     cfg.device = 'cpu'
     compiled = cfg.model.get('compile')
     cfg.model.compile = False       # dynamo does not trace under the trace's dispatch modes
+    if buffered:
+      cfg.model.moe.fixed_buffers = True
   start = time.perf_counter()
   mesh, level = None, absl_logging.get_absl_logger().level    # restored as it was: set_verbosity would pin it
   absl_logging.set_verbosity(absl_logging.WARNING)    # the step's own lines (loss nan) say nothing here
@@ -90,6 +94,8 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
     with live_bytes.FakeLiveBytes() as live, live.saving(), host_values.recording() as assumed:
       if compiled:
         host_values.note('model.compile: the blocks run eagerly (their eager temporaries)')
+      if buffered:
+        host_values.note('MoE: the experts run in fixed-size buffers (moe.fixed_buffers), as XLA and model.compile run them')
       if shortened:
         host_values.note(shortened)
       _steps(cfg, mesh, live, [[{k: live.from_tensor(v) for k, v in b.items()} for b in mbs] for mbs in batches])
