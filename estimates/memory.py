@@ -3,13 +3,12 @@ cannot fit fails early (the activation formula is estimates/activations.py, the 
 state counts and the update's transients estimates/update_memory.py)."""
 import math
 
-from estimates import activations, update_memory
+from estimates import activations, grad_memory, update_memory
 from estimates.host_heap import heap_holes_bytes
-from estimates.update_memory import (ADAM_STATES, bucket_bytes, fused_fp32_names, fused_sr, largest_bucket,
-                                     update_temporaries)
+from estimates.update_memory import ADAM_STATES, fused_fp32_names, fused_sr, update_temporaries
 from model import lora, moe, objectives, param_table, transformer
 from numerics import precision
-from parallel import device as devices, grad_buffer
+from parallel import device as devices
 
 fused_fp32, largest_run = update_memory.fused_fp32, update_memory.largest_run   # importable here as before
 
@@ -39,13 +38,13 @@ def even_share(elements, tp, pp, ep=1) -> dict:
 
 def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   """Bytes per rank holding parameters of `sizes` (name -> elements; default: an even share
-  of the model), by component and by phase. Components: params, grads (gradient_bytes),
+  of the model), by component and by phase. Components: params, grads (grad_memory.gradient_bytes),
   master weights and optimizer state (of the trained parameters only: a frozen LoRA base has
   none; ZeRO-1 divides both), activations of the micro batches in flight on stage `pp_rank`
   (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most; of its s / cp
   tokens under context parallelism), logits (logits_bytes: a chunk's with
   model.fusions.chunked_cross_entropy), the optimizer's temporaries
-  (update_temporaries), the gradient reduction's buffers (reduction_bytes), the checkpoint's
+  (update_temporaries), the gradient reduction's buffers (grad_memory.reduction_bytes), the checkpoint's
   host copy, the runtime (CPU: RUNTIME_BYTES), and DPO's frozen reference copy (none with
   LoRA, whose reference is the base itself, nor with precomputed reference log-probs).
   'phases' (phase -> bytes live at its peak, PHASES), 'peak_phase' and 'total' (its bytes)
@@ -65,7 +64,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   layers_in_flight, in_flight = layers_held(config, pp_rank, microbatches)
   per_layer = activations.activation_bytes_per_layer(config, param_bytes, tp)
   mask = activations.mask_bytes_per_micro_batch(config)
-  grads, grad_transient = gradient_bytes(config, sizes, group)
+  grads, grad_transient = grad_memory.gradient_bytes(config, sizes, group)
   working = backward_working_bytes(config, tp)
   out = {
       'params': base * param_bytes + n['adapters'] * 4,
@@ -76,7 +75,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'activations': layers_in_flight * per_layer + in_flight * mask,
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
       'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + working,
-      'reduction': reduction_bytes(config, sizes, group),
+      'reduction': grad_memory.reduction_bytes(config, sizes, group),
       'update_temporaries': update_temporaries(config, sizes, group),
       'checkpoint_copy': checkpoint_copy_bytes(config, sizes, group),
       'runtime': (RUNTIME_BYTES['step'] + (RUNTIME_BYTES['16-bit'] if param_bytes == 2 else 0)
@@ -231,46 +230,6 @@ def logits_bytes(config, tp=1) -> int:
   tokens = a.micro_batch_size * a.seq_length // config.distributed_strategy.get('context_parallel_size', 1)
   chunk = m.fusions.get('chunked_cross_entropy', 0)
   return (min(chunk, tokens) if chunk else tokens) * param_table.padded_vocab_size(m, tp) // tp * 8
-
-
-def gradient_bytes(config, sizes, dp=1) -> tuple:
-  """(gradient buffers, the transient during backward) in bytes, for the bucketed-buffer design:
-  every trainable parameter's gradient accumulates into flat per-bucket buffers of the recipe's
-  grad accumulation dtype (with ZeRO-1 each parameter's rows padded to a multiple of dp: at
-  most dp - 1 rows each, not counted), and p.grad is freed once added in, so
-
-    buffers   = sum over trainable p of numel(p) * bytes(grad acc dtype)
-    transient = max over trainable p of numel(p) * bytes(param dtype)   (one p.grad)
-
-  LoRA adapters are fp32 whatever the recipe. The same holds for the code before the buffers:
-  p.grad (fp32, bf16SR) or the fp32 main grads (mixed precision) are the buffers, and adding
-  a micro batch's gradient into them is the transient."""
-  recipe = precision.recipe(config.precision)
-  trained = set(lora.trainable(config.model, sizes))
-  buffers = sum(v * (4 if lora.is_adapter(n) else recipe.grad_acc_dtype.itemsize)
-                for n, v in sizes.items() if n in trained)
-  transient = max((v * (4 if lora.is_adapter(n) else recipe.param_dtype.itemsize)
-                   for n, v in sizes.items() if n in trained), default=0)
-  return buffers, transient
-
-
-def reduction_bytes(config, sizes, dp=1) -> int:
-  """The DP gradient reduction's transient (parallel/grad_buffer.py). Buckets are reduced in
-  place: an all-reduce (plain DP, and ZeRO-1's `all_reduce`) needs none. ZeRO-1's
-  reduce-scatter (`auto`) on NCCL and XLA writes each bucket's own part to a 1/dp output until
-  it is copied back (with overlap every bucket can be in flight: the gradients / dp); on gloo
-  it is point to point, one bucket at a time, receiving the other ranks' copies of this rank's
-  part: (dp - 1) / dp of the largest bucket."""
-  d = config.distributed_strategy
-  backend = devices.collective_backend(config)
-  if dp == 1 or not d.zero1 or grad_buffer.resolved(d.zero1_collectives) == 'all_reduce':
-    return 0
-  recipe = precision.recipe(config.precision)
-  trained = set(lora.trainable(config.model, sizes))
-  grads = [v * recipe.grad_acc_dtype.itemsize for n, v in sizes.items() if n in trained]
-  if backend == 'gloo':
-    return largest_bucket(grads, bucket_bytes(config)) * (dp - 1) // dp
-  return sum(grads) // dp if d.overlap_grad_reduce else largest_bucket(grads, bucket_bytes(config)) // dp
 
 
 def checkpoint_copy_bytes(config, sizes, dp=1) -> int:

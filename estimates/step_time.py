@@ -33,7 +33,7 @@ from estimates.collective_cost import all_gather, collective, link, reduce_scatt
 from estimates.micro_batch_cost import compute_dtype, edge_comm, head_cost, layer_cost
 from model import flop_count, moe, param_table
 from numerics import precision
-from parallel import grad_buffer
+from parallel import grad_reduce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +89,7 @@ def _reduce(zero1, d, params, gsize, pbytes, cluster, g, stride):
   on = lambda op, n: collective(cluster, op, n, g, stride)     # pylint: disable=unnecessary-lambda-assignment
   if not zero1 or g == 1:
     return on('all_reduce', params * gsize), 0.0
-  if grad_buffer.resolved(d.zero1_collectives) == 'all_reduce':
+  if grad_reduce.resolved(d.zero1_collectives) == 'all_reduce':
     return on('all_reduce', params * gsize), on('all_reduce', params * pbytes)
   return on('reduce_scatter', params * gsize), on('all_gather', params * pbytes)
 

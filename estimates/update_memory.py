@@ -11,7 +11,7 @@ import torch
 
 from model import lora, moe
 from numerics import precision
-from parallel import comm, device as devices, grad_buffer, zero
+from parallel import comm, device as devices, grad_reduce, zero
 
 # Optimizer state tensors shaped like the parameter, per optimizer (estimate()'s 'optimizer').
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
@@ -86,7 +86,7 @@ def update_temporaries(config, sizes, dp=1) -> int:
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
   backend = devices.collective_backend(config)
-  if shards > 1 and not zero.in_place_on(grad_buffer.resolved(config.distributed_strategy.zero1_collectives),
+  if shards > 1 and not zero.in_place_on(grad_reduce.resolved(config.distributed_strategy.zero1_collectives),
                                          backend):
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += largest_bucket(full, bucket_bytes(config))

@@ -25,7 +25,7 @@ import torch
 import host_values
 from numerics import precision
 from optim import optimizers, rounding, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grads as grad_ops, tensor, zero
+from parallel import comm, experts, grad_buffer, grad_shards, grads as grad_ops, tensor, zero
 
 
 class Rows(typing.NamedTuple):
@@ -67,10 +67,12 @@ class Updater:
     self.zero1, self.domains = zero1, {}
     for n in self.trainable:
       self.domains.setdefault(experts.domain(mesh, n, zero1), []).append(n)
+    # ZeRO-2 keeps only the owned part of each gradient between backward passes
+    sharded = strategy.get('zero_stage', 1) >= 2
     self.grads = grad_buffer.Domains([
-        grad_buffer.GradBuffer(params, names, self.recipe.grad_acc_dtype, parts, index, group, self.bucket_bytes,
-                               strategy.zero1_collectives,
-                               strategy.overlap_grad_reduce)
+        (grad_shards.ShardedGradBuffer if sharded and parts > 1 else grad_buffer.GradBuffer)(
+            params, names, self.recipe.grad_acc_dtype, parts, index, group, self.bucket_bytes,
+            strategy.zero1_collectives, strategy.overlap_grad_reduce)
         for (group, parts, index), names in self.domains.items()])
     self.rows = {n: owned_rows(params[n].shape[0], parts, index)
                  for (_, parts, index), names in self.domains.items() for n in names}

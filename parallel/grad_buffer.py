@@ -35,66 +35,27 @@ results are bitwise equal; only when they run differs.
 import torch
 import torch.distributed as dist
 
-from config_checks import one_of
-from parallel import comm, zero
-
-COLLECTIVES = ('auto', 'reduce_scatter', 'all_reduce')
-_TAGS = 1 << 20      # point-to-point tags of the gradient buckets, apart from the gather's (zero.py)
-
-
-def resolved(choice):
-  """`zero1_collectives` resolved: auto is the reduce-scatter on every backend (gloo's point to point)."""
-  return 'reduce_scatter' if choice == 'auto' else choice
-
-
-class _PointToPoint:
-  """A bucket's reduce-scatter on gloo, point to point (gloo's reduce_scatter_tensor stages a
-  full-size copy and ran 2-10x slower than this): part k of `data` ([parts, S]) is sent to rank
-  k, the others' copies of this rank's part are received, and `wait` adds them into it in rank
-  order ((c0 + c1) + c2 ...: the same sum on every layout of the same dp)."""
-
-  def __init__(self, data, index, group, tag):
-    self.data, self.index = data, index
-    ranks = dist.get_process_group_ranks(group)
-    peers = [q for q in range(data.shape[0]) if q != index]
-    self.received = torch.empty(len(peers), data.shape[1], dtype=data.dtype, device=data.device)
-    self.works = []
-    for j, q in enumerate(peers):
-      self.works.append(dist.isend(data[q], ranks[q], group=group, tag=tag))
-      self.works.append(dist.irecv(self.received[j], ranks[q], group=group, tag=tag))
-
-  def wait(self):
-    if self.received is None:
-      return
-    for work in self.works:
-      work.wait()
-    mine, received = self.data[self.index], self.received
-    if self.index > 0:
-      before = received[0]
-      for c in received[1:self.index]:
-        before.add_(c)
-      mine.add_(before)
-    for c in received[self.index:]:
-      mine.add_(c)
-    self.received, self.works = None, []
-
+from parallel import comm, grad_reduce, zero
 
 class Bucket:
   """One flat [parts, size] buffer and where each of its parameters sits in it."""
 
-  def __init__(self, names, layout, parts, dtype, device):
+  def __init__(self, names, layout, parts, dtype, device, allocate=True):
     self.names, self.size = names, sum(layout[n][1] for n in names)
-    self.data = torch.zeros(parts, self.size, dtype=dtype, device=device)
+    self.parts, self.dtype, self.device = parts, dtype, device
+    self.data = torch.zeros(parts, self.size, dtype=dtype, device=device) if allocate else None
     self.work = self.mine = None        # the collective in flight; reduce-scatter's output
 
 
 class GradBuffer:
 
+  WHOLE_BUCKETS = True          # every bucket's [parts, S] buffer lives from start to end (ZeRO-2's do not)
+
   def __init__(self, params, names, dtype, parts, index, group, bucket_bytes, collective, overlap=True):
     """Buckets for `params[n]` for n in `names` (in forward order), accumulating in `dtype` (or
     the parameter's own, if wider); hooks on those parameters add each backward's gradient in."""
     self.params, self.parts, self.index, self.group = params, parts, index, group
-    self.collective = resolved(collective) if parts > 1 else 'all_reduce'
+    self.collective = grad_reduce.resolved(collective) if parts > 1 else 'all_reduce'
     self.overlap = overlap and group is not None and next(iter(params.values())).device.type != 'xla'
     self.layout = {}             # name -> (offset in its bucket's part, elements per part, rows per part)
     for n in names:
@@ -114,12 +75,13 @@ class GradBuffer:
           self.layout[n] = (offset,) + self.layout[n][1:]
           offset += self.layout[n][1]
           self.bucket_of[n] = len(self.buckets)
-        self.buckets.append(Bucket(names_in, self.layout, parts, bucket_dtype, params[names_in[0]].device))
+        self.buckets.append(Bucket(names_in, self.layout, parts, bucket_dtype, params[names_in[0]].device,
+                                   allocate=self.WHOLE_BUCKETS))
     self.counts = dict.fromkeys(names, 0)
     self.expected, self.launched = None, 0
     # name -> [(destination rows in part k's view, source rows lo, hi)], made once: the hook runs
     # per parameter and micro batch, and slicing anew there was most of its host time
-    self.targets = {n: self._targets(n) for n in names}
+    self.targets = {n: self._targets(n) for n in names} if self.WHOLE_BUCKETS else {}
     for n in names:
       params[n].register_post_accumulate_grad_hook(self._hook(n))
 
@@ -183,7 +145,7 @@ class GradBuffer:
         previous = self.buckets[self.launched - 2]
         comm.wait(previous.work, name, self.group)
         previous.work = None
-      work = _PointToPoint(bucket.data, self.index, self.group, _TAGS + self.launched)
+      work = grad_reduce.PointToPoint(bucket.data, self.index, self.group, grad_reduce.TAGS + self.launched)
       if not async_op:
         comm.wait(work, name, self.group)
     else:
@@ -253,18 +215,3 @@ class Domains:
     if len(buffers) == 1:
       return getattr(buffers[0], name)
     raise AttributeError(name)
-
-
-def check(strategy) -> list:
-  """distributed_strategy.zero1_collectives and overlap_param_gather (the overlaps are bools: ConfigDict
-  keeps their type)."""
-  problems = []
-  one_of(problems, 'distributed_strategy.zero1_collectives', strategy.zero1_collectives, COLLECTIVES)
-  if strategy.zero1_collectives != 'auto' and not strategy.zero1:
-    problems.append(f'distributed_strategy.zero1_collectives={strategy.zero1_collectives!r} is read only with '
-                    'distributed_strategy.zero1=True (zero1 is False: plain DP always all-reduces); set zero1=True '
-                    "or zero1_collectives='auto'")
-  if not strategy.get('overlap_param_gather', True) and not strategy.zero1:
-    problems.append('distributed_strategy.overlap_param_gather=False is read only with distributed_strategy.zero1=True '
-                    '(zero1 is False: plain DP gathers no parameters); set zero1=True or overlap_param_gather=True')
-  return problems

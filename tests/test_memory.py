@@ -174,20 +174,6 @@ def test_moe_estimate_counts_every_expert_and_a_share_of_them_under_expert_paral
   assert sum(v for n, v in sizes.items() if moe.is_expert_param(n)) == experts // 2
 
 
-def test_zero1_reduction_buffers_per_backend():
-  c = llama_tiny.get_config()
-  c.bucket_size_collectives = 20000 / 2**20             # bytes: buckets (a, b) and (c)
-  sizes = {'a': 1000, 'b': 4000, 'c': 10}               # fp32 gradients: 4,000, 16,000, 40 bytes
-  assert memory.reduction_bytes(c, sizes, dp=4) == 0    # plain DP all-reduces in place
-  c.distributed_strategy.zero1 = True
-  # gloo, point to point: one bucket at a time receives the other ranks' 3/4 of it
-  assert memory.reduction_bytes(c, sizes, dp=4) == 20000 * 3 // 4
-  c.device = 'cuda'                                     # NCCL: every bucket's 1/dp output in flight
-  assert memory.reduction_bytes(c, sizes, dp=4) == (4000 + 16000 + 40) // 4
-  c.distributed_strategy.zero1_collectives = 'all_reduce'
-  assert memory.reduction_bytes(c, sizes, dp=4) == 0
-
-
 def test_heap_holes_are_counted_where_train_py_keeps_freed_host_memory(monkeypatch):
   for k in ('MALLOC_MMAP_THRESHOLD_', 'MALLOC_TRIM_THRESHOLD_', 'MALLOC_MMAP_MAX_', 'MALLOC_TOP_PAD_', 'LD_PRELOAD',
             'GLIBC_TUNABLES'):

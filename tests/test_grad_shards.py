@@ -1,0 +1,53 @@
+"""parallel/grad_shards.py: ZeRO-2 trains like one device at every layout it composes with,
+keeps 1/dp of the gradients between backward passes, and resumes across ZeRO stages."""
+import pytest
+
+from configs import validate
+from data.loader import Loader
+from optim import update
+from parallel import mesh as meshes, passes, tensor, training
+from tests import parity, world
+
+LAYOUTS = {
+    'dp2_zero2': (2, {'zero1': True, 'zero_stage': 2}),
+    'dp2_zero2_lora': (2, {'zero1': True, 'zero_stage': 2, 'lora': 4}),
+    'dp2_zero2_moe_ep2': (2, {'zero1': True, 'zero_stage': 2, 'moe': 4, 'ep': 2}),
+    'dp4_zero2': (4, {'zero1': True, 'zero_stage': 2}),
+    'dp2_tp2_zero2': (4, {'zero1': True, 'zero_stage': 2, 'tp': 2, 'sp': True}),
+    'dp2_pp2_zero2': (4, {'zero1': True, 'zero_stage': 2, 'pp': 2, 'layers': 4}),
+}
+
+
+@pytest.mark.parametrize('world_size', parity.world_sizes(LAYOUTS))
+def test_zero2_trains_like_one_device(world_size, tmp_path, tmp_path_factory):
+  parity.check_layouts(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory)
+
+
+def _held_between_passes():
+  """(ZeRO-2 buffer bytes, ZeRO-1's, whole buckets alive after a backward pass, buffer class)."""
+  out = []
+  for stage in (2, 1):
+    config = parity.parity_config(zero1=True, zero_stage=stage, tied=True)
+    config.bucket_size_collectives = 0.01        # several buckets
+    mesh = meshes.init(config)
+    params = training.init_params(config, mesh)
+    updater = update.Updater(params, config, mesh)
+    batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(0)
+    updater.start(len(batches))
+    passes.forward_backward(params, batches[:1], config, mesh, tensor.make_ops(mesh))
+    whole = sum(b.data is not None for b in updater.grads.buckets)
+    out.append((updater.grads.bytes(), whole, type(updater.grads.buffers[0]).__name__))
+  return out
+
+
+def test_zero2_holds_its_own_part_of_the_gradients_between_passes():
+  (sharded, whole, kind), (full, _, _) = world.run(_held_between_passes, 2)[0]
+  assert kind == 'ShardedGradBuffer' and whole == 0      # every whole bucket freed at the pass's end
+  assert sharded * 2 == full > 0
+
+
+def test_a_zero_stage_is_refused_without_zero1_or_when_unknown():
+  config = parity.parity_config(zero_stage=2)
+  assert any('zero_stage=2 is read only with distributed_strategy.zero1=True' in p for p in validate.check(config))
+  config = parity.parity_config(zero1=True, zero_stage=3)
+  assert any(p.startswith('distributed_strategy.zero_stage=3 is not one of (1, 2)') for p in validate.check(config))
