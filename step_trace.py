@@ -69,7 +69,7 @@ def trace_rank(config, world_size, rank, all_micro_batches=False) -> dict:
   cfg = copy.deepcopy(config)
   with cfg.unlocked():
     cfg.backend = 'fake'
-  layout = meshes.Mesh(**_degrees(cfg, world_size), rank=rank)
+  layout = meshes.layout(cfg, world_size, rank)
   # the estimate of the device the config names (its runtime, its collectives' buffers)
   est = memory.estimate(cfg, training.local_sizes(cfg, layout), layout.dp, layout.pp_rank)
   # the experts in fixed-size buffers where the target runs them so (XLA, model.compile): its program
@@ -200,19 +200,11 @@ def _first_line(error) -> str:
   return text.splitlines()[0] if text else '(no message)'
 
 
-def _degrees(config, world_size) -> dict:
-  """The Mesh fields of `config`'s layout at `world_size` ranks (no process group)."""
-  d = config.distributed_strategy
-  tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
-  return dict(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
-              ep=d.get('expert_model_parallel_size', 1))
-
-
 def trace(config, world_size, which=None, progress=None, all_micro_batches=False) -> list:
   """trace_rank for each rank of `which` (default: `ranks` of the layout); `progress(line)`
   hears of each as it finishes."""
   out = []
-  for rank in (which if which is not None else ranks(meshes.Mesh(**_degrees(config, world_size)))):
+  for rank in (which if which is not None else ranks(meshes.layout(config, world_size))):
     out.append(trace_rank(config, world_size, rank, all_micro_batches))
     if progress:
       progress(f'traced {out[-1]["where"]}: peak {memory.human_bytes(out[-1]["peak"])} '

@@ -209,6 +209,15 @@ def _store(backend):
   return fake_pg.FakeStore()
 
 
+def layout(config, world_size, rank=0) -> Mesh:
+  """`config`'s layout at `world_size` ranks as rank `rank` holds it: its coordinates and
+  degrees, no process group (what a plan or a trace asks of a rank not started)."""
+  d = config.distributed_strategy
+  tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
+  return Mesh(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
+              ep=d.get('expert_model_parallel_size', 1), rank=rank)
+
+
 def shutdown():
   if dist.is_initialized():
     dist.destroy_process_group()

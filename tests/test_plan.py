@@ -22,7 +22,9 @@ def test_search_keeps_only_valid_fitting_layouts():
   for c in result.ranked:
     assert validate.check(c.config, 4) == []
     assert c.config.distributed_strategy.tensor_model_parallel_size * c.config.distributed_strategy.pipeline_model_parallel_size * c.layout.dp == 4
-    assert memory.estimate(c.config, None, c.layout.dp)['total'] == c.memory_bytes <= cluster.memory_bytes
+    stages = plan.stage_sizes(c.config, 4)           # the first and last stage's own parameters
+    assert max(memory.estimate(c.config, sizes, c.layout.dp, p)['total'] for p, sizes in stages) == c.memory_bytes
+    assert c.memory_bytes <= cluster.memory_bytes
   steps = [c.prediction.step_s for c in result.ranked]
   assert steps == sorted(steps)
   # llama_tiny has 4 layers: pp4 x v2 is refused by the pipeline check, and counted
@@ -75,8 +77,9 @@ def test_moe_configs_search_expert_parallelism():
   for c in result.ranked:
     assert c.config.distributed_strategy.expert_model_parallel_size == c.layout.ep and c.layout.dp % c.layout.ep == 0
     assert (c.prediction.terms['ep_comm'] > 0) == (c.layout.ep > 1)
-    # the experts' share of the memory estimate: 1/ep of them per rank
-    assert memory.estimate(c.config, None, c.layout.dp)['total'] == c.memory_bytes
+    # the memory estimate of the stages' own parameters: 1/ep of the experts per rank
+    stages = plan.stage_sizes(c.config, 4)
+    assert max(memory.estimate(c.config, sizes, c.layout.dp, p)['total'] for p, sizes in stages) == c.memory_bytes
   assert plan.expert_degrees(llama_tiny.get_config(), 4) == [1]
   # MoE with context parallelism is refused by the checks, and counted
   config.data.seq_length = 4096

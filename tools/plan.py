@@ -15,7 +15,6 @@ counted by message), then by the memory estimate against the device's memory.
 import collections
 import copy
 import dataclasses
-import math
 import re
 
 from absl import app, flags
@@ -24,6 +23,7 @@ from ml_collections import config_flags
 from configs import from_files, validate
 from estimates import clusters, memory, step_time, summary
 from model import flop_count, param_table
+from parallel import mesh as meshes, training
 import step_trace as traces
 import tools
 import user_errors
@@ -152,7 +152,7 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
   refused, found, searched, fitting = collections.Counter(), [], 0, 0
   counts = (param_table.count_params(work.model), param_table.count_params(work.model, trainable_only=True),
             flop_count.flops_per_token(work.model, work.data.seq_length))
-  specs = {}                 # tp -> parameter shapes (walking 80 layers' names costs ms)
+  stages = {}                # (tp, pp, vpp, cp, ep) -> stage_sizes (walking 80 layers' names costs ms)
   too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
   for layout in layouts(config, world_size, fp8):
     searched += 1
@@ -171,10 +171,10 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
     if any(layout.micro_batch >= mb and more(layout.recompute) <= more(r) for mb, r in too_big.get(family, ())):
       refused[MEMORY] += 1
       continue
-    if layout.tp not in specs:
-      specs[layout.tp] = {n: math.prod(spec.shape) for n, spec in param_table.param_specs(work.model, layout.tp).items()}
-    sizes = memory.even_share(specs[layout.tp], layout.tp, layout.pp, layout.ep)
-    need = memory.estimate(work, sizes, layout.dp)['total']
+    shape = (layout.tp, layout.pp, layout.vpp, layout.cp, layout.ep)
+    if shape not in stages:
+      stages[shape] = stage_sizes(work, world_size)
+    need = max(memory.estimate(work, sizes, layout.dp, pp_rank)['total'] for pp_rank, sizes in stages[shape])
     if need > cluster.memory_bytes:
       refused[MEMORY] += 1
       too_big.setdefault(family, []).append((layout.micro_batch, layout.recompute))
@@ -188,6 +188,16 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
       del found[keep:]
   ranked = [Candidate(layout, layout.apply(copy.deepcopy(work)), p, need) for p, layout, need in found]
   return Plan(ranked, refused, searched, fitting)
+
+
+def stage_sizes(config, world_size) -> list:
+  """[(pp_rank, name -> elements its rank holds)] of the first and the last pipeline stage: the
+  first holds the embedding and the most micro batches in flight, the last the head; an even
+  share of the model misses both (the traces of NxD's 70B trn2 file found a planned layout
+  whose first stage did not fit)."""
+  mesh = meshes.layout(config, world_size)
+  return [(p, training.local_sizes(config, meshes.layout(config, world_size, mesh.rank_of(pp_rank=p))))
+          for p in sorted({0, mesh.pp - 1})]
 
 
 def report(config, cluster, world_size, plan, top=10) -> str:
