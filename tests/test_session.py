@@ -81,6 +81,7 @@ RESUMED_AT = {                     # name: (world size, layout)
     'one_device': (1, {'layers': 4}),
     'pp4': (4, {'pp': 4, 'layers': 4}),
     'tp4_kv2_zero1': (4, {'tp': 4, 'kv_replicator': 2, 'layers': 4, 'zero1': True}),
+    'dp2_tp2_zero2': (4, {'tp': 2, 'sp': True, 'layers': 4, 'zero1': True, 'zero_stage': 2}),   # ZeRO-1's save
 }
 
 
