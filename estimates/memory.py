@@ -169,7 +169,8 @@ def backward_working_bytes(config, tp) -> int:
   sequence parallelism the input gathered again for the weight gradients beside it, w N h
   each (N = b s / cp tokens); with explicit attention (no SDPA, or attention dropout), the
   softmax's backward in fp32 beside the probabilities' gradient, 2 x 4 b a' s^2 (a' = heads / t),
-  and 4 b a' s^2 more for the probabilities where recompute rebuilds them; with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer),
+  and 4 b a' s^2 more for the probabilities where recompute rebuilds them; under full recompute
+  of a MoE layer its backward's fp32 slot gradients, 12 T h, beside the layer; with recompute, what recomputing one layer keeps beyond what was saved (Megatron's one layer),
   the larger of the two."""
   m, a, d = config.model, config.data, config.distributed_strategy
   cp = d.get('context_parallel_size', 1)
@@ -185,6 +186,12 @@ def backward_working_bytes(config, tp) -> int:
   recomputed = (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
                 - activations.activation_bytes_per_layer(config, w, tp)
                 if granularity in ('full', 'selective') else 0)
+  if granularity == 'full' and moe.enabled(m):
+    # the MoE's backward right after the whole layer is recomputed: its fp32 copies of the slots'
+    # gradients, 3 x 4 T h (seen tracing Mixtral at tp 8 x ep 8)
+    n = b * s
+    slots = min(n * m.moe.top_k, b * m.moe.num_experts * moe.capacity(m, s))
+    recomputed += 12 * slots * m.hidden_size
   # recompute rebuilds the attention core the softmax backward then replaces, and under full
   # recompute the rest of the layer is freed by then: the larger of the two is live (NxD's
   # Llama-2 7B and Megatron Llama-2 70B files)
