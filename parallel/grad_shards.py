@@ -38,7 +38,7 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
     if self.expected is not None and self.counts[name] >= self.expected:
       raise RuntimeError(f'a gradient of {name} arrived after its bucket was reduced: more backward '
                          f'passes through it than the {self.expected} micro batches this step expects')
-    if bucket.work is not None:          # the last pass's reduction: folded before the bucket fills again
+    if bucket in self.flying:            # the last pass's reduction: folded before the bucket fills again
       self._fold(bucket)
     if bucket.data is None:
       bucket.data = torch.zeros(bucket.parts, bucket.size, dtype=bucket.dtype, device=bucket.device)
@@ -54,19 +54,24 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
       self._reduce(bucket)
 
   def _reduce(self, bucket):
+    """Start `bucket`'s reduction (in flight where the buffer overlaps, else done at once)."""
     bucket.passes += 1
     name = f'{self.collective}(grads over dp, ZeRO-2, bucket {self.buckets.index(bucket)})'
     if self.collective == 'all_reduce':
-      bucket.work = comm.all_reduce_(bucket.data, self.group, name=name, async_op=True)
+      work = comm.all_reduce_(bucket.data, self.group, name=name, async_op=self.overlap)
     elif dist.get_backend(self.group) == 'gloo':
       for b in list(self.flying):        # one point-to-point reduction at a time: one receive buffer
         self._fold(b)
-      bucket.work = grad_reduce.PointToPoint(bucket.data, self.index, self.group,
-                                             grad_reduce.TAGS + self.buckets.index(bucket))
+      work = grad_reduce.PointToPoint(bucket.data, self.index, self.group,
+                                      grad_reduce.TAGS + self.buckets.index(bucket))
     else:
       bucket.mine = torch.empty(bucket.size, dtype=bucket.dtype, device=bucket.device)
-      bucket.work = comm.reduce_scatter_into(bucket.mine, bucket.data.view(-1), self.group, name=name, async_op=True)
+      work = comm.reduce_scatter_into(bucket.mine, bucket.data.view(-1), self.group, name=name,
+                                      async_op=self.overlap)
+    bucket.work = work if isinstance(work, grad_reduce.PointToPoint) or self.overlap else None
     self.flying.append(bucket)
+    if bucket.work is None:              # done already (no overlap: XLA, or overlap_grad_reduce off)
+      self._fold(bucket)
     while len(self.flying) > IN_FLIGHT:
       self._fold(self.flying[0])
 
@@ -83,7 +88,7 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
     """Reduce what the pass filled and did not complete (a parameter it did not reach), and fold all."""
     self.queued = False
     for b in self.buckets:
-      if b.data is not None and b.work is None:
+      if b.data is not None and b not in self.flying:
         self._reduce(b)
     for b in list(self.flying):
       self._fold(b)

@@ -1,6 +1,7 @@
 """parallel/grad_shards.py: ZeRO-2 trains like one device at every layout it composes with,
 keeps 1/dp of the gradients between backward passes, and resumes across ZeRO stages."""
 import pytest
+import torch
 
 from configs import validate
 from data.loader import Loader
@@ -51,3 +52,27 @@ def test_a_zero_stage_is_refused_without_zero1_or_when_unknown():
   assert any('zero_stage=2 is read only with distributed_strategy.zero1=True' in p for p in validate.check(config))
   config = parity.parity_config(zero1=True, zero_stage=3)
   assert any(p.startswith('distributed_strategy.zero_stage=3 is not one of (1, 2)') for p in validate.check(config))
+
+
+def _gradients(overlap):
+  config = parity.parity_config(zero1=True, zero_stage=2, tied=True)
+  config.bucket_size_collectives = 0.01
+  config.distributed_strategy.overlap_grad_reduce = overlap
+  mesh = meshes.init(config)
+  params = training.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh)
+  batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(0)
+  updater.start(len(batches))
+  passes.forward_backward(params, batches, config, mesh, tensor.make_ops(mesh))
+  return {n: g.clone() for n, g in updater.gradients().items()}
+
+
+def _with_and_without_overlap():
+  return _gradients(True), _gradients(False)
+
+
+def test_reductions_during_or_after_each_pass_give_the_same_bits():
+  for overlapped, after in world.run(_with_and_without_overlap, 2):
+    assert overlapped.keys() == after.keys()
+    for name, g in overlapped.items():
+      assert torch.equal(g, after[name]), name
