@@ -4,6 +4,7 @@
     python -m tools.bench_layouts --layouts=dp2,pp2 --steps=3
     python -m tools.bench_layouts --layouts=dp2,dp2_no_overlap   # overlap_grad_reduce on / off
     python -m tools.bench_layouts --shape=207m --layouts=dp2,dp2_zero1 --steps=3
+    python -m tools.bench_layouts --shape=207m --layouts=dp2_zero1,dp2_zero2 --steps=3   # ZeRO-2 against ZeRO-1
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1   # context parallelism
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1 --mmap_threshold=65536
 
@@ -38,6 +39,7 @@ LAYOUTS = {
     'dp2_zero1_no_overlap': [STRATEGY + 'zero1=True', STRATEGY + 'overlap_grad_reduce=False'],
     'dp2_zero1_no_param_overlap': [STRATEGY + 'zero1=True', STRATEGY + 'overlap_param_gather=False'],
     'dp2_zero1_all_reduce': [STRATEGY + 'zero1=True', STRATEGY + 'zero1_collectives=all_reduce'],
+    'dp2_zero2': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=2'],
     'tp2': [STRATEGY + 'tensor_model_parallel_size=2'],
     'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
     'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
