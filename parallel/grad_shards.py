@@ -5,7 +5,8 @@ owns), but a bucket's whole buffer exists only while one backward pass fills it.
 parameter in it has had the pass's gradient (or the pass ends) it is reduced over DP, this
 rank's part is added into the bucket's `owned` [S] accumulator and the buffer is freed. Between
 passes a rank so keeps 1/dp of its gradients, and during one the buckets being filled and at
-most IN_FLIGHT reductions (on gloo one: its receive buffer).
+most IN_FLIGHT reductions (on gloo one: its receive buffer). Freed whole buffers (each the size
+of the largest bucket) are kept and reused by the next buckets.
 
 The price is traffic: one reduction per micro batch, not per step, as DeepSpeed's stage 2 and
 FSDP without no_sync do under gradient accumulation. The sums are ZeRO-1's in another order
@@ -27,6 +28,12 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self.flying, self.queued = [], False
+    # freed whole buffers, kept for the next bucket of their dtype: each pass reuses the same few
+    # (on the CPU a fresh one per bucket and pass left the heap holding them all)
+    self.spare = {}
+    self.largest = {}
+    for b in self.buckets:
+      self.largest[b.dtype] = max(self.largest.get(b.dtype, 0), b.parts * b.size)
     for b in self.buckets:
       b.owned = torch.zeros(b.size, dtype=b.dtype, device=b.device)
       b.passes = 0                  # backward passes reduced into `owned` (or in flight) this step
@@ -41,7 +48,10 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
     if bucket in self.flying:            # the last pass's reduction: folded before the bucket fills again
       self._fold(bucket)
     if bucket.data is None:
-      bucket.data = torch.zeros(bucket.parts, bucket.size, dtype=bucket.dtype, device=bucket.device)
+      spare = self.spare.setdefault(bucket.dtype, [])
+      flat = spare.pop() if spare else torch.empty(self.largest[bucket.dtype], dtype=bucket.dtype, device=bucket.device)
+      bucket.data = flat[:bucket.parts * bucket.size].view(bucket.parts, bucket.size).zero_()
+      bucket.flat = flat
       self.targets.update({n: self._targets(n) for n in bucket.names})
     rows = grad.reshape(grad.shape[0], -1)
     for destination, lo, hi in self.targets[name]:
@@ -79,7 +89,8 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
     """Wait for `bucket`'s reduction, add this rank's part into `owned`, free the whole buffer."""
     comm.wait(bucket.work, f'{self.collective}(grads over dp, ZeRO-2)', self.group)
     bucket.owned.add_(bucket.mine if bucket.mine is not None else bucket.data[self.index])
-    bucket.data = bucket.mine = bucket.work = None
+    self.spare[bucket.dtype].append(bucket.flat)
+    bucket.data = bucket.mine = bucket.work = bucket.flat = None
     for n in bucket.names:             # their views held the buffer
       self.targets.pop(n, None)
     self.flying.remove(bucket)
@@ -114,4 +125,6 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
     return out
 
   def bytes(self):
-    return sum(b.owned.numel() * b.owned.element_size() for b in self.buckets)
+    """The owned accumulators and the whole buffers kept for reuse."""
+    kept = [t for spare in self.spare.values() for t in spare]
+    return sum(t.numel() * t.element_size() for t in [b.owned for b in self.buckets] + kept)

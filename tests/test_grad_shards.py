@@ -25,7 +25,8 @@ def test_zero2_trains_like_one_device(world_size, tmp_path, tmp_path_factory):
 
 
 def _held_between_passes():
-  """(ZeRO-2 buffer bytes, ZeRO-1's, whole buckets alive after a backward pass, buffer class)."""
+  """Per stage (2, 1): (owned gradient bytes, whole buckets alive after a pass, buffer class, whole
+  buffers kept for reuse, the largest bucket's bytes)."""
   out = []
   for stage in (2, 1):
     config = parity.parity_config(zero1=True, zero_stage=stage, tied=True)
@@ -36,15 +37,20 @@ def _held_between_passes():
     batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(0)
     updater.start(len(batches))
     passes.forward_backward(params, batches[:1], config, mesh, tensor.make_ops(mesh))
-    whole = sum(b.data is not None for b in updater.grads.buckets)
-    out.append((updater.grads.bytes(), whole, type(updater.grads.buffers[0]).__name__))
+    buffer = updater.grads.buffers[0]
+    whole = sum(b.data is not None for b in buffer.buckets)
+    owned = sum(b.owned.numel() * b.owned.element_size() for b in buffer.buckets) if stage == 2 else buffer.bytes()
+    kept = buffer.bytes() - owned
+    out.append((owned, whole, type(buffer).__name__, kept, max(b.data.numel() for b in buffer.buckets) * 4
+                if stage == 1 else 0))
   return out
 
 
 def test_zero2_holds_its_own_part_of_the_gradients_between_passes():
-  (sharded, whole, kind), (full, _, _) = world.run(_held_between_passes, 2)[0]
-  assert kind == 'ShardedGradBuffer' and whole == 0      # every whole bucket freed at the pass's end
+  (sharded, whole, kind, kept, _), (full, _, _, _, largest) = world.run(_held_between_passes, 2)[0]
+  assert kind == 'ShardedGradBuffer' and whole == 0      # every whole bucket released at the pass's end
   assert sharded * 2 == full > 0
+  assert 0 < kept <= 2 * largest                          # gloo: at most two whole buffers, kept for reuse
 
 
 def test_a_zero_stage_is_refused_without_zero1_or_when_unknown():
