@@ -19,8 +19,8 @@ def gradient_bytes(config, sizes, dp=1) -> tuple:
   p.grad (fp32, bf16SR) or the fp32 main grads (mixed precision) are the buffers, and adding
   a micro batch's gradient into them is the transient.
 
-  ZeRO-2 (parallel/grad_shards.py) keeps buffers / dp, and during a backward pass the whole
-  buckets being filled or reduced: at most IN_FLIGHT + 1 of the largest (2 on gloo)."""
+  ZeRO-2 (parallel/grad_shards.py) keeps buffers / dp, and the whole buffers it fills and
+  reduces a bucket in, kept for reuse: IN_FLIGHT + 1 of the largest bucket's size (2 on gloo)."""
   recipe = precision.recipe(config.precision)
   trained = set(lora.trainable(config.model, sizes))
   grads = [v * (4 if lora.is_adapter(n) else recipe.grad_acc_dtype.itemsize) for n, v in sizes.items() if n in trained]
@@ -28,7 +28,7 @@ def gradient_bytes(config, sizes, dp=1) -> tuple:
                    for n, v in sizes.items() if n in trained), default=0)
   if sharded_gradients(config, dp):
     whole = 2 if devices.collective_backend(config) == 'gloo' else grad_shards.IN_FLIGHT + 1
-    return sum(grads) // dp, transient + whole * largest_bucket(grads, bucket_bytes(config))
+    return sum(grads) // dp + whole * largest_bucket(grads, bucket_bytes(config)), transient
   return sum(grads), transient
 
 

@@ -1,5 +1,5 @@
-"""estimates/grad_memory.py: the gradient buckets' bytes (1/dp under ZeRO-2, with its whole
-buckets in flight) and the DP reduction's transient per backend."""
+"""estimates/grad_memory.py: the gradient buckets' bytes (1/dp under ZeRO-2, with the whole
+buffers it keeps) and the DP reduction's transient per backend."""
 from configs import llama_tiny
 from estimates import grad_memory
 from parallel import grad_shards
@@ -26,8 +26,8 @@ def test_zero2_keeps_a_dp_share_of_the_buffers_and_the_buckets_in_flight():
   full, transient = grad_memory.gradient_bytes(c, sizes, dp=4)
   assert full == 4 * 5010 and transient == 4 * 4000     # one p.grad at a time
   c.distributed_strategy.zero1, c.distributed_strategy.zero_stage = True, 2
-  assert grad_memory.gradient_bytes(c, sizes, dp=4) == (full // 4, transient + 2 * 20000)     # gloo: 2 whole
+  assert grad_memory.gradient_bytes(c, sizes, dp=4) == (full // 4 + 2 * 20000, transient)     # gloo: 2 whole
   assert grad_memory.reduction_bytes(c, sizes, dp=4) == 0
   c.device = 'cuda'
-  assert grad_memory.gradient_bytes(c, sizes, dp=4)[1] == transient + (grad_shards.IN_FLIGHT + 1) * 20000
+  assert grad_memory.gradient_bytes(c, sizes, dp=4)[0] == full // 4 + (grad_shards.IN_FLIGHT + 1) * 20000
   assert grad_memory.gradient_bytes(c, sizes, dp=1) == (full, transient)     # nothing to shard over
