@@ -6,7 +6,7 @@ tp_rank) stays in a node when g * stride fits it; else its bandwidth is the node
 share per device times the members it has per node (they share the crossing), at most the
 intra-node link. All-reduce 2(g-1)(alpha + n/(g B)), all-gather, reduce-scatter and all-to-all
 (g-1)(alpha + n/(g B)), p2p alpha + n/B. For a pair of ranks in a node of a cluster with
-measured op_times (`local`, tools/plan_calibrate.py), each operation is read off its own
+measured op_times (`local`, tools/link_fit.py), each operation is read off its own
 measured curve instead of one line.
 """
 

@@ -29,7 +29,7 @@ def test_links_inside_and_across_nodes():
 
 
 def test_measured_collectives_are_interpolated_per_operation_between_two_ranks():
-  """local's op_times (plan_calibrate.op_times): the time of a collective is the line through the
+  """local's op_times (link_fit.op_times): the time of a collective is the line through the
   measured sizes around its bytes, read back through the op's own alpha-beta formula."""
   curve = [[8, 4e-4], [524288, 2.4e-3], [16777216, 1.2e-2]]
   local = dataclasses.replace(clusters.LOCAL_DEFAULT, op_times={'all_reduce': curve, 'p2p': [[8, 6e-5], [4e6, 3e-3]]})

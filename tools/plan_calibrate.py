@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from estimates import clusters, memory, memory_check
+from tools import link_fit
 
 
 def _mean(fn, seconds=2.0):
@@ -188,9 +189,6 @@ def fit_sync_wait(beyond_per_micro, calls_per_micro) -> float:
   return max(0.0, beyond_per_micro / calls_per_micro)
 
 
-SIZES = (2, 2**17, 2**22)           # fp32 elements: 8 bytes, 512 KiB (a small model's TP activations), 16 MiB
-
-
 def _worker(rank, port, out):
   """Both processes measure the compute figures at once (the layouts run 2 busy ranks: they
   share caches, memory bandwidth and the other jobs' cores), then the collectives."""
@@ -205,25 +203,9 @@ def _worker(rank, port, out):
     compute['overhead'] = overhead_figures()
     compute.update(elementwise_figures(_local(compute)))
     dist.barrier()
-    figures = {}
-    for size in SIZES:
-      t = torch.ones(size)
-      gathered, half = torch.empty(2 * size), torch.empty(size // 2)
-      peer = 1 - rank
-
-      def exchange():
-        if rank == 0:
-          dist.send(t, peer)
-          dist.recv(t, peer)
-        else:
-          dist.recv(t, peer)
-          dist.send(t, peer)
-      figures[size] = {'all_reduce': _mean_of_calls(lambda: dist.all_reduce(t)),
-                       'all_gather': _mean_of_calls(lambda: dist.all_gather_into_tensor(gathered, t)),
-                       'reduce_scatter': _mean_of_calls(lambda: dist.reduce_scatter_tensor(half, t)),
-                       'p2p': _mean_of_calls(exchange) / 2}
+    figures = link_fit.collective_figures(rank, _mean_of_calls)
     dist.barrier()
-    compute.update(tp_wait_figures(_with_links(_local(compute), figures), rank))
+    compute.update(tp_wait_figures(link_fit.with_links(_local(compute), figures), rank))
     if rank == 0:
       out.put((compute, figures))
   finally:
@@ -257,37 +239,6 @@ def measure() -> tuple:
         p.join()
 
 
-# At g = 2, n the bytes each rank gives: seconds = alpha x a + n / B x b for (a, b) of the op.
-_ALPHA_BETA = {'all_reduce': (2.0, 1.0), 'all_gather': (1.0, 1.0), 'reduce_scatter': (1.0, 0.5), 'p2p': (1.0, 1.0)}
-
-
-def fit(figures, only=None) -> tuple:
-  """(bandwidth, latency) of the alpha-beta rings at g = 2, fitted to the timings in `figures`
-  ({fp32 elements: {op: seconds}}; of the op `only`, else of all) by least squares in relative
-  error: all-reduce 2 alpha + n/B, all-gather alpha + n/B (n the bytes each rank gives),
-  reduce-scatter alpha + n/2B, p2p alpha + n/B."""
-  rows, times = [], []
-  for size, ops in figures.items():
-    for op, seconds in ops.items():
-      if only in (None, op):
-        a, b = _ALPHA_BETA[op]
-        rows.append([a, 4 * size * b])
-        times.append(seconds)
-  a, t = torch.tensor(rows, dtype=torch.float64), torch.tensor(times, dtype=torch.float64)
-  lat, inv_bw = torch.linalg.lstsq(a / t[:, None], torch.ones_like(t)).solution.tolist()
-  return 1 / max(inv_bw, 1e-30), max(lat, 0.0)
-
-
-def op_times(figures) -> dict:
-  """{op: [[n, seconds], ...]} for clusters.Cluster.op_times from `figures` ({fp32 elements:
-  {op: seconds}} at g = 2), n as step_time's formulas read it: the all-reduce's buffer, the
-  all-gather's output (2x what each rank gives), the reduce-scatter's input, what p2p sends;
-  all-to-all as the all-gather (the same bytes sent)."""
-  scale = {'all_reduce': 4, 'all_gather': 8, 'reduce_scatter': 4, 'p2p': 4}
-  times = {op: sorted([k * size, ops[op]] for size, ops in figures.items()) for op, k in scale.items()}
-  return dict(times, all_to_all=times['all_gather'])
-
-
 def _local(compute, base=clusters.LOCAL_DEFAULT):
   """`base` with the compute figures measured (all of them that `compute` has yet)."""
   over = compute['overhead']
@@ -298,21 +249,13 @@ def _local(compute, base=clusters.LOCAL_DEFAULT):
       step_overhead=over['step'])
 
 
-def _with_links(cluster, figures):
-  """`cluster` with the collectives measured in `figures`: the alpha-beta fit (one node: intra =
-  inter) and each operation's curve."""
-  bw, lat = fit(figures)
-  return dataclasses.replace(cluster, intra_bw=bw, inter_bw=bw, intra_lat=lat, inter_lat=lat,
-                             op_times=op_times(figures))
-
-
 def calibrated(base=clusters.LOCAL_DEFAULT):
   """`base` with everything measured now: what --calibrate writes, and what tools/bench_plan.py
   measures again before each layout (a shared machine's load moves the figures 2x in minutes)."""
   compute, figures = measure()
   available = memory_check.host_available_bytes() or base.memory_bytes * 2
   entry = dataclasses.replace(
-      _with_links(_local(compute, base), figures), memory_bytes=available / 2,
+      link_fit.with_links(_local(compute, base), figures), memory_bytes=available / 2,
       source=f'measured by tools/plan.py --calibrate on {time.strftime("%Y-%m-%d %H:%M")}')
   return entry, compute, figures
 
@@ -337,5 +280,5 @@ def main():
     print(f'gloo, 2 processes, {4 * size} bytes: ' + ', '.join(f'{k} {v * 1e3:.3f} ms' for k, v in ops.items()))
   print(f'alpha-beta fit: {entry.intra_bw / 1e9:.2f} GB/s, {entry.intra_lat * 1e6:.0f} us per step; per collective: '
         + ', '.join(f'{op} {bw / 1e9:.2f} GB/s {lat * 1e6:.0f} us' for op, (bw, lat) in
-                    ((op, fit(figures, op)) for op in _ALPHA_BETA))
+                    ((op, link_fit.fit(figures, op)) for op in link_fit.ALPHA_BETA))
         + f'; memory per process {memory.human_bytes(entry.memory_bytes)}\nwrote {path}')
