@@ -114,26 +114,32 @@ def _visible(q_span, k_span, window):
   return some, every
 
 
+def _allowed(q_index, k_index, window):
+  """[sq, sk] on the host: which query position attends which key position."""
+  with host_values.host():
+    allowed = k_index[None, :] <= q_index[:, None]
+    return allowed & (k_index[None, :] > q_index[:, None] - window) if window else allowed
+
+
 def _mask(q_index, k_index, q_seg, k_seg, window, like, visible=None):
   """[b or 1, 1, 1, sq, sk] (True = attend) on `like`'s device, None when every pair attends,
   False when none does. The positions are the layout's, on the host: which blocks are skipped
   or unmasked is decided there (from their runs, `visible`, where known) without a device sync
   and exactly in a trace; only the document ids of packed rows are read off the device."""
-  some, every = visible if visible is not None else (None, None)
-  if not some and visible is not None:
-    return False
   allowed = None
-  if not every or q_seg is not None:
+  if visible is None:                  # pieces that are not runs: their whole mask decides
+    allowed = _allowed(q_index, k_index, window)
     with host_values.host():
-      allowed = k_index[None, :] <= q_index[:, None]
-      if window:
-        allowed = allowed & (k_index[None, :] > q_index[:, None] - window)
-      some, every = bool(allowed.any()), bool(allowed.all())
+      visible = bool(allowed.any()), bool(allowed.all())
+  some, every = visible
   if not some:
     return False
+  if every and q_seg is None:
+    return None
+  allowed = host_values.on_device(allowed if allowed is not None else _allowed(q_index, k_index, window), like)
   if q_seg is None:
-    return None if every else host_values.on_device(allowed, like)[None, None, None]
-  mask = host_values.on_device(allowed, like)[None, None, None] & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
+    return allowed[None, None, None]
+  mask = allowed[None, None, None] & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
   partly = 'ring attention: the blocks of packed rows that positions allow are partly masked (their mask kept)'
   if not host_values.read(mask, lambda m: bool(m.any()), partly, True):
     return False
