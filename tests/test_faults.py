@@ -92,9 +92,12 @@ def wait_for(condition, proc, timeout=240, poll=0.02, stop=True):
   its next step."""
   deadline = time.monotonic() + timeout
   while not condition():
-    assert proc.poll() is None, 'the run ended before the fault could be made'
     assert time.monotonic() < deadline, 'timed out waiting for the run'
-    time.sleep(poll)
+    try:                       # a join on the run for `poll` seconds: it returns early if the run ends
+      proc.wait(timeout=poll)
+    except subprocess.TimeoutExpired:
+      continue
+    assert condition(), 'the run ended before the fault could be made'
   if stop:
     os.kill(proc.pid, signal.SIGSTOP)
 
