@@ -17,7 +17,7 @@ import torch
 
 from checkpoint import steps as checkpoint_steps, storage, store
 from model import hf, lora, param_table
-from parallel import device as devices, experts, pipeline, tensor, zero
+from parallel import device as devices, experts, param_shards, pipeline, tensor, zero
 
 
 def _rank_mesh(mesh, rank):
@@ -81,6 +81,8 @@ class StateLayout:
     peft = lora.settings(config.model)
     self.merged = peft is not None and peft.merge_lora
     self.trained = [] if self.merged or weights_only else lora.trainable(config.model, self.specs)
+    # ZeRO-3: a rank holds, saves and loads only its owned rows of each parameter
+    self.params_kind = 'shard' if param_shards.shards_of(updater.params) is not None else 'param'
 
   def _param_dtype(self, name):
     return lora.param_dtype(name, self.updater.recipe.param_dtype)
@@ -97,7 +99,7 @@ class StateLayout:
 
   def _arrays(self):
     """(array name, param name, kind) for every array of the checkpoint."""
-    out = [(n, n, 'param') for n in self.names]
+    out = [(n, n, self.params_kind) for n in self.names]
     out += [(f'master.{n}', n, 'shard') for n in self.trained if self.updater.recipe.has_master(self._param_dtype(n))]
     out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in self.trained]
     return out
@@ -128,7 +130,8 @@ class StateLayout:
 
   def local_tensors(self):
     """array -> this rank's tensor, clipped to the unpadded vocabulary."""
-    params = {n: p.detach() for n, p in self.updater.params.items()}
+    shards = param_shards.shards_of(self.updater.params)
+    params = dict(shards.shard) if shards is not None else {n: p.detach() for n, p in self.updater.params.items()}
     tensors = lora.merged(params, self.config.model) if self.merged else params
     if not self.merged:
       tensors.update(self.updater.named_state(self.state_keys))
@@ -146,8 +149,10 @@ class StateLayout:
     """Copy loaded boxes into parameters, then masters and optimizer state (`params`: other
     tensors of the same boxes to load weights into, leaving the updater alone)."""
     u = self.updater
+    shards = param_shards.shards_of(params if params is not None else u.params)
+    targets = shards.shard if shards is not None else params if params is not None else u.params
     with torch.no_grad():
-      for name, p in (params if params is not None else u.params).items():
+      for name, p in targets.items():
         if name in arrays:
           p[:arrays[name].shape[0]].copy_(arrays[name])
     if params is not None:

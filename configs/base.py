@@ -83,7 +83,8 @@ def get_config(arg=None):
   strategy.pipeline_cuts = ()                 # explicit stage boundaries as layer indices; () = even split
   strategy.sequence_parallel = False          # shard norms/dropout over the sequence inside TP groups (needs t > 1)
   strategy.zero1 = False                      # shard optimizer state + fp32 master weights over DP
-  strategy.zero_stage = 1                     # with zero1: 1 shards optimizer state + masters, 2 also the gradients
+  strategy.zero_stage = 1                     # with zero1: 1 shards optimizer state + masters, 2 also the gradients, 3 also the parameters
+  strategy.reshard_after_forward = True       # ZeRO-3: free each layer's gathered parameters after its forward (False: keep them until its backward)
   strategy.zero1_collectives = 'auto'         # auto (= reduce_scatter) | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather
   strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)
   strategy.overlap_param_gather = True        # ZeRO-1: leave the updated parameters' gathers in flight; the next forward waits for each layer's (bitwise the same results)

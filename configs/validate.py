@@ -12,7 +12,7 @@ from estimates import clusters
 from model import checks as model_checks, layers, lora_targets, moe, moe_checks, objectives
 from numerics import precision
 from optim import optimizers, schedules
-from parallel import compiled, context, device as devices, grad_reduce, mesh as meshes, pipeline, remat, tensor
+from parallel import compiled, context, device as devices, grad_reduce, mesh as meshes, param_shards, pipeline, remat, tensor
 from user_errors import UserError
 
 MODEL_SOURCES = ('megatron', 'hf')
@@ -28,7 +28,7 @@ def check(config, world_size=1) -> list:
   model, strategy = config.model, config.distributed_strategy
   problems = _check_run(config) + loader.check_epochs(config)
   problems += model_checks.check(model, config.data.seq_length) + remat.check(model) + compiled.check(config)
-  problems += _check_optim(config) + grad_reduce.check(strategy)
+  problems += _check_optim(config) + grad_reduce.check(strategy) + param_shards.check(config)
   sizes = meshes.check_sizes(strategy)
   if sizes:                   # the layout checks and the batch check divide by the degrees: they wait for a fix
     problems += sizes

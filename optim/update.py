@@ -25,7 +25,7 @@ import torch
 import host_values
 from numerics import precision
 from optim import optimizers, rounding, schedules, sr_update
-from parallel import comm, experts, grad_buffer, grad_shards, grads as grad_ops, tensor, zero
+from parallel import comm, experts, grad_buffer, grad_shards, grads as grad_ops, param_shards, tensor, zero
 
 
 class Rows(typing.NamedTuple):
@@ -67,7 +67,9 @@ class Updater:
     self.zero1, self.domains = zero1, {}
     for n in self.trainable:
       self.domains.setdefault(experts.domain(mesh, n, zero1), []).append(n)
-    # ZeRO-2 keeps only the owned part of each gradient between backward passes
+    # ZeRO-2 keeps only the owned part of each gradient between backward passes; ZeRO-3 the
+    # parameters' too (params is a param_shards.ShardedParams: the update writes its shards)
+    self.shards = param_shards.shards_of(params)
     sharded = strategy.get('zero_stage', 1) >= 2
     self.grads = grad_buffer.Domains([
         (grad_shards.ShardedGradBuffer if sharded and parts > 1 else grad_buffer.GradBuffer)(
@@ -84,6 +86,8 @@ class Updater:
     self.narrowed_in_pass = rounding.narrowed_in_pass(self)
 
   def _owned(self, name):
+    if self.shards is not None:
+      return self.shards.shard[name]
     return self.params[name].detach()[self.rows[name].rows]
 
   def start(self, micro_batches):
@@ -145,21 +149,28 @@ class Updater:
     if self.mesh.ep == 1:
       return grad_ops.clip(owned, self.mesh, self.layouts, max_norm, extra_group=self.group, unscaled=fused,
                            squares_of=squares_of)
-    by_group = {}
-    for n, g in owned.items():
-      by_group.setdefault(experts.norm_group(self.mesh, n, self.zero1), {})[n] = g
-    norm = torch.stack([grad_ops.global_norm(part, self.mesh, self.layouts, group, squares_of) ** 2
-                        for group, part in by_group.items()]).sum().sqrt()
+    norm = self._norm_by_group(owned, self.zero1, squares_of)
     coefficient = grad_ops.clip_coefficient(norm, max_norm)
     scaled = [g for n, g in owned.items() if n not in fused]
     if coefficient is not None and scaled:
       torch._foreach_mul_(scaled, coefficient)
     return norm, coefficient
 
+  def _norm_by_group(self, tensors, zero1, squares_of=grad_ops.square_sum):
+    """The global norm of `tensors` (name -> this rank's rows), each group of the names whose
+    rows are disjoint over the same group (experts.norm_group) summed over it."""
+    by_group = {}
+    for n, t in tensors.items():
+      by_group.setdefault(experts.norm_group(self.mesh, n, zero1), {})[n] = t
+    return torch.stack([grad_ops.global_norm(part, self.mesh, self.layouts, group, squares_of) ** 2
+                        for group, part in by_group.items()]).sum().sqrt()
+
   def param_norm(self, params):
     """The global L2 norm of `params` after the step; after step(param_squares=True) under ZeRO-1, from
     the owned rows' squares (taken before the gathers started) and the frozen ones: no wait."""
     squares, self.param_squares = self.param_squares, None
+    if self.shards is not None:        # every parameter's owned rows, the frozen ones' too
+      return self._norm_by_group(self.shards.shard, zero1=True)
     if squares is None:
       self.wait_params()
       return grad_ops.global_norm(params, self.mesh, self.layouts)
@@ -185,6 +196,9 @@ class Updater:
       rounded.update({n: m for n, m in self.master.items() if n not in rounded})
       if squares and self.overlap_gather and self.mesh.ep == 1:     # the rows the gathers are about to share
         self.param_squares = grad_ops.squares_total(rounded, self.mesh, self.layouts)
+    if self.shards is not None:          # ZeRO-3: the next forward gathers them
+      self.shards.write(rounded)
+      return
     for names, buf in zip(self.domains.values(), self.grads.buffers):   # each domain's group and collective
       group = buf.group if buf.parts > 1 else None
       works = zero.gather_rows({n: v for n, v in rounded.items() if n in names}, self.params, names, buf.parts,

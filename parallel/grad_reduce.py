@@ -46,7 +46,7 @@ class PointToPoint:
     self.received, self.works = None, []
 
 
-STAGES = (1, 2)       # ZeRO's: the optimizer state and masters sharded; also the gradients
+STAGES = (1, 2, 3)    # ZeRO's: the optimizer state and masters sharded; also the gradients; also the parameters
 
 
 def check(strategy) -> list:
@@ -56,10 +56,13 @@ def check(strategy) -> list:
   stage = strategy.get('zero_stage', 1)
   if stage not in STAGES:
     problems.append(f'distributed_strategy.zero_stage={stage!r} is not one of {STAGES} (1: optimizer state and '
-                    'master weights sharded over DP, 2: the gradients too; parameter sharding, 3, is not built)')
+                    'master weights sharded over DP, 2: the gradients too, 3: the parameters too)')
   elif stage != 1 and not strategy.zero1:
     problems.append(f'distributed_strategy.zero_stage={stage} is read only with distributed_strategy.zero1=True '
                     '(zero1 is False: nothing is sharded); set zero1=True, or zero_stage=1')
+  if not strategy.get('reshard_after_forward', True) and stage != 3:
+    problems.append('distributed_strategy.reshard_after_forward=False is read only with zero_stage=3 (the '
+                    f'parameters are not sharded at zero_stage={stage}); set zero_stage=3 or reshard_after_forward=True')
   one_of(problems, 'distributed_strategy.zero1_collectives', strategy.zero1_collectives, COLLECTIVES)
   if strategy.zero1_collectives != 'auto' and not strategy.zero1:
     problems.append(f'distributed_strategy.zero1_collectives={strategy.zero1_collectives!r} is read only with '

@@ -13,7 +13,7 @@ import torch
 
 from model import layers, moe, objectives, router_losses, transformer
 from numerics import precision
-from parallel import comm, compiled, context, device as devices, pipeline, pipeline_schedule, remat
+from parallel import comm, compiled, context, device as devices, param_shards, pipeline, pipeline_schedule, remat
 
 
 def to_device(batch, device):
@@ -78,6 +78,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   act_shape = (b, config.data.seq_length // mesh.cp // ops.residual_slices, m.hidden_size)
   # MoE across stages: the auxiliary losses' sums travel with the activations (router_losses.Collector)
   carry_shape = (b, router_losses.carry_width(m)) if mesh.pp > 1 and moe.enabled(m) else None
+  shards = param_shards.shards_of(params)      # ZeRO-3: each layer gathered around its passes
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank
@@ -91,9 +92,14 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
       # the embedding first; the final norm and head after the last layer (all of it: no layers)
       wait_params(lambda n: _not_layer(n) and (lo == hi or n.startswith('embed_')))
       run_layer = _waiting(run_layer, wait_params, hi)
+    if shards is not None:
+      shards.before_chunk(lo, hi, vs == 0, vs == last)
+      run_layer = shards.around_layers(run_layer, lo, hi, vs == 0, vs == last)
     with precision.compute_context(recipe, mesh.device.type):
       out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x, last=vs == last,
                               layer_fn=run_layer, dropout_key=dropout_key, objective=objective, moe_carry=carry)
+    if shards is not None:
+      shards.after_chunk()
     if vs == last:
       return on_last(i, out)
     return out if carry is None else pipeline.pack(*out)

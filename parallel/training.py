@@ -11,7 +11,7 @@ import torch
 
 from model import param_table, transformer
 from numerics import precision
-from parallel import grads, passes, pipeline, tensor
+from parallel import grads, param_shards, passes, pipeline, tensor
 
 
 def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None, defer_param_gather=False,
@@ -61,10 +61,18 @@ def placement(config, mesh):
 
 def init_params(config, mesh, names=None):
   """This rank's boxes of its pipeline stage's parameters (slices of the single-device init),
-  or of those among `names`."""
+  or of those among `names`. Under ZeRO-3 (zero_stage=3, over more than one DP rank) the
+  model's parameters come sharded (parallel/param_shards.py)."""
   boxes = {n: b for n, b in param_boxes(config, mesh).items() if names is None or n in names}
-  return transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
-                          dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
+  params = transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
+                            dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
+  return param_shards.shard(params, config, mesh) if names is None and shards_parameters(config, mesh) else params
+
+
+def shards_parameters(config, mesh):
+  """Whether the run's parameters are sharded (ZeRO-3 over more than one DP x CP rank)."""
+  d = config.distributed_strategy
+  return d.zero1 and d.get('zero_stage', 1) == 3 and mesh.dp_cp > 1
 
 
 def local_sizes(config, mesh):

@@ -79,7 +79,7 @@ def _gather_in_place(p, v, parts, index, group, async_op, tag=0):
                           name='all_reduce(bitwise OR: params over dp, ZeRO-1, in place)')
 
 
-def gather_rows(values, params, names, parts, index, group, collective, bucket_bytes, async_op=False):
+def gather_rows(values, params, names, parts, index, group, collective, bucket_bytes, async_op=False, tags=None):
   """ZeRO-1's parameter gather: each rank's updated rows (`values`: name -> owned rows in the
   parameter dtype, or fp32 masters that the copy rounds to it, to nearest) written into every
   rank's parameters. In place (gathers_in_place: gloo, or collective 'all_reduce'): each
@@ -87,7 +87,9 @@ def gather_rows(values, params, names, parts, index, group, collective, bucket_b
   the others' rows zeroed, which is exact (x | 0 = x); neither needs a buffer (a 16-bit
   parameter of odd size goes the buffered way below). Else bucket by bucket through one
   transient [parts, bucket] buffer and an all-gather. With `async_op` the in-place gathers are left in flight: returns
-  name -> work (wait on each before the parameter is read: its other rows are zeros until then)."""
+  name -> work (wait on each before the parameter is read: its other rows are zeros until then).
+  `tags`: name -> point-to-point tag (gathers in flight together need their own; default: the
+  position in `names`)."""
   pending = {}
   with torch.no_grad():
     if group is None:
@@ -95,8 +97,9 @@ def gather_rows(values, params, names, parts, index, group, collective, bucket_b
         params[n].copy_(v)
       return pending
     if gathers_in_place(collective, group):
-      for tag, n in enumerate(names):
+      for position, n in enumerate(names):
         if n in values and _in_place(params[n]):
+          tag = position if tags is None else tags[n]
           pending[n] = _gather_in_place(params[n], values[n], parts, index, group, async_op, tag)
       names = [n for n in names if n not in pending]
     per = {n: shard_rows(params[n].shape[0], parts, index)[1] for n in names}

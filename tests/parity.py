@@ -10,7 +10,7 @@ import train
 from configs import llama_tiny
 from data.loader import Loader
 from optim import update
-from parallel import mesh as meshes, tensor, training
+from parallel import mesh as meshes, param_shards, tensor, training
 from tests import world
 
 STEPS = 10
@@ -174,6 +174,10 @@ def rank_result(config, workdir, params):
     records = [json.loads(line) for line in open(os.path.join(workdir, 'metrics.jsonl'))]
     losses = [r['loss'] for r in records if 'loss' in r]
     norms = [r['grad_norm'] for r in records if 'loss' in r]
+  shards = param_shards.shards_of(params)
+  if shards is not None:               # ZeRO-3: this rank's owned rows of each box
+    return losses, norms, {n: ((slice(boxes[n][0].start + shards.rows[n].start, boxes[n][0].start + shards.rows[n].stop),)
+                               + tuple(boxes[n][1:]), t.float().numpy()) for n, t in shards.shard.items()}
   return losses, norms, {n: (boxes[n], p.detach().float().numpy()) for n, p in params.items()}
 
 
