@@ -84,6 +84,7 @@ def get_config(arg=None):
   strategy.sequence_parallel = False          # shard norms/dropout over the sequence inside TP groups (needs t > 1)
   strategy.zero1 = False                      # shard optimizer state + fp32 master weights over DP
   strategy.zero_stage = 1                     # with zero1: 1 shards optimizer state + masters, 2 also the gradients, 3 also the parameters
+  strategy.data_parallel_shard_size = 0       # HSDP: ZeRO shards over groups of this many dp x cp ranks, replicated across the groups (0: one group of all)
   strategy.reshard_after_forward = True       # ZeRO-3: free each layer's gathered parameters after its forward (False: keep them until its backward)
   strategy.zero1_collectives = 'auto'         # auto (= reduce_scatter) | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather
   strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)

@@ -49,7 +49,7 @@ class Updater:
     # The cp ranks of a sequence saw parts of the same batch: gradients sum over dp x cp, and
     # ZeRO-1 shards over it (Megatron's distributed optimizer does the same).
     zero1 = config.distributed_strategy.zero1 and mesh.dp_cp_group is not None
-    self.group = mesh.dp_cp_group if zero1 else None
+    self.group = mesh.shard_group if zero1 else None        # HSDP: ZeRO's shard group
     self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
     self.trainable = [n for n in params if trainable is None or n in trainable]
     for name, p in params.items():
@@ -96,8 +96,14 @@ class Updater:
     self.grads.start(micro_batches)
 
   def gradients(self):
-    """name -> gradient of the rows this rank owns, summed over DP (views of the buckets)."""
-    return self.grads.reduced()
+    """name -> gradient of the rows this rank owns, summed over DP (views of the buckets); under
+    HSDP the shard group's sums are then summed across the replicas, one all-reduce per bucket."""
+    out = self.grads.reduced()
+    for names, buf in zip(self.domains.values(), self.grads.buffers):
+      replicas = experts.replicas(self.mesh, names[0], self.zero1)
+      for part in buf.owned_parts() if replicas is not None else ():
+        comm.all_reduce_(part, replicas, name='all_reduce(owned grads across HSDP replicas)')
+    return out
 
   def lr(self, step):
     """The learning rate of optimizer step `step` (counted from 0) under model.optim.sched."""

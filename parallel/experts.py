@@ -33,20 +33,32 @@ def ep_box(name, box, spec, mesh):
 
 def domain(mesh, name, zero1):
   """(group that sums the gradient of `name` over data parallel, ZeRO-1 parts, this rank's
-  part): dense parameters over DP x CP, expert tensors over the DP ranks holding the same
-  experts (expert and context parallelism together are refused: moe.check_layout)."""
-  expert = mesh.ep > 1 and moe.is_expert_param(name)
-  group = mesh.expert_dp_group if expert else mesh.dp_cp_group
-  size, index = (mesh.expert_dp, mesh.expert_dp_rank) if expert else (mesh.dp_cp, mesh.dp_cp_rank)
-  return (group, size, index) if zero1 and size > 1 else (group, 1, 0)
+  part): dense parameters over DP x CP (under HSDP, ZeRO's shard group: `replicas` sums across
+  the groups), expert tensors over the DP ranks holding the same experts (expert and context
+  parallelism together are refused: moe.check_layout)."""
+  if mesh.ep > 1 and moe.is_expert_param(name):
+    return (mesh.expert_dp_group, mesh.expert_dp, mesh.expert_dp_rank) if zero1 and mesh.expert_dp > 1 else \
+        (mesh.expert_dp_group, 1, 0)
+  if zero1 and mesh.shard_size > 1:
+    return mesh.shard_group, mesh.shard_size, mesh.shard_rank
+  return mesh.dp_cp_group, 1, 0
+
+
+def replicas(mesh, name, zero1):
+  """HSDP: the group across which the owned rows of `name` are replicas (their gradient is
+  summed over it after the shard group's reduction), else None."""
+  if zero1 and mesh.shard_size < mesh.dp_cp and not (mesh.ep > 1 and moe.is_expert_param(name)):
+    return mesh.replicate_group if mesh.shard_size > 1 else None
+  return None
 
 
 def norm_group(mesh, name, zero1):
   """The group over which the boxes of `name` that ranks hold are disjoint (for global norms):
-  ZeRO-1's DP shards; for experts also the ep group (all of DP under ZeRO-1)."""
+  ZeRO-1's DP shards (HSDP: the shard group); for experts also the ep group (all of DP under
+  ZeRO-1)."""
   if mesh.ep > 1 and moe.is_expert_param(name):
     return mesh.dp_group if zero1 and mesh.expert_dp > 1 else mesh.ep_group
-  return mesh.dp_cp_group if zero1 else None
+  return mesh.shard_group if zero1 and mesh.shard_size > 1 else None
 
 
 def expert_ffn(group, ep):

@@ -177,6 +177,10 @@ class GradBuffer:
       out[n] = self._part_view(n, self.index)[:rows.stop - rows.start].view((rows.stop - rows.start,) + p.shape[1:])
     return out
 
+  def owned_parts(self):
+    """This rank's part of each bucket, reduced ([S] views)."""
+    return [b.data[self.index] for b in self.buckets]
+
   def bytes(self):
     return sum(b.data.numel() * b.data.element_size() for b in self.buckets)
 

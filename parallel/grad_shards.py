@@ -124,6 +124,9 @@ class ShardedGradBuffer(grad_buffer.GradBuffer):
       out[n] = owned[:rows.stop - rows.start].view((rows.stop - rows.start,) + p.shape[1:])
     return out
 
+  def owned_parts(self):
+    return [b.owned for b in self.buckets]
+
   def bytes(self):
     """The owned accumulators and the whole buffers kept for reuse."""
     kept = [t for spare in self.spare.values() for t in spare]

@@ -13,6 +13,10 @@ Expert parallelism (MoE) is carved from data parallel, as Megatron does: ep cons
 ranks form an `ep` group (each holds 1/ep of the experts, and tokens are exchanged within it);
 the DP ranks holding the same experts (dp_rank % ep alike) form the `expert_dp` group that
 sums those experts' gradients. Dense parameters still reduce over the whole DP group.
+
+Hybrid sharding (HSDP, distributed_strategy.data_parallel_shard_size = S < dp x cp): ZeRO's
+shards span S consecutive dp x cp ranks (a `shard` group) and the dp x cp / S shard groups are
+replicas of each other (a `replicate` group: the ranks holding the same shard).
 """
 import dataclasses
 import datetime
@@ -54,6 +58,9 @@ class Mesh:
   ep: int = 1                            # expert parallel degree (divides dp)
   ep_group: Optional[object] = None      # the ep consecutive DP ranks sharing out the experts
   expert_dp_group: Optional[object] = None  # DP ranks holding the same experts
+  dp_shard: int = 0                      # HSDP: dp x cp ranks per ZeRO shard group (0: all of them)
+  shard_group: Optional[object] = None   # the dp x cp ranks ZeRO shards dense parameters over
+  replicate_group: Optional[object] = None  # HSDP: the ranks holding the same shard (None: one group)
 
   @property
   def world_size(self):
@@ -83,6 +90,15 @@ class Mesh:
   def dp_cp_rank(self):
     """This rank's place in dp_cp_group (ranks in increasing order: dp major, cp minor)."""
     return self.dp_rank * self.cp + self.cp_rank
+
+  @property
+  def shard_size(self):
+    return self.dp_shard or self.dp_cp
+
+  @property
+  def shard_rank(self):
+    """This rank's place in shard_group."""
+    return self.dp_cp_rank % self.shard_size
 
   @property
   def ep_rank(self):
@@ -126,6 +142,13 @@ def check(strategy, world_size) -> list:
   if dp % ep:
     return [f'distributed_strategy.expert_model_parallel_size={ep} must divide the data-parallel degree '
             f'{dp} (experts are sharded over DP ranks); launch a multiple of {tp * pp * cp * ep}']
+  shard = strategy.get('data_parallel_shard_size', 0)
+  if shard and (shard < 0 or (dp * cp) % shard):
+    return [f'distributed_strategy.data_parallel_shard_size={shard} must divide dp x cp = {dp} x {cp} (HSDP: '
+            'ZeRO shards over groups of that many ranks, replicated across the groups); 0 shards over all of them']
+  if shard and not strategy.zero1:
+    return [f'distributed_strategy.data_parallel_shard_size={shard} is read only with zero1=True (nothing is '
+            'sharded without it); set zero1=True, or data_parallel_shard_size=0']
   return []
 
 
@@ -134,6 +157,8 @@ def _groups(grid, rank, make_group):
   mine = {}
   coords = [(d, p, t, c) for d in range(grid.dp) for p in range(grid.pp) for c in range(grid.cp)
             for t in range(grid.tp)]
+  dp_cp = [(p, t, [grid.rank_of(d, p, t, c) for d in range(grid.dp) for c in range(grid.cp)])
+           for p in range(grid.pp) for t in range(grid.tp)]
   families = {
       'tp': {(d, p, c): [grid.rank_of(d, p, t, c) for t in range(grid.tp)] for d, p, _, c in coords},
       'pp': {(d, t, c): [grid.rank_of(d, p, t, c) for p in range(grid.pp)] for d, _, t, c in coords},
@@ -149,6 +174,11 @@ def _groups(grid, rank, make_group):
              for d, p, t, _ in coords} if grid.cp > 1 else {},
       'dp_cp': {(p, t): [grid.rank_of(d, p, t, c) for d in range(grid.dp) for c in range(grid.cp)]
                 for _, p, t, _ in coords} if grid.cp > 1 else {},
+      # HSDP: consecutive runs of dp_shard dp x cp ranks, and the ranks at the same place in each
+      'shard': {(p, t, j // grid.shard_size): members[j - j % grid.shard_size:][:grid.shard_size]
+                for p, t, members in dp_cp for j in range(len(members))} if grid.shard_size < grid.dp_cp else {},
+      'replicate': {(p, t, j % grid.shard_size): members[j % grid.shard_size::grid.shard_size]
+                    for p, t, members in dp_cp for j in range(len(members))} if grid.shard_size < grid.dp_cp else {},
       # expert parallelism: ep consecutive DP ranks, and the DP ranks holding the same experts
       'ep': {(d // grid.ep, p, t, c): [grid.rank_of(d - d % grid.ep + k, p, t, c) for k in range(grid.ep)]
              for d, p, t, c in coords} if grid.ep > 1 else {},
@@ -191,9 +221,13 @@ def init(config, device_name=None, world=None, rank=None) -> Mesh:
       dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, store=_store(backend))
   # Every group gets the timeout: new_group's default is 30 minutes, not the default group's.
   make_group = lambda ranks: dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
-  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, cp=cp, kv_replicator=kv_replicator, ep=ep), rank, make_group)
+  shard = d.get('data_parallel_shard_size', 0)
+  groups = _groups(Mesh(dp=dp, pp=pp, tp=tp, cp=cp, kv_replicator=kv_replicator, ep=ep, dp_shard=shard), rank,
+                   make_group)
+  dp_cp_group = groups.get('dp_cp', groups.get('dp'))
   return Mesh(dp=dp, pp=pp, tp=tp, cp=cp, rank=rank, device=device, kv_replicator=kv_replicator,
-              cp_group=groups.get('cp'), dp_cp_group=groups.get('dp_cp', groups.get('dp')),
+              cp_group=groups.get('cp'), dp_cp_group=dp_cp_group, dp_shard=shard,
+              shard_group=groups.get('shard', dp_cp_group), replicate_group=groups.get('replicate'),
               ep=ep, ep_group=groups.get('ep'), expert_dp_group=groups.get('expert_dp'),
               dp_group=groups.get('dp'), pp_group=groups.get('pp'), tp_group=groups.get('tp'),
               kv_group=groups.get('kv'), embed_group=groups.get('embed'), timeout_s=d.collective_timeout_s,
@@ -215,7 +249,7 @@ def layout(config, world_size, rank=0) -> Mesh:
   d = config.distributed_strategy
   tp, pp, cp = d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.context_parallel_size
   return Mesh(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
-              ep=d.get('expert_model_parallel_size', 1), rank=rank)
+              ep=d.get('expert_model_parallel_size', 1), rank=rank, dp_shard=d.get('data_parallel_shard_size', 0))
 
 
 def shutdown():

@@ -44,7 +44,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
                   family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
                   nll_reduction='pair', fixed_buffers=False, fp8=None, steps=STEPS, compile_blocks=False,
-                  lr=None, zero_stage=1):
+                  lr=None, zero_stage=1, shard=0, recompute=None, reshard=True):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = steps
@@ -60,7 +60,10 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.tensor_model_parallel_size, d.sequence_parallel, d.kv_replicator = tp, sp, kv_replicator
   d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size = pp, vp
   d.pipeline_cuts = tuple(cuts)
-  d.zero1, d.zero_stage = zero1, zero_stage   # ZeRO's stage: 2 shards the gradients too
+  d.zero1, d.zero_stage = zero1, zero_stage   # ZeRO's stage: 2 shards the gradients too, 3 the parameters
+  d.data_parallel_shard_size = shard          # HSDP: ZeRO's shard groups of this many ranks, replicated
+  d.reshard_after_forward = reshard           # ZeRO-3: False keeps each layer's gathered parameters until its backward
+  c.model.activations_checkpoint_granularity = recompute   # 'full' or 'selective' (tests/test_remat.py)
   d.context_parallel_size = cp               # context parallelism: the ring over cp ranks
   c.model.fusions.ring_attention = cp > 1
   c.precision.type = precision

@@ -16,6 +16,8 @@ LAYOUTS = {
     'dp4_zero2': (4, {'zero1': True, 'zero_stage': 2}),
     'dp2_tp2_zero2': (4, {'zero1': True, 'zero_stage': 2, 'tp': 2, 'sp': True}),
     'dp2_pp2_zero2': (4, {'zero1': True, 'zero_stage': 2, 'pp': 2, 'layers': 4}),
+    'dp4_hsdp2_zero2': (4, {'zero1': True, 'zero_stage': 2, 'shard': 2}),      # 2 replicas of 2 shards
+    'dp4_hsdp2_zero1': (4, {'zero1': True, 'shard': 2}),
 }
 
 
@@ -56,8 +58,8 @@ def test_zero2_holds_its_own_part_of_the_gradients_between_passes():
 def test_a_zero_stage_is_refused_without_zero1_or_when_unknown():
   config = parity.parity_config(zero_stage=2)
   assert any('zero_stage=2 is read only with distributed_strategy.zero1=True' in p for p in validate.check(config))
-  config = parity.parity_config(zero1=True, zero_stage=3)
-  assert any(p.startswith('distributed_strategy.zero_stage=3 is not one of (1, 2)') for p in validate.check(config))
+  config = parity.parity_config(zero1=True, zero_stage=4)
+  assert any(p.startswith('distributed_strategy.zero_stage=4 is not one of (1, 2, 3)') for p in validate.check(config))
 
 
 def _gradients(overlap):

@@ -16,6 +16,19 @@ def test_rank_of_is_the_inverse_of_the_coordinates():
     assert m.rank_of(m.dp_rank, m.pp_rank, m.tp_rank) == rank
 
 
+def test_hsdp_shard_groups_are_consecutive_dp_cp_ranks_and_replicas_their_strides():
+  made = []
+  grid = meshes.Mesh(dp=4, tp=2, cp=2, dp_shard=4)          # dp x cp = 8 per tp rank: 2 shard groups of 4
+  mine = meshes._groups(grid, 0, lambda ranks: made.append(ranks) or tuple(ranks))  # pylint: disable=protected-access
+  dp_cp = [grid.rank_of(d, 0, 0, c) for d in range(4) for c in range(2)]      # tp rank 0, in dp_cp_rank order
+  assert mine['shard'] == tuple(dp_cp[:4]) and mine['replicate'] == (dp_cp[0], dp_cp[4])
+  assert dp_cp[:4] in made and dp_cp[4:] in made and all(dp_cp[j::4] in made for j in range(4))
+  for rank in range(grid.world_size):
+    m = meshes.Mesh(dp=4, tp=2, cp=2, dp_shard=4, rank=rank)
+    assert m.shard_rank == m.dp_cp_rank % 4 and m.shard_size == 4
+  assert meshes.Mesh(dp=4, cp=2).shard_size == 8      # no HSDP: one group of all dp x cp ranks
+
+
 def _stop_rank_1_then_reduce(timeout_s):
   c = parity.parity_config(tp=2)
   c.distributed_strategy.collective_timeout_s = timeout_s
