@@ -61,7 +61,9 @@ def step_metadata(config, mesh, consumed_samples, state_keys, optimizer_step, **
   return {'consumed_samples': consumed_samples, 'config': json.loads(config.to_json_best_effort()),
           'layout': {'dp': mesh.dp, 'pp': mesh.pp, 'tp': mesh.tp, 'cp': mesh.cp,
                      **({'ep': mesh.ep} if mesh.ep > 1 else {}),
-                     'vp': strategy.virtual_pipeline_model_parallel_size, 'zero1': strategy.zero1},
+                     'vp': strategy.virtual_pipeline_model_parallel_size, 'zero1': strategy.zero1,
+                     **({'zero_stage': strategy.zero_stage} if strategy.zero1 and strategy.get('zero_stage', 1) > 1 else {}),
+                     **({'dp_shard': mesh.shard_size} if mesh.shard_size < mesh.dp_cp else {})},
           'optimizer_state_keys': list(state_keys), 'optimizer_step': optimizer_step, **extra}
 
 

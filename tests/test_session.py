@@ -50,6 +50,7 @@ def losses(workdir):
     (2, {'zero1': True, 'precision': 'bf16SR'}, 0.0),   # bf16 moments, stochastic rounding keys
     # fp32 masters through the one-pass Adam step (the tiny model's parameters would take torch's)
     (2, {'zero1': True, 'precision': 'mixed_precision', 'fused_fp32_from': 0}, 0.0),
+    (2, {'zero1': True, 'zero_stage': 3}, 0.1),        # ZeRO-3: each rank saves and loads its owned rows
 ])
 def test_resume_is_bitwise_exact(tmp_path, world_size, layout, dropout):
   # the uninterrupted run, then steps 1-10 saved, in one world; the resume in a fresh one
@@ -82,6 +83,8 @@ RESUMED_AT = {                     # name: (world size, layout)
     'pp4': (4, {'pp': 4, 'layers': 4}),
     'tp4_kv2_zero1': (4, {'tp': 4, 'kv_replicator': 2, 'layers': 4, 'zero1': True}),
     'dp2_tp2_zero2': (4, {'tp': 2, 'sp': True, 'layers': 4, 'zero1': True, 'zero_stage': 2}),   # ZeRO-1's save
+    'dp2_tp2_zero3': (4, {'tp': 2, 'sp': True, 'layers': 4, 'zero1': True, 'zero_stage': 3}),
+    'dp4_hsdp2_zero3': (4, {'layers': 4, 'zero1': True, 'zero_stage': 3, 'shard': 2}),
 }
 
 
@@ -100,6 +103,19 @@ def test_resume_at_another_layout_continues_the_run(saved_at_tp2_pp2_dp2, tmp_pa
                                         for name, (_, layout) in layouts.items()])
   for name in layouts:
     np.testing.assert_allclose(losses(tmp_path / name), losses(base / 'straight')[10:], rtol=1e-5, err_msg=name)
+
+
+def test_a_zero3_step_resumes_at_zero1_and_on_one_device(tmp_path):
+  """Steps 1-10 saved at dp2 ZeRO-3 (owned rows only), resumed at dp2 ZeRO-1 and on one device:
+  both continue the uninterrupted run."""
+  world.run(_run, 2, str(tmp_path / 'saved'), {'zero1': True, 'zero_stage': 3, 'layers': 4}, 10)
+  _run(str(tmp_path / 'straight'), {'layers': 4})
+  saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
+  assert checkpoint_steps.read_metadata(saved)['layout']['zero_stage'] == 3
+  world.run(_resume_from, 2, str(tmp_path / 'zero1'), {'zero1': True, 'layers': 4}, saved)
+  _resume_from(str(tmp_path / 'one_device'), {'layers': 4}, saved)
+  for name in ('zero1', 'one_device'):
+    np.testing.assert_allclose(losses(tmp_path / name), losses(tmp_path / 'straight')[10:], rtol=1e-5, err_msg=name)
 
 
 def _resume_from(workdir, layout, path):
