@@ -45,20 +45,34 @@ def unit_of(name):
   return 'embedding' if name in EMBEDDING else 'head'
 
 
-def shard(params, config, mesh) -> ShardedParams:
-  """`params` (whole boxes) as a ShardedParams: each box's owned rows kept, its storage freed."""
-  out = ShardedParams()
-  for n, p in params.items():
-    owns_storage = p.is_contiguous() and p.storage_offset() == 0 and \
-        p.untyped_storage().nbytes() == p.numel() * p.element_size()
-    out[n] = p if owns_storage else p.detach().clone().requires_grad_(p.requires_grad)
-  out.shards = ParamShards(out, config, mesh)
-  return out
+def init(config, mesh, boxes, make) -> ShardedParams:
+  """A ZeRO-3 rank's parameters: `make(boxes)` (fresh leaves of the given boxes) is asked for the
+  owned rows of each box only, and each box is an empty tensor of its shape (no rank ever holds
+  the whole model); a box nobody shares rows of (experts at ep = dp) is made whole."""
+  owned_boxes, parts_of = {}, {}
+  for n, box in boxes.items():
+    _, parts_of[n], index = experts.domain(mesh, n, True)
+    rows, _ = zero.shard_rows(box[0].stop - box[0].start, parts_of[n], index)
+    owned_boxes[n] = (slice(box[0].start + rows.start, box[0].start + rows.stop),) + tuple(box[1:])
+  owned = make(owned_boxes)
+  params = ShardedParams()
+  for n, box in boxes.items():
+    if parts_of[n] == 1:
+      params[n] = owned[n]
+      continue
+    p = owned[n]
+    params[n] = torch.empty(tuple(sl.stop - sl.start for sl in box), dtype=p.dtype, device=p.device)
+    params[n].untyped_storage().resize_(0)
+    params[n].requires_grad_(p.requires_grad)
+  params.shards = ParamShards(params, config, mesh, {n: p.detach() for n, p in owned.items()})
+  return params
 
 
 class ParamShards:
 
-  def __init__(self, params, config, mesh):
+  def __init__(self, params, config, mesh, owned):
+    """`params`: the boxes (storage freed but for the kept-whole ones); `owned`: name -> this
+    rank's rows of each."""
     strategy = config.distributed_strategy
     self.params, self.mesh = params, mesh
     self.collective = grad_reduce.resolved(strategy.zero1_collectives)
@@ -70,18 +84,14 @@ class ParamShards:
     for n, p in params.items():
       group, parts, index = experts.domain(mesh, n, True)
       self.units.setdefault(unit_of(n), []).append(n)
-      rows, _ = zero.shard_rows(p.shape[0], parts, index)
-      self.rows[n] = rows
-      if parts == 1:                 # nobody to share rows with (experts at ep = dp): kept whole
-        self.shard[n] = p.detach()
-        continue
-      self.shard[n] = p.detach()[rows].clone()
-      self.domain[n] = (group, parts, index)
-      self.nbytes[n] = p.untyped_storage().nbytes()
+      self.rows[n], _ = zero.shard_rows(p.shape[0], parts, index)
+      self.shard[n] = owned[n]
+      if parts > 1:                  # else nobody to share rows with (experts at ep = dp): kept whole
+        self.domain[n] = (group, parts, index)
+        self.nbytes[n] = p.numel() * p.element_size()
     if self.tied and 'embed_tokens.weight' in params:
       self.units['head'] = self.units.get('head', []) + ['embed_tokens.weight']
-    self.resident, self.pending, self.queued = set(self.domain), {}, False
-    self.free(list(self.domain))
+    self.resident, self.pending, self.queued = set(), {}, False
 
   def unit(self, key):
     return self.units.get(key, [])

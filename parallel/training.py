@@ -64,9 +64,10 @@ def init_params(config, mesh, names=None):
   or of those among `names`. Under ZeRO-3 (zero_stage=3, over more than one DP rank) the
   model's parameters come sharded (parallel/param_shards.py)."""
   boxes = {n: b for n, b in param_boxes(config, mesh).items() if names is None or n in names}
-  params = transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
-                            dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
-  return param_shards.shard(params, config, mesh) if names is None and shards_parameters(config, mesh) else params
+  make = lambda boxes: transformer.init(config.model, config.seed, device=mesh.device, tp=mesh.tp,
+                                        dtype=precision.recipe(config.precision).param_dtype, boxes=boxes)
+  return param_shards.init(config, mesh, boxes, make) if names is None and shards_parameters(config, mesh) else \
+      make(boxes)
 
 
 def shards_parameters(config, mesh):
