@@ -37,13 +37,13 @@ from data import stand_in
 from estimates import activations, live_bytes, memory
 from model import flop_count, lora, moe, objectives
 from optim import update
-from parallel import mesh as meshes, tensor, training
+from parallel import mesh as meshes, param_shards, tensor, training
 from user_errors import UserError
 
 STEPS = 2                   # the first makes the optimizer state; the second is the steady step
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # the estimate's components each traced category is set against
-COMPARED = {'params': ('params', 'reference'), 'master': ('master',), 'optimizer': ('optimizer',),
+COMPARED = {'params': ('params', 'reference', 'gathered'), 'master': ('master',), 'optimizer': ('optimizer',),
             'grads': ('grads',), 'activations': ('activations', 'logits'),
             'transients': ('grad_transient', 'reduction', 'update_temporaries')}
 
@@ -136,6 +136,10 @@ def _shorten(cfg, mesh, all_micro_batches):
 def _steps(cfg, mesh, live, batches):
   """The loop's set-up and STEPS training steps (train.py's), on fake tensors."""
   params = training.init_params(cfg, mesh)
+  shards = param_shards.shards_of(params)
+  if shards is not None:        # ZeRO-3: the owned rows, and the boxes as they are gathered and freed
+    shards.on_resize = live.resized
+    live.hold(shards.shard.values(), 'params')
   live.hold(params.values(), 'params')
   updater = update.Updater(params, cfg, mesh, training.placement(cfg, mesh), trainable=lora.trainable(cfg.model, params))
   ops = tensor.config_ops(cfg, mesh)
@@ -182,6 +186,8 @@ def _classify(live, params, updater):
   live.hold(live_bytes.tensors_in(updater.optimizer.state), 'optimizer')
   live.hold([m for n, m in updater.master.items() if updater.has_master_copy(n)], 'master')
   live.hold(params.values(), 'params')
+  if param_shards.shards_of(params) is not None:
+    live.hold(param_shards.shards_of(params).shard.values(), 'params')
 
 
 def failing_operation(error) -> str:
@@ -223,9 +229,9 @@ def compare(result) -> list:
   """[(category, traced bytes at the peak, estimated bytes at the estimate's peak phase)]: the
   estimate's activations and transients are those of its peak phase (memory._with_phases)."""
   est = tensor_estimate(result['estimate'])
-  held = {c: sum(est.get(p, 0) for p in parts) for c, parts in COMPARED.items()
-          if c not in ('activations', 'transients')}
   phase, overlap = est['peak_phase'], est['reduction_overlap']
+  held = {c: sum(est.get(p, 0) for p in parts if p != 'gathered' or phase == 'forward_backward')  # ZeRO-3's passes
+          for c, parts in COMPARED.items() if c not in ('activations', 'transients')}
   logits = est['logits'] - est['logits_apart']      # the logits' bytes beside the backward's working set
   made = {'forward_backward': (est['activations'] + logits, est['grad_transient']),
           'grad_reduction': (logits if overlap else 0, est['reduction'] + (est['grad_transient'] if overlap else 0)),

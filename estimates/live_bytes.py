@@ -40,6 +40,16 @@ class _Counter:
     for t in tensors:
       self._add(t.untyped_storage(), category)
 
+  def resized(self, storage):
+    """`storage` (counted) changed size in place (ZeRO-3's gathered and freed parameters)."""
+    entry = self._seen.get(storage)
+    if entry is not None:
+      self.now[entry[1]] += storage.nbytes() - entry[0]
+      entry[0] = storage.nbytes()
+      total = self.total
+      if total > self.peak:
+        self.peak, self.at_peak = total, dict(self.now)
+
   def restart_peak(self):
     """The peak from now on (e.g. the second step, with the first's lazily made state held)."""
     self.peak, self.at_peak = self.total, dict(self.now)

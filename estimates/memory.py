@@ -3,7 +3,7 @@ cannot fit fails early (the activation formula is estimates/activations.py, the 
 state counts and the update's transients estimates/update_memory.py)."""
 import math
 
-from estimates import activations, grad_memory, update_memory
+from estimates import activations, grad_memory, param_memory, update_memory
 from estimates.host_heap import heap_holes_bytes
 from estimates.update_memory import ADAM_STATES, fused_fp32_names, fused_sr, update_temporaries
 from model import lora, moe, objectives, param_table, transformer
@@ -38,7 +38,8 @@ def even_share(elements, tp, pp, ep=1) -> dict:
 
 def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   """Bytes per rank holding parameters of `sizes` (name -> elements; default: an even share
-  of the model), by component and by phase. Components: params, grads (grad_memory.gradient_bytes),
+  of the model), by component and by phase. Components: params (param_memory.param_bytes: under
+  ZeRO-3 the owned rows, and 'gathered', the layers gathered whole during the passes), grads (grad_memory.gradient_bytes),
   master weights and optimizer state (of the trained parameters only: a frozen LoRA base has
   none; ZeRO-1 divides both), activations of the micro batches in flight on stage `pp_rank`
   (1F1B: min(pp - pp_rank, micro batches): the first stage holds the most; of its s / cp
@@ -56,9 +57,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
     sizes = even_share({n: math.prod(spec.shape) for n, spec in param_table.param_specs(m, tp).items()},
                        tp, pp, d.get('expert_model_parallel_size', 1))
   n = param_counts(config, sizes)
-  group = dp * d.get('context_parallel_size', 1)    # gradients reduce, and ZeRO-1 shards, over dp x cp
+  group = param_memory.zero_parts(config, dp)     # ZeRO shards over dp x cp (HSDP: its shard groups)
   param_bytes = recipe.param_dtype.itemsize
-  base = n['params'] - n['adapters']
   owned = owned_counts(config, sizes, dp)
   microbatches = config.data.global_batch_size // (config.data.micro_batch_size * dp)
   layers_in_flight, in_flight = layers_held(config, pp_rank, microbatches)
@@ -67,7 +67,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   grads, grad_transient = grad_memory.gradient_bytes(config, sizes, group)
   working = backward_working_bytes(config, tp)
   out = {
-      'params': base * param_bytes + n['adapters'] * 4,
+      'params': param_memory.param_bytes(config, sizes, dp)[0],
       'grads': grads,
       'master': owned['base'] * 4 if recipe.has_master(recipe.param_dtype) else 0,
       'optimizer': ((owned['base'] * recipe.state_dtype(recipe.param_dtype).itemsize + owned['adapters'] * 4)
@@ -96,23 +96,21 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   # the logits and their gradient are freed before the layers' backward starts: the larger of
   # them and a layer's backward working set is live, not both (seen tracing NxD's Llama-2 7B)
   out['logits_apart'] = min(out['logits'], working)
+  out['gathered'] = param_memory.gathered_bytes(config, sizes, dp, out['logits'] - out['logits_apart'])
   out['reduction_overlap'] = out['logits'] + out['grad_transient'] - out['logits_apart'] if overlapped else 0
   return _with_phases(out)
 
 
 def owned_counts(config, sizes, dp) -> dict:
   """{'base', 'adapters'}: trained elements whose masters and optimizer state this rank keeps.
-  ZeRO-1 shards a dense parameter's over dp x cp and an expert's over the DP ranks holding the
+  ZeRO-1 shards a dense parameter's over dp x cp (HSDP: its shard group) and an expert's over the DP ranks holding the
   same experts, dp / ep (parallel/experts.py's domains): at ep = dp the experts' are not
   sharded at all (seen tracing Mixtral at ep 8)."""
-  d = config.distributed_strategy
-  group, experts = dp * d.get('context_parallel_size', 1), dp // d.get('expert_model_parallel_size', 1)
   trained = set(lora.trainable(config.model, sizes))
   out = {'base': 0, 'adapters': 0}
   for name, elements in sizes.items():
     if name in trained:
-      parts = experts if moe.is_expert_param(name) else group
-      out['adapters' if lora.is_adapter(name) else 'base'] += elements // (parts if d.zero1 and parts > 1 else 1)
+      out['adapters' if lora.is_adapter(name) else 'base'] += elements // param_memory.parts_of(config, name, dp)
   return out
 
 
@@ -151,7 +149,8 @@ def _with_phases(out) -> dict:
   steady = held + out['optimizer'] + out['runtime']                  # from the first update on
   phases = {
       'init': held + (RUNTIME_BYTES['init'] if out['runtime'] else 0),
-      'forward_backward': (steady + out['grads'] + out['activations'] + out['logits'] + out['grad_transient']
+      'forward_backward': (steady + out['grads'] + out.get('gathered', 0) + out['activations'] + out['logits']
+                           + out['grad_transient']
                            - out.get('logits_apart', 0) + out['heap_holes']),
       'grad_reduction': steady + out['grads'] + out['reduction'] + out.get('reduction_overlap', 0),
       'update': steady + out['grads'] + out['update_temporaries'],
@@ -250,7 +249,8 @@ def checkpoint_copy_bytes(config, sizes, dp=1) -> int:
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
   state = n['trainable'] * (recipe.state_dtype(recipe.param_dtype).itemsize * ADAM_STATES.get(config.model.optim.name, 2)
                             + (4 if recipe.has_master(recipe.param_dtype) else 0)) // shards
-  return n['params'] * recipe.param_dtype.itemsize + state
+  params = n['params'] * recipe.param_dtype.itemsize
+  return (params // shards if param_memory.sharded_params(config, dp) else params) + state
 
 
 def state_bytes_per_param(est, sizes) -> float:

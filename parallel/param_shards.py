@@ -92,6 +92,7 @@ class ParamShards:
     if self.tied and 'embed_tokens.weight' in params:
       self.units['head'] = self.units.get('head', []) + ['embed_tokens.weight']
     self.resident, self.pending, self.queued = set(), {}, False
+    self.on_resize = None         # f(storage) after a box's storage is gathered into or freed (a traced step counts it)
 
   def unit(self, key):
     return self.units.get(key, [])
@@ -103,7 +104,7 @@ class ParamShards:
     todo = [n for n in names if n in self.domain and n not in self.resident]
     by_domain = {}
     for n in todo:
-      self.params[n].untyped_storage().resize_(self.nbytes[n])
+      self._resize(n, self.nbytes[n])
       by_domain.setdefault(self.domain[n], []).append(n)
     for (group, parts, index), members in by_domain.items():
       in_place = zero.gathers_in_place(self.collective, group)
@@ -125,8 +126,14 @@ class ParamShards:
     names = [n for n in names if n in self.resident]
     self.wait(names)                 # a gather in flight still writes into the storage
     for n in names:
-      self.params[n].untyped_storage().resize_(0)
+      self._resize(n, 0)
       self.resident.discard(n)
+
+  def _resize(self, name, nbytes):
+    storage = self.params[name].untyped_storage()
+    storage.resize_(nbytes)
+    if self.on_resize is not None:
+      self.on_resize(storage)
 
   def free_all(self):
     self.free(list(self.resident))
@@ -135,7 +142,7 @@ class ParamShards:
     """The updated owned rows (name -> rows in the parameter dtype) into `shard`."""
     with torch.no_grad():
       for n, v in rows.items():
-        if self.shard[n].data_ptr() != v.data_ptr():
+        if not self.shard[n].is_set_to(v):       # no master copy: the update wrote them already
           self.shard[n].copy_(v)
 
   # --- around a pipeline chunk's forward and its backward --------------------------------
