@@ -12,8 +12,13 @@ One optimizer step on one rank of the slowest pipeline stage (the last: it holds
                      the simulator's comm cost; the bubble is what it adds
   + DP reduction     all-reduce of the gradient buckets (or ZeRO-1's collective): behind the
                      backward of the last micro batch when overlap_grad_reduce (all but the last
-                     bucket), all of it when not, or on XLA (its compiler schedules one graph)
+                     bucket), all of it when not, or on XLA (its compiler schedules one graph);
+                     ZeRO-2 and -3 reduce-scatter behind every micro batch's backward; HSDP then
+                     all-reduces the owned rows across the replica groups (not overlapped)
   + ZeRO-1 gather    the updated parameters' all-gather (or OR all-reduce): never overlapped
+  + ZeRO-3 gathers   per layer and micro batch the parameters gathered for the forward and
+                     again for the backward (not with reshard_after_forward=False), each behind
+                     the previous layer's compute (prefetch): what exceeds it is exposed
   + optimizer        bytes of parameters, gradients, masters and moments read and written /
                      memory bandwidth, over the rows this rank owns
 
@@ -94,11 +99,14 @@ def _reduce(zero1, d, params, gsize, pbytes, cluster, g, stride):
   return on('reduce_scatter', params * gsize), on('all_gather', params * pbytes)
 
 
-def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=None):
-  """The step of `config`'s layout at `world_size` ranks of `cluster`. `fsdp`: model the data
-  parallelism as FSDP / ZeRO-3 (torchtitan's: parameters gathered per layer before forward and
-  backward, gradients reduce-scattered, all prefetched behind compute), which flatron lacks:
-  for comparing with published FSDP figures only. `counts`: (parameters, trainable, FLOPs per
+def zero_stage(config, dp_cp) -> int:
+  """ZeRO's stage where it shards anything (0: plain DP, or a single DP x CP rank)."""
+  d = config.distributed_strategy
+  return d.get('zero_stage', 1) if d.zero1 and dp_cp > 1 else 0
+
+
+def predict(config, cluster, world_size, counts=None, slower_than=None):
+  """The step of `config`'s layout at `world_size` ranks of `cluster`. `counts`: (parameters, trainable, FLOPs per
   token) of the whole model when the caller has them (the search: counting walks every parameter).
   `slower_than`: None instead of a Prediction when the step cannot be shorter than this many
   seconds even with no bubble (the search's cut: the pipeline simulation is its cost)."""
@@ -137,38 +145,43 @@ def predict(config, cluster, world_size, fsdp=False, counts=None, slower_than=No
   params_rank = (total - experts) / (tp * pp) + experts / (tp * pp * ep)
   dense_trained, expert_trained = (trained - experts_trained) / (tp * pp), experts_trained / (tp * pp * ep)
   trainable = dense_trained + expert_trained
-  group, expert_group = dp * cp, dp // ep        # dense gradients reduce over dp x cp, experts' over expert-DP
-  dp_bw, dp_lat = link(cluster, group, tp * pp)  # (cp sits inside dp: the group's ranks average tp x pp apart)
-  gsize = recipe.grad_acc_dtype.itemsize
+  stage = zero_stage(config, dp * cp)
+  # dense gradients reduce over dp x cp (HSDP: ZeRO's shard group, then across the replicas),
+  # experts' over expert-DP; cp sits inside dp: the group's ranks average tp x pp apart
+  group = (d.get('data_parallel_shard_size', 0) or dp * cp) if stage else dp * cp
+  expert_group = dp // ep
+  dp_bw, dp_lat = link(cluster, group, tp * pp)
+  gsize, pbytes = recipe.grad_acc_dtype.itemsize, recipe.param_dtype.itemsize
   grads = trainable * gsize
   fsdp_exposed = 0.0
-  if fsdp and dp > 1:     # per layer: gather params for forward and backward, reduce-scatter grads
+  if stage == 3:          # per layer: gather params for forward (and backward), reduce-scatter grads
     per_layer_params = params_rank / m.num_layers
-    gather = all_gather(per_layer_params * recipe.compute_dtype.itemsize, dp, dp_bw, dp_lat)
-    scatter = reduce_scatter(per_layer_params * 4, dp, dp_bw, dp_lat)
+    gather = all_gather(per_layer_params * pbytes, group, dp_bw, dp_lat)
+    scatter = reduce_scatter(per_layer_params * gsize, group, dp_bw, dp_lat)
+    again = gather if d.get('reshard_after_forward', True) else 0.0
     fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf) / layers_here)
-                                          + max(0.0, gather + scatter - (lb + cb) / layers_here))
-  zero1 = d.zero1 and not fsdp
-  gather = 0.0
-  if fsdp:
-    reduction = 0.0
-  else:
-    pbytes = recipe.param_dtype.itemsize
-    reduction, gather = _reduce(zero1, d, dense_trained, gsize, pbytes, cluster, group, tp * pp)
-    if expert_trained:
-      r, g = _reduce(zero1, d, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)
-      reduction, gather = reduction + r, gather + g
+                                          + max(0.0, again + scatter - (lb + cb) / layers_here))
+  reduction, gather = _reduce(bool(stage), d, dense_trained, gsize, pbytes, cluster, group, tp * pp)
+  if expert_trained:
+    r, g = _reduce(bool(stage), d, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)
+    reduction, gather = reduction + r, gather + g
   buckets = max(1, math.ceil(grads / (config.bucket_size_collectives * 2**20)))
+  if stage == 3:          # in fsdp_exposed, and nothing to gather after the update
+    reduction = gather = 0.0
+  elif stage == 2:        # once per micro batch, each behind that micro batch's backward
+    reduction *= micro
+  overlapped = bwd * micro if stage == 2 else bwd
   if d.overlap_grad_reduce and cluster.device != 'xla':
-    exposed = max(reduction / buckets, reduction - bwd * (1 - 1 / buckets))
+    exposed = max(reduction / buckets, reduction - overlapped * (1 - 1 / buckets))
   else:
     exposed = reduction
+  replicas = dp * cp // group
+  if replicas > 1:        # HSDP: the owned rows' all-reduce across the replica groups, after the backward
+    exposed += collective(cluster, 'all_reduce', dense_trained / group * gsize, replicas, group * tp * pp)
   master = 4 if recipe.has_master(recipe.param_dtype) else 0
   state = 2 * recipe.state_dtype(recipe.param_dtype).itemsize
   per_param = 2 * (recipe.param_dtype.itemsize + master + state) + 2 * recipe.grad_acc_dtype.itemsize
-  if fsdp:
-    owned = trainable / dp if dp > 1 else trainable
-  elif zero1:
+  if stage:
     owned = dense_trained / group + expert_trained / max(1, expert_group)
   else:
     owned = trainable

@@ -9,7 +9,8 @@ why the rest do not fit (docs/planning.md).
     python -m tools.plan --calibrate          # measure this machine: the `local` entry
 
 Searched: dp x cp x tp x pp (dp = devices / (tp pp cp)), expert parallel degree (MoE configs),
-virtual stages, ZeRO-1, sequence parallel, micro batch, recompute mode. Each layout is first checked by configs/validate.py (refusals are
+virtual stages, ZeRO stage (none, 1, 2, 3, and 3 sharded within a node: HSDP), sequence parallel,
+micro batch, recompute mode. Each layout is first checked by configs/validate.py (refusals are
 counted by message), then by the memory estimate against the device's memory.
 """
 import collections
@@ -50,11 +51,14 @@ class Layout:
   cp: int = 1
   ep: int = 1
   fp8: str = None            # precision.fp8's recipe, or None (16-bit linears)
+  zero_stage: int = 1        # with zero1: 2 shards the gradients too, 3 the parameters too
+  shard: int = 0             # HSDP: ZeRO's shard group size (0: all of dp x cp)
 
   def describe(self) -> str:
     parts = [f'dp{self.dp}'] + [f'cp{self.cp}'] * (self.cp > 1) + [f'ep{self.ep}'] * (self.ep > 1)
     parts += [f'tp{self.tp}' + ('+sp' if self.sp else ''), f'pp{self.pp}' + (f'v{self.vpp}' if self.vpp > 1 else '')]
-    parts += ['zero1'] * self.zero1 + [f'mb{self.micro_batch}', self.recompute] + [f'fp8-{self.fp8}'] * bool(self.fp8)
+    parts += [f'zero{self.zero_stage}'] * self.zero1 + [f'hsdp{self.shard}'] * bool(self.shard)
+    parts += [f'mb{self.micro_batch}', self.recompute] + [f'fp8-{self.fp8}'] * bool(self.fp8)
     return ' '.join(parts)
 
   def apply(self, config):
@@ -62,6 +66,7 @@ class Layout:
     d = config.distributed_strategy
     d.tensor_model_parallel_size, d.pipeline_model_parallel_size = self.tp, self.pp
     d.virtual_pipeline_model_parallel_size, d.zero1, d.sequence_parallel = self.vpp, self.zero1, self.sp
+    d.zero_stage, d.data_parallel_shard_size = self.zero_stage, self.shard
     d.pipeline_cuts = ()
     d.context_parallel_size, d.expert_model_parallel_size = self.cp, self.ep
     if self.cp > 1:            # the ring is how flatron runs context parallelism (parallel/context.py)
@@ -113,7 +118,19 @@ def expert_degrees(config, dp):
   return [e for e in _divisors(dp) if experts and experts % e == 0] or [1]
 
 
-def layouts(config, world_size, fp8=None):
+def zero_choices(dp_cp, model_parallel, devices_per_node=8):
+  """(zero1, zero_stage, HSDP shard size) searched over dp x cp ranks: none, ZeRO-1, -2, -3, and
+  where the DP ranks span nodes, ZeRO-3 sharded within a node and replicated across (HSDP)."""
+  if dp_cp == 1:
+    return [(False, 1, 0)]
+  out = [(False, 1, 0), (True, 1, 0), (True, 2, 0), (True, 3, 0)]
+  node = devices_per_node // model_parallel
+  if 1 < node < dp_cp and dp_cp % node == 0:
+    out.append((True, 3, node))
+  return out
+
+
+def layouts(config, world_size, fp8=None, devices_per_node=8):
   """Every layout of `world_size` devices the search tries (validity is checked after): with the
   config's precision.fp8, and also with the `fp8` recipe (the planner's --fp8) or without FP8."""
   m, a = config.model, config.data
@@ -131,12 +148,12 @@ def layouts(config, world_size, fp8=None):
         micro = [b for b in (1, 2, 4, 8) if per_rank and per_rank % b == 0] or [1]
         for ep in expert_degrees(config, dp):
           for vpp in ((1, 2, 4) if pp > 1 else (1,)):
-            for zero1 in ((False, True) if dp * cp > 1 else (False,)):
+            for zero1, stage, shard in zero_choices(dp * cp, tp * pp, devices_per_node):
               for sp in ((False, True) if tp > 1 else (False,)):
                 for mb in micro:
                   for recompute in reversed(RECOMPUTE):      # least memory first (see search)
                     for recipe in recipes:
-                      yield Layout(dp, tp, pp, vpp, zero1, sp, mb, recompute, cp, ep, recipe)
+                      yield Layout(dp, tp, pp, vpp, zero1, sp, mb, recompute, cp, ep, recipe, stage, shard)
 
 
 def _reason(message):
@@ -153,8 +170,8 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
   counts = (param_table.count_params(work.model), param_table.count_params(work.model, trainable_only=True),
             flop_count.flops_per_token(work.model, work.data.seq_length))
   stages = {}                # (tp, pp, vpp, cp, ep) -> stage_sizes (walking 80 layers' names costs ms)
-  too_big = {}               # (tp, pp, vpp, zero1, sp) -> [(micro batch, recompute)] that did not fit
-  for layout in layouts(config, world_size, fp8):
+  too_big = {}               # (tp, pp, vpp, zero, sp, ...) -> [(micro batch, recompute)] that did not fit
+  for layout in layouts(config, world_size, fp8, cluster.devices_per_node):
     searched += 1
     if layout.tp > cluster.devices_per_node:    # TP's per-layer collectives over the network: never a win
       refused['tp > devices per node: TP stays inside a node'] += 1
@@ -166,7 +183,8 @@ def search(config, cluster, world_size, keep=10, fp8=None) -> Plan:
       continue
     # Memory only grows with the micro batch (in flight: min(pp x mb, batch per replica)) and
     # as recompute keeps more: a layout above one that did not fit does not fit either.
-    family = (layout.tp, layout.pp, layout.vpp, layout.zero1, layout.sp, layout.cp, layout.ep, layout.fp8)
+    family = (layout.tp, layout.pp, layout.vpp, layout.zero1, layout.zero_stage, layout.shard, layout.sp, layout.cp,
+              layout.ep, layout.fp8)
     more = list(RECOMPUTE).index
     if any(layout.micro_batch >= mb and more(layout.recompute) <= more(r) for mb, r in too_big.get(family, ())):
       refused[MEMORY] += 1

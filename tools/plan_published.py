@@ -47,6 +47,7 @@ def _torchtitan():
   c.data.micro_batch_size, c.data.global_batch_size = 2, 16
   c.model.activations_checkpoint_granularity = 'selective'
   c.model.activations_checkpoint_recompute = ('mlp',)
+  c.distributed_strategy.zero1, c.distributed_strategy.zero_stage = True, 3     # FSDP2, reshard_after_forward
   return c
 
 
@@ -93,7 +94,6 @@ class Row:
   published: float
   unit: str                # 'seq/s' | 'tokens/s/GPU' | 'TFLOP/s/GPU'
   source: str
-  fsdp: bool = False
 
 
 ROWS = (
@@ -102,9 +102,9 @@ ROWS = (
     Row('Llama-3.1-70B, NxD, 32 x trn1.32xlarge', lambda: _nxd(llama3_70b, 'hf_llama3.1_70B_config.yaml'),
         clusters.CLUSTERS['trn1.32xlarge'], 1024, 7.94, 'seq/s', 'Neuron docs, trn1 training performance (NxD Training)'),
     Row('Llama-3.1-8B, torchtitan FSDP, 8 x H100', _torchtitan, GRAND_TETON, 8, 5762, 'tokens/s/GPU',
-        'torchtitan docs/performance.md, Table 1', fsdp=True),
+        'torchtitan docs/performance.md, Table 1'),
     Row('Llama-3.1-8B, torchtitan FSDP + Float8, 8 x H100', _torchtitan_float8, GRAND_TETON, 8, 8532,
-        'tokens/s/GPU', 'torchtitan docs/performance.md, Table 1 (compiled + Float8 tensorwise)', fsdp=True),
+        'tokens/s/GPU', 'torchtitan docs/performance.md, Table 1 (compiled + Float8 tensorwise)'),
     Row('GPT 18.4B, Megatron-LM, 256 x A100 (t8 p1)', lambda: _megatron(48, 6144, 40, 8, 1, 1024),
         clusters.CLUSTERS['a100'], 256, 135, 'TFLOP/s/GPU', 'Narayanan et al. 2021, Table 1'),
     Row('GPT 145.6B, Megatron-LM, 1536 x A100 (t8 p8)', lambda: _megatron(96, 12288, 80, 8, 8, 2304),
@@ -115,7 +115,7 @@ ROWS = (
 def predicted(row, config=None, prediction=None) -> float:
   """The row's figure in its unit, from the model."""
   config = config or row.build()
-  p = prediction or step_time.predict(config, row.cluster, row.devices, fsdp=row.fsdp)
+  p = prediction or step_time.predict(config, row.cluster, row.devices)
   if row.unit == 'seq/s':
     return config.data.global_batch_size / p.step_s
   if row.unit == 'tokens/s/GPU':
@@ -129,7 +129,7 @@ def table(with_pick=True) -> list:
   out = []
   for row in ROWS:
     config = row.build()
-    p = step_time.predict(config, row.cluster, row.devices, fsdp=row.fsdp)
+    p = step_time.predict(config, row.cluster, row.devices)
     pick = ''
     if with_pick:
       best = plan.search(config, row.cluster, row.devices).ranked[:1]
