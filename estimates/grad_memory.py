@@ -33,9 +33,10 @@ def gradient_bytes(config, sizes, dp=1) -> tuple:
 
 
 def sharded_gradients(config, dp) -> bool:
-  """Whether ZeRO-2 shards the gradients over `dp` ranks."""
+  """Whether ZeRO-2 (or -3) shards the gradients over `dp` ranks (each micro batch's reduced as
+  it is made: distributed_strategy.grad_reduce_per_micro_batch)."""
   d = config.distributed_strategy
-  return dp > 1 and d.zero1 and d.get('zero_stage', 1) >= 2
+  return dp > 1 and d.zero1 and d.get('zero_stage', 1) >= 2 and d.get('grad_reduce_per_micro_batch', True)
 
 
 def reduction_bytes(config, sizes, dp=1) -> int:

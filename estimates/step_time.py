@@ -154,10 +154,11 @@ def predict(config, cluster, world_size, counts=None, slower_than=None):
   gsize, pbytes = recipe.grad_acc_dtype.itemsize, recipe.param_dtype.itemsize
   grads = trainable * gsize
   fsdp_exposed = 0.0
+  per_micro = d.get('grad_reduce_per_micro_batch', True)
   if stage == 3:          # per layer: gather params for forward (and backward), reduce-scatter grads
     per_layer_params = params_rank / m.num_layers
     gather = all_gather(per_layer_params * pbytes, group, dp_bw, dp_lat)
-    scatter = reduce_scatter(per_layer_params * gsize, group, dp_bw, dp_lat)
+    scatter = reduce_scatter(per_layer_params * gsize, group, dp_bw, dp_lat) if per_micro else 0.0
     again = gather if d.get('reshard_after_forward', True) else 0.0
     fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf) / layers_here)
                                           + max(0.0, again + scatter - (lb + cb) / layers_here))
@@ -166,8 +167,9 @@ def predict(config, cluster, world_size, counts=None, slower_than=None):
     r, g = _reduce(bool(stage), d, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)
     reduction, gather = reduction + r, gather + g
   buckets = max(1, math.ceil(grads / (config.bucket_size_collectives * 2**20)))
-  if stage == 3:          # in fsdp_exposed, and nothing to gather after the update
-    reduction = gather = 0.0
+  if stage == 3:          # nothing to gather after the update; per micro batch the reduction is in fsdp_exposed
+    gather = 0.0
+    reduction = 0.0 if per_micro else reduction
   elif stage == 2:        # once per micro batch, each behind that micro batch's backward
     reduction *= micro
   overlapped = bwd * micro if stage == 2 else bwd

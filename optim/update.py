@@ -70,7 +70,7 @@ class Updater:
     # ZeRO-2 keeps only the owned part of each gradient between backward passes; ZeRO-3 the
     # parameters' too (params is a param_shards.ShardedParams: the update writes its shards)
     self.shards = param_shards.shards_of(params)
-    sharded = strategy.get('zero_stage', 1) >= 2
+    sharded = strategy.get('zero_stage', 1) >= 2 and strategy.get('grad_reduce_per_micro_batch', True)
     self.grads = grad_buffer.Domains([
         (grad_shards.ShardedGradBuffer if sharded and parts > 1 else grad_buffer.GradBuffer)(
             params, names, self.recipe.grad_acc_dtype, parts, index, group, self.bucket_bytes,

@@ -63,6 +63,10 @@ def check(strategy) -> list:
   if not strategy.get('reshard_after_forward', True) and stage != 3:
     problems.append('distributed_strategy.reshard_after_forward=False is read only with zero_stage=3 (the '
                     f'parameters are not sharded at zero_stage={stage}); set zero_stage=3 or reshard_after_forward=True')
+  if not strategy.get('grad_reduce_per_micro_batch', True) and stage != 3:
+    problems.append('distributed_strategy.grad_reduce_per_micro_batch=False is read only with zero_stage=3 (at '
+                    f'zero_stage={stage} whole gradients through the step are ZeRO-1); set zero_stage=3, or '
+                    'zero_stage=1 for whole gradients')
   one_of(problems, 'distributed_strategy.zero1_collectives', strategy.zero1_collectives, COLLECTIVES)
   if strategy.zero1_collectives != 'auto' and not strategy.zero1:
     problems.append(f'distributed_strategy.zero1_collectives={strategy.zero1_collectives!r} is read only with '

@@ -25,6 +25,8 @@ gathered again for it. The gathers write through `.data` (a version counter of i
 autograd does not take them for in-place changes. A freed box must not be read (its storage
 is empty): what reads parameters outside a step goes through `shard` (checkpoints, norms).
 """
+import math
+
 import torch
 
 from parallel import comm, experts, grad_reduce, zero
@@ -55,31 +57,45 @@ def init(config, mesh, boxes, make) -> ShardedParams:
     rows, _ = zero.shard_rows(box[0].stop - box[0].start, parts_of[n], index)
     owned_boxes[n] = (slice(box[0].start + rows.start, box[0].start + rows.stop),) + tuple(box[1:])
   owned = make(owned_boxes)
+  # each unit's boxes are views of one storage (FSDP's flat parameter): gathered and freed as one
+  # block, which the next unit of the same size then reuses (freed boxes one by one left the kept
+  # CPU heap full of holes), its boxes 64-byte aligned
+  offsets, sizes = {}, {}
+  for n, box in boxes.items():
+    if parts_of[n] > 1:
+      unit = unit_of(n)
+      offsets[n] = sizes.get(unit, 0)
+      nbytes = math.prod(sl.stop - sl.start for sl in box) * owned[n].element_size()
+      sizes[unit] = offsets[n] + -(-nbytes // 64) * 64
+  storages = {unit: torch.empty(size, dtype=torch.uint8, device=next(iter(owned.values())).device).untyped_storage()
+              for unit, size in sizes.items()}
   params = ShardedParams()
   for n, box in boxes.items():
-    if parts_of[n] == 1:
-      params[n] = owned[n]
-      continue
     p = owned[n]
-    params[n] = torch.empty(tuple(sl.stop - sl.start for sl in box), dtype=p.dtype, device=p.device)
-    params[n].untyped_storage().resize_(0)
+    if parts_of[n] == 1:
+      params[n] = p
+      continue
+    params[n] = torch.empty(0, dtype=p.dtype, device=p.device).set_(
+        storages[unit_of(n)], offsets[n] // p.element_size(), tuple(sl.stop - sl.start for sl in box))
     params[n].requires_grad_(p.requires_grad)
   params.shards = ParamShards(params, config, mesh, {n: p.detach() for n, p in owned.items()})
+  for storage in storages.values():
+    storage.resize_(0)
   return params
 
 
 class ParamShards:
 
   def __init__(self, params, config, mesh, owned):
-    """`params`: the boxes (storage freed but for the kept-whole ones); `owned`: name -> this
-    rank's rows of each."""
+    """`params`: the boxes (each unit's views of one storage, freed; the kept-whole ones apart);
+    `owned`: name -> this rank's rows of each."""
     strategy = config.distributed_strategy
     self.params, self.mesh = params, mesh
-    self.collective = grad_reduce.resolved(strategy.zero1_collectives)
-    self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
     self.keep_after_forward = not strategy.get('reshard_after_forward', True)
     self.tied = config.model.share_embeddings_and_output_weights
-    self.shard, self.rows, self.domain, self.nbytes, self.units = {}, {}, {}, {}, {}
+    self.shard, self.rows, self.domain, self.units, self.members, self.nbytes = {}, {}, {}, {}, {}, {}
+    self.collective = grad_reduce.resolved(strategy.zero1_collectives)
+    self.bucket_bytes = int(config.bucket_size_collectives * 2**20)
     self.tags = {n: t for t, n in enumerate(params)}       # gathers in flight together: a tag each
     for n, p in params.items():
       group, parts, index = experts.domain(mesh, n, True)
@@ -88,7 +104,8 @@ class ParamShards:
       self.shard[n] = owned[n]
       if parts > 1:                  # else nobody to share rows with (experts at ep = dp): kept whole
         self.domain[n] = (group, parts, index)
-        self.nbytes[n] = p.numel() * p.element_size()
+        self.members.setdefault(unit_of(n), []).append(n)
+        self.nbytes[unit_of(n)] = p.untyped_storage().nbytes()
     if self.tied and 'embed_tokens.weight' in params:
       self.units['head'] = self.units.get('head', []) + ['embed_tokens.weight']
     self.resident, self.pending, self.queued = set(), {}, False
@@ -99,44 +116,51 @@ class ParamShards:
 
   # --- gather and free -----------------------------------------------------------------
 
+  def _homes(self, names):
+    """The storage units (unit_of) holding the sharded ones of `names`, in order."""
+    return list(dict.fromkeys(unit_of(n) for n in names if n in self.domain))
+
   def gather(self, names, wait=True):
-    """Every rank's rows of `names` into their boxes (left in flight unless `wait`)."""
-    todo = [n for n in names if n in self.domain and n not in self.resident]
+    """Every rank's rows of `names` (all of each storage unit they are in) into their boxes,
+    left in flight unless `wait`."""
+    units = [u for u in self._homes(names) if u not in self.resident]
     by_domain = {}
-    for n in todo:
-      self._resize(n, self.nbytes[n])
-      by_domain.setdefault(self.domain[n], []).append(n)
+    for unit in units:
+      self._resize(unit, self.nbytes[unit])
+      for n in self.members[unit]:
+        by_domain.setdefault(self.domain[n], []).append(n)
     for (group, parts, index), members in by_domain.items():
       in_place = zero.gathers_in_place(self.collective, group)
       works = zero.gather_rows({n: self.shard[n] for n in members}, {n: self.params[n].data for n in members},
                                members, parts, index, group, self.collective, self.bucket_bytes,
                                async_op=in_place and not wait, tags=self.tags)
       self.pending.update({n: (w, group) for n, w in works.items()})
-    self.resident.update(todo)
+    self.resident.update(units)
     if wait:
       self.wait(names)
 
   def wait(self, names):
-    for n in names:
+    for n in [m for unit in self._homes(names) for m in self.members[unit]]:
       if n in self.pending:
         work, group = self.pending.pop(n)
         comm.wait(work, 'parameter gather over dp (ZeRO-3)', group)
 
   def free(self, names):
-    names = [n for n in names if n in self.resident]
-    self.wait(names)                 # a gather in flight still writes into the storage
-    for n in names:
-      self._resize(n, 0)
-      self.resident.discard(n)
+    """Free the storage units holding `names` (after their gathers in flight)."""
+    units = [u for u in self._homes(names) if u in self.resident]
+    self.wait([m for u in units for m in self.members[u]])
+    for unit in units:
+      self._resize(unit, 0)
+      self.resident.discard(unit)
 
-  def _resize(self, name, nbytes):
-    storage = self.params[name].untyped_storage()
+  def _resize(self, unit, nbytes):
+    storage = self.params[self.members[unit][0]].untyped_storage()
     storage.resize_(nbytes)
     if self.on_resize is not None:
       self.on_resize(storage)
 
   def free_all(self):
-    self.free(list(self.resident))
+    self.free([m for u in self.resident for m in self.members[u]])
 
   def write(self, rows):
     """The updated owned rows (name -> rows in the parameter dtype) into `shard`."""
@@ -169,8 +193,8 @@ class ParamShards:
     def run(fn, params, i, *args):
       self.gather(self.unit(f'layers.{i}'))
       self.gather(self.unit(f'layers.{i + 1}') if i + 1 < hi else self.unit('head') if last else [], wait=False)
-      if i == lo and first:          # the lookup is done; the head may be the same table
-        self.free([n for n in self.unit('embedding') if not (last and n in self.unit('head'))])
+      if i == lo and first and not (last and self.tied):     # the lookup is done (a tied head still needs it)
+        self.free(self.unit('embedding'))
       out = layer_fn(fn, params, i, *args)
       training = torch.is_grad_enabled() and out.requires_grad
       if training:
@@ -188,7 +212,8 @@ class ParamShards:
         self.queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)  # pylint: disable=protected-access
       # layers above i + 1 have run their backward (i + 1's weight-only nodes may still be queued)
-      self.free([n for n in self.resident if n.startswith('layers.') and int(n.split('.')[1]) > i + 1])
+      self.free([n for u in self.resident if u.startswith('layers.') and int(u.split('.')[1]) > i + 1
+                 for n in self.members[u]])
       self.gather(self.unit(f'layers.{i}'))
       if i > lo:
         self.gather(self.unit(f'layers.{i - 1}'), wait=False)

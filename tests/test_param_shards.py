@@ -24,6 +24,7 @@ LAYOUTS = {
     'dp4_hsdp2_zero3_kept_full_recompute': (4, {'zero1': True, 'zero_stage': 3, 'shard': 2, 'reshard': False,
                                                 'recompute': 'full'}),
     'dp2_zero3_selective_recompute': (2, {'zero1': True, 'zero_stage': 3, 'recompute': 'selective'}),
+    'dp2_zero3_whole_grads': (2, {'zero1': True, 'zero_stage': 3, 'per_micro_batch': False}),
 }
 
 # the bf16 recipes and FP8 at ZeRO-3, held to tests/test_zero.py's and tests/test_fp8.py's tolerances
@@ -83,6 +84,9 @@ def test_what_zero3_does_not_run_with_is_refused_naming_the_fix():
   assert any('merge_lora=True: not built (merging needs whole base weights' in p for p in validate.check(config, 2))
   config = parity.parity_config(zero1=True, zero_stage=2, reshard=False)
   assert any(p.startswith('distributed_strategy.reshard_after_forward=False is read only with zero_stage=3')
+             for p in validate.check(config, 2))
+  config = parity.parity_config(zero1=True, zero_stage=2, per_micro_batch=False)
+  assert any(p.startswith('distributed_strategy.grad_reduce_per_micro_batch=False is read only with zero_stage=3')
              for p in validate.check(config, 2))
 
 

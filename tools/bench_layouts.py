@@ -5,6 +5,7 @@
     python -m tools.bench_layouts --layouts=dp2,dp2_no_overlap   # overlap_grad_reduce on / off
     python -m tools.bench_layouts --shape=207m --layouts=dp2,dp2_zero1 --steps=3
     python -m tools.bench_layouts --shape=207m --layouts=dp2_zero1,dp2_zero2 --steps=3   # ZeRO-2 against ZeRO-1
+    python -m tools.bench_layouts --shape=207m --layouts=dp2_zero1,dp2_zero3,dp4_zero1,dp4_zero3 --steps=3   # ZeRO-3
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1   # context parallelism
     python -m tools.bench_layouts --shape=long16k --layouts=cp2 --steps=2 --warmup=1 --mmap_threshold=65536
 
@@ -12,7 +13,7 @@ Runs train.py itself (`--runner=train`, the default: the loop a user runs, loggi
 no validation or checkpoints; its steps after `--warmup` timed from metrics.jsonl, and every
 rank's peak RSS beside its start-up estimate from the run's last line) or tools/bench.py's copy
 of the step (`--runner=bench`), once in one process with 2 threads, then under torchrun with 2
-processes x 1 thread per layout, and prints tokens/s, the efficiency (layout / one process),
+processes x 1 thread per layout (4 for the dp4_ layouts: two to a core), and prints tokens/s, the efficiency (layout / one process),
 peak RSS per rank, and for pipelines the measured bubble (1 - efficiency) beside the 1F1B
 formula (p - 1) / (m + p - 1) for p stages and m micro batches. Every process is killed
 (its process group) if the run fails or times out.
@@ -40,6 +41,16 @@ LAYOUTS = {
     'dp2_zero1_no_param_overlap': [STRATEGY + 'zero1=True', STRATEGY + 'overlap_param_gather=False'],
     'dp2_zero1_all_reduce': [STRATEGY + 'zero1=True', STRATEGY + 'zero1_collectives=all_reduce'],
     'dp2_zero2': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=2'],
+    'dp2_zero3': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3'],
+    'dp2_zero3_kept': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3', STRATEGY + 'reshard_after_forward=False'],
+    'dp2_zero3_whole_grads': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3',
+                              STRATEGY + 'grad_reduce_per_micro_batch=False'],
+    'dp4_zero1': [STRATEGY + 'zero1=True'],                 # dp4_*: 4 processes
+    'dp4_zero2': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=2'],
+    'dp4_zero3': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3'],
+    'dp4_zero3_whole_grads': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3',
+                              STRATEGY + 'grad_reduce_per_micro_batch=False'],
+    'dp4_hsdp2_zero3': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3', STRATEGY + 'data_parallel_shard_size=2'],
     'tp2': [STRATEGY + 'tensor_model_parallel_size=2'],
     'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
     'pp2': [STRATEGY + 'pipeline_model_parallel_size=2'],
@@ -143,11 +154,12 @@ def main(argv):
   print(f'{FLAGS.runner}, 1 process x 2 threads: {one:,.0f} tokens/s, peak RSS {one_rss:.0f} MiB (+{one_growth:.0f} '
         'MiB over the process before the run: the run\'s own memory, activations included'
         + (f'; {one_error:+.1f}% of the estimate)' if one_error is not None else ')'))
-  print('| layout (2 processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | its run\'s own | vs estimate '
+  print('| layout (processes x 1 thread) | tokens/s | efficiency | peak RSS / rank | its run\'s own | vs estimate '
         '| bubble measured | 1F1B formula |')
   print('|---|---|---|---|---|---|---|---|')
   for name in FLAGS.layouts:
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] + program
+    processes = 4 if name.startswith('dp4') else 2
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={processes}'] + program
     tok, rss, growth, error = run(cmd + LAYOUTS[name], '1')
     bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
     versus = f'{error:+.1f}%' if error is not None else ''
