@@ -86,6 +86,7 @@ def get_config(arg=None):
   strategy.zero_stage = 1                     # with zero1: 1 shards optimizer state + masters, 2 also the gradients, 3 also the parameters
   strategy.data_parallel_shard_size = 0       # HSDP: ZeRO shards over groups of this many dp x cp ranks, replicated across the groups (0: one group of all)
   strategy.grad_reduce_per_micro_batch = True  # ZeRO-2/3: reduce-scatter each micro batch's gradients, keep 1/dp (False, ZeRO-3: whole buckets through the step, one reduce-scatter)
+  strategy.reshard_after_backward = True      # ZeRO-3: free the layers after each backward pass (False: keep them through the step's micro batches)
   strategy.reshard_after_forward = True       # ZeRO-3: free each layer's gathered parameters after its forward (False: keep them until its backward)
   strategy.zero1_collectives = 'auto'         # auto (= reduce_scatter) | reduce_scatter | all_reduce: ZeRO-1's grad reduction + param gather
   strategy.overlap_grad_reduce = True         # start each gradient bucket's DP reduction during the backward (bitwise the same results)

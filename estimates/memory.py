@@ -96,7 +96,7 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
   # the logits and their gradient are freed before the layers' backward starts: the larger of
   # them and a layer's backward working set is live, not both (seen tracing NxD's Llama-2 7B)
   out['logits_apart'] = min(out['logits'], working)
-  out['gathered'] = param_memory.gathered_bytes(config, sizes, dp, out['logits'] - out['logits_apart'])
+  out['gathered'] = param_memory.gathered_bytes(config, sizes, dp)
   out['reduction_overlap'] = out['logits'] + out['grad_transient'] - out['logits_apart'] if overlapped else 0
   return _with_phases(out)
 

@@ -35,7 +35,7 @@ def param_bytes(config, sizes, dp=1) -> tuple:
   each box (its rows, parts_of), and whole during the passes: the final norm and head from the end
   of the forward through the backward, and up to three layers in the backward (the one running,
   the one above not yet freed, the one below prefetched; the forward holds two); with
-  reshard_after_forward=False every layer of the stage. The embedding is gathered for the lookup
+  reshard_after_forward or reshard_after_backward False every layer of the stage. The embedding is gathered for the lookup
   only, before any activation exists: not counted."""
   recipe = precision.recipe(config.precision)
   width = lambda n: 4 if lora.is_adapter(n) else recipe.param_dtype.itemsize   # pylint: disable=unnecessary-lambda-assignment
@@ -52,15 +52,15 @@ def param_bytes(config, sizes, dp=1) -> tuple:
   head = sum(v for n, v in shared.items() if not n.startswith(('layers.', 'embed_')))
   if config.model.share_embeddings_and_output_weights:
     head += shared.get('embed_tokens.weight', 0)
-  kept = layers if not d.get('reshard_after_forward', True) else min(3, layers)
+  whole = not (d.get('reshard_after_forward', True) and d.get('reshard_after_backward', True))
+  kept = layers if whole else min(3, layers)
   return held, int(per_layer), head, kept
 
 
-def gathered_bytes(config, sizes, dp, later) -> int:
-  """ZeRO-3's whole boxes live at the forward-backward peak: the head, and the layers gathered
-  once the backward reaches them, less `later` (bytes freed by then: the logits beyond the layer
-  backward's working set), whichever moment is larger."""
+def gathered_bytes(config, sizes, dp) -> int:
+  """ZeRO-3's whole boxes counted at the forward-backward peak: the head and the layers gathered
+  in the backward (param_bytes). Where the peak falls, at the logits or later in the backward
+  beside the whole gradient buckets, depends on the shapes: both are counted (an upper bound by
+  at most the layers; the traced dry run shows which)."""
   _, per_layer, head, kept = param_bytes(config, sizes, dp)
-  if not config.distributed_strategy.get('reshard_after_forward', True):
-    return head + kept * per_layer          # every layer stays from its forward to the pass's end
-  return head + max(0, kept * per_layer - later)
+  return head + kept * per_layer

@@ -160,8 +160,10 @@ def predict(config, cluster, world_size, counts=None, slower_than=None):
     gather = all_gather(per_layer_params * pbytes, group, dp_bw, dp_lat)
     scatter = reduce_scatter(per_layer_params * gsize, group, dp_bw, dp_lat) if per_micro else 0.0
     again = gather if d.get('reshard_after_forward', True) else 0.0
-    fsdp_exposed = micro * layers_here * (max(0.0, gather - (lf + cf) / layers_here)
-                                          + max(0.0, again + scatter - (lb + cb) / layers_here))
+    gathering = micro if d.get('reshard_after_backward', True) else 1     # micro batches that gather
+    fsdp_exposed = layers_here * (gathering * max(0.0, gather - (lf + cf) / layers_here)
+                                  + gathering * max(0.0, again - (lb + cb) / layers_here)
+                                  + micro * max(0.0, scatter - (lb + cb) / layers_here))
   reduction, gather = _reduce(bool(stage), d, dense_trained, gsize, pbytes, cluster, group, tp * pp)
   if expert_trained:
     r, g = _reduce(bool(stage), d, expert_trained, gsize, pbytes, cluster, expert_group, ep * tp * pp * cp)

@@ -99,6 +99,8 @@ class Updater:
     """name -> gradient of the rows this rank owns, summed over DP (views of the buckets); under
     HSDP the shard group's sums are then summed across the replicas, one all-reduce per bucket."""
     out = self.grads.reduced()
+    if self.shards is not None:          # the step's passes are done: nothing stays gathered
+      self.shards.free_all()
     for names, buf in zip(self.domains.values(), self.grads.buffers):
       replicas = experts.replicas(self.mesh, names[0], self.zero1)
       for part in buf.owned_parts() if replicas is not None else ():

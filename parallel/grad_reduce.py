@@ -60,9 +60,10 @@ def check(strategy) -> list:
   elif stage != 1 and not strategy.zero1:
     problems.append(f'distributed_strategy.zero_stage={stage} is read only with distributed_strategy.zero1=True '
                     '(zero1 is False: nothing is sharded); set zero1=True, or zero_stage=1')
-  if not strategy.get('reshard_after_forward', True) and stage != 3:
-    problems.append('distributed_strategy.reshard_after_forward=False is read only with zero_stage=3 (the '
-                    f'parameters are not sharded at zero_stage={stage}); set zero_stage=3 or reshard_after_forward=True')
+  for key in ('reshard_after_forward', 'reshard_after_backward'):
+    if not strategy.get(key, True) and stage != 3:
+      problems.append(f'distributed_strategy.{key}=False is read only with zero_stage=3 (the parameters are not '
+                      f'sharded at zero_stage={stage}); set zero_stage=3 or {key}=True')
   if not strategy.get('grad_reduce_per_micro_batch', True) and stage != 3:
     problems.append('distributed_strategy.grad_reduce_per_micro_batch=False is read only with zero_stage=3 (at '
                     f'zero_stage={stage} whole gradients through the step are ZeRO-1); set zero_stage=3, or '

@@ -12,7 +12,8 @@ storage is freed (resized to 0 bytes) but while a unit of the model needs it:
             the backward pass ends)
   backward  as unit i's backward starts (a hook on its output's gradient) i is gathered
             again and i - 1's gather started; units above i + 1 are done and freed; the
-            pass's end frees everything
+            pass's end frees everything (reshard_after_backward; else the step's end: the
+            micro batches after the first gather nothing)
 
 A unit is one layer's parameters. The embedding is one (gathered for the lookup, freed after
 it: its backward reads only the token ids); the final norm and the head another (gathered
@@ -92,6 +93,9 @@ class ParamShards:
     strategy = config.distributed_strategy
     self.params, self.mesh = params, mesh
     self.keep_after_forward = not strategy.get('reshard_after_forward', True)
+    # FSDP2's set_reshard_after_backward(False): under gradient accumulation the layers stay
+    # gathered from their first pass to the step's end (Updater.gradients frees them)
+    self.keep_after_backward = not strategy.get('reshard_after_backward', True)
     self.tied = config.model.share_embeddings_and_output_weights
     self.shard, self.rows, self.domain, self.units, self.members, self.nbytes = {}, {}, {}, {}, {}, {}
     self.collective = grad_reduce.resolved(strategy.zero1_collectives)
@@ -212,8 +216,9 @@ class ParamShards:
         self.queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_pass)  # pylint: disable=protected-access
       # layers above i + 1 have run their backward (i + 1's weight-only nodes may still be queued)
-      self.free([n for u in self.resident if u.startswith('layers.') and int(u.split('.')[1]) > i + 1
-                 for n in self.members[u]])
+      if not self.keep_after_backward:
+        self.free([n for u in self.resident if u.startswith('layers.') and int(u.split('.')[1]) > i + 1
+                   for n in self.members[u]])
       self.gather(self.unit(f'layers.{i}'))
       if i > lo:
         self.gather(self.unit(f'layers.{i - 1}'), wait=False)
@@ -222,7 +227,8 @@ class ParamShards:
 
   def _end_of_pass(self):
     self.queued = False
-    self.free_all()
+    if not self.keep_after_backward:
+      self.free_all()
 
   # --- what reads the parameters outside a step ------------------------------------------
 

@@ -44,7 +44,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
                   objective='next_token', precompute=False, qkv_bias=False, rope_llama3=False,
                   family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
                   nll_reduction='pair', fixed_buffers=False, fp8=None, steps=STEPS, compile_blocks=False,
-                  lr=None, zero_stage=1, shard=0, recompute=None, reshard=True, per_micro_batch=True):
+                  lr=None, zero_stage=1, shard=0, recompute=None, reshard=True, per_micro_batch=True,
+                  reshard_backward=True):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = steps
@@ -64,6 +65,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   d.data_parallel_shard_size = shard          # HSDP: ZeRO's shard groups of this many ranks, replicated
   d.reshard_after_forward = reshard           # ZeRO-3: False keeps each layer's gathered parameters until its backward
   d.grad_reduce_per_micro_batch = per_micro_batch   # ZeRO-3: False reduces whole gradients once per step
+  d.reshard_after_backward = reshard_backward  # ZeRO-3: False keeps the gathered layers through the step's micro batches
   c.model.activations_checkpoint_granularity = recompute   # 'full' or 'selective' (tests/test_remat.py)
   d.context_parallel_size = cp               # context parallelism: the ring over cp ranks
   c.model.fusions.ring_attention = cp > 1

@@ -15,10 +15,11 @@ def test_zero3_holds_its_rows_and_gathers_the_head_and_three_layers():
   held, per_layer, head, kept = param_memory.param_bytes(c, SIZES, dp=2)
   assert held == 4 * sum(math.ceil(v / 2) for v in SIZES.values())
   assert (per_layer, head, kept) == (4 * 110, 4 * 410, 3)
-  assert param_memory.gathered_bytes(c, SIZES, 2, later=0) == 4 * 410 + 3 * 4 * 110
-  assert param_memory.gathered_bytes(c, SIZES, 2, later=10**6) == 4 * 410     # the logits' moment is the larger
-  c.distributed_strategy.reshard_after_forward = False
-  assert param_memory.gathered_bytes(c, SIZES, 2, later=10**6) == 4 * 410 + 4 * 4 * 110   # every layer kept
+  assert param_memory.gathered_bytes(c, SIZES, 2) == 4 * 410 + 3 * 4 * 110
+  for key in ('reshard_after_forward', 'reshard_after_backward'):
+    c.distributed_strategy[key] = False
+    assert param_memory.gathered_bytes(c, SIZES, 2) == 4 * 410 + 4 * 4 * 110   # every layer kept
+    c.distributed_strategy[key] = True
   c.model.share_embeddings_and_output_weights = True
   assert param_memory.param_bytes(c, SIZES, dp=2)[2] == 4 * 810     # a tied head is the embedding too
 

@@ -25,6 +25,7 @@ LAYOUTS = {
                                                 'recompute': 'full'}),
     'dp2_zero3_selective_recompute': (2, {'zero1': True, 'zero_stage': 3, 'recompute': 'selective'}),
     'dp2_zero3_whole_grads': (2, {'zero1': True, 'zero_stage': 3, 'per_micro_batch': False}),
+    'dp2_zero3_gathered_once': (2, {'zero1': True, 'zero_stage': 3, 'per_micro_batch': False, 'reshard_backward': False}),
 }
 
 # the bf16 recipes and FP8 at ZeRO-3, held to tests/test_zero.py's and tests/test_fp8.py's tolerances

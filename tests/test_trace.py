@@ -85,6 +85,18 @@ def test_a_traced_layout_lists_its_ranks_assumptions_and_sits_near_the_estimate(
                             'needs ')
 
 
+def test_zero3_is_traced_with_its_boxes_gathered_and_freed():
+  """At dp4 ZeRO-3 a rank holds its rows and, at the peak, the boxes gathered then: the
+  estimate's params and gathered, to the byte. (The gradients' whole buffers are an upper bound:
+  at this size one bucket holds a stage, and fewer are alive than the estimate's in flight.)"""
+  c = _tiny(zero1=True)
+  c.distributed_strategy.zero_stage = 3
+  for r in trace.trace(c, 4):
+    rows = {name: (traced, estimated) for name, traced, estimated in trace.compare(r)}
+    assert rows['params'][0] == rows['params'][1] > 0, rows
+    assert 0 < rows['grads'][0] <= rows['grads'][1], rows
+
+
 def test_a_broken_layout_fails_in_the_trace_with_one_line_naming_rank_layout_and_operation():
   """tp 4 over 2 KV heads without a kv_replicator: validation refuses it before a run; traced
   anyway, the real code fails and the line says where."""

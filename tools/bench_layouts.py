@@ -45,11 +45,15 @@ LAYOUTS = {
     'dp2_zero3_kept': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3', STRATEGY + 'reshard_after_forward=False'],
     'dp2_zero3_whole_grads': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3',
                               STRATEGY + 'grad_reduce_per_micro_batch=False'],
+    'dp2_zero3_once': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3', STRATEGY + 'grad_reduce_per_micro_batch=False',
+                       STRATEGY + 'reshard_after_backward=False'],     # one gather and one reduction a step
     'dp4_zero1': [STRATEGY + 'zero1=True'],                 # dp4_*: 4 processes
     'dp4_zero2': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=2'],
     'dp4_zero3': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3'],
     'dp4_zero3_whole_grads': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3',
                               STRATEGY + 'grad_reduce_per_micro_batch=False'],
+    'dp4_zero3_once': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3', STRATEGY + 'grad_reduce_per_micro_batch=False',
+                       STRATEGY + 'reshard_after_backward=False'],
     'dp4_hsdp2_zero3': [STRATEGY + 'zero1=True', STRATEGY + 'zero_stage=3', STRATEGY + 'data_parallel_shard_size=2'],
     'tp2': [STRATEGY + 'tensor_model_parallel_size=2'],
     'tp2_sp': [STRATEGY + 'tensor_model_parallel_size=2', STRATEGY + 'sequence_parallel=True'],
