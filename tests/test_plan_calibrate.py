@@ -35,5 +35,6 @@ def test_bench_plan_predicts_the_config_bench_layouts_runs(layout):
   assert d.tensor_model_parallel_size == (2 if layout.startswith('tp2') else 1)
   assert d.pipeline_model_parallel_size == (2 if layout.startswith('pp2') else 1)
   assert d.zero1 == ('zero' in layout) and d.sequence_parallel == layout.endswith('_sp')
-  assert d.zero_stage == (2 if 'zero2' in layout else 1)
+  assert d.zero_stage == (int(layout.split('zero')[1][0]) if 'zero' in layout else 1)
+  assert d.get('data_parallel_shard_size', 0) == (2 if 'hsdp2' in layout else 0)
   assert d.overlap_grad_reduce == ('no_overlap' not in layout)

@@ -85,6 +85,11 @@ SHAPE_50M = ['--config.model.num_layers=8', '--config.model.hidden_size=512', '-
 SHAPES = {'small': (SMALL, 16 // 2), '207m': (SHAPE_207M, 4), 'llama_50m': (SHAPE_50M, 4), 'long16k': (LONG_16K, 2)}   # (flags, the pipeline's m at pp2)
 
 
+def processes(layout) -> int:
+  """The ranks `layout` runs on: 4 for the dp4_ layouts, else 2."""
+  return 4 if layout.startswith('dp4') else 2
+
+
 def _run(cmd, env, timeout):
   out = _output(cmd, env, timeout)
   tok = [float(x.replace(',', '')) for x in re.findall(r'\| ([\d,]+) tokens/s', out)]
@@ -162,8 +167,7 @@ def main(argv):
         '| bubble measured | 1F1B formula |')
   print('|---|---|---|---|---|---|---|---|')
   for name in FLAGS.layouts:
-    processes = 4 if name.startswith('dp4') else 2
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={processes}'] + program
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={processes(name)}'] + program
     tok, rss, growth, error = run(cmd + LAYOUTS[name], '1')
     bubble = f'{1 - tok / one:.1%} | {(2 - 1) / (micro + 2 - 1):.1%}' if name.startswith('pp2') else ' | '
     versus = f'{error:+.1f}%' if error is not None else ''

@@ -52,7 +52,8 @@ def layout_config(config_path, shape, layout):
 
 
 def predictions(config_path, shape, layouts, cluster):
-  return {name: step_time.predict(layout_config(config_path, shape, name), cluster, 2) for name in layouts}
+  return {name: step_time.predict(layout_config(config_path, shape, name), cluster, bench_layouts.processes(name))
+          for name in layouts}
 
 
 def define_flags():
@@ -81,12 +82,13 @@ def main(argv):
     config, measured, spread = layout_config(FLAGS.config, FLAGS.shape, name), None, ''
     if FLAGS.measure:
       before = plan_calibrate.calibrated()[0] if FLAGS.recalibrate else cluster
-      cmd = [bench_layouts.sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+      cmd = [bench_layouts.sys.executable, '-m', 'torch.distributed.run', '--standalone',
+             f'--nproc_per_node={bench_layouts.processes(name)}',
              '-m', 'tools.bench'] + bench_flags + bench_layouts.LAYOUTS[name]
       measured = bench_layouts._run(cmd, dict(os.environ, OMP_NUM_THREADS='1'), FLAGS.timeout)[0]  # pylint: disable=protected-access
       if FLAGS.recalibrate:    # the machine before and after the layout ran: their mean, and how far apart
         after = plan_calibrate.calibrated()[0]
-        pair = [step_time.predict(config, c, 2) for c in (before, after)]
+        pair = [step_time.predict(config, c, bench_layouts.processes(name)) for c in (before, after)]
         p = min(pair, key=lambda q: q.step_s)
         p = dataclasses.replace(p, step_s=sum(q.step_s for q in pair) / 2,
                                 tokens_per_s=2 / sum(1 / q.tokens_per_s for q in pair))
