@@ -93,6 +93,7 @@ class ParamShards:
     strategy = config.distributed_strategy
     self.params, self.mesh = params, mesh
     self.keep_after_forward = not strategy.get('reshard_after_forward', True)
+    self.prefetch = strategy.get('overlap_param_gather', True)     # off: each unit gathered when it is needed
     # FSDP2's set_reshard_after_backward(False): under gradient accumulation the layers stay
     # gathered from their first pass to the step's end (Updater.gradients frees them)
     self.keep_after_backward = not strategy.get('reshard_after_backward', True)
@@ -126,7 +127,9 @@ class ParamShards:
 
   def gather(self, names, wait=True):
     """Every rank's rows of `names` (all of each storage unit they are in) into their boxes,
-    left in flight unless `wait`."""
+    left in flight unless `wait` (a prefetch: skipped with overlap_param_gather off)."""
+    if not (wait or self.prefetch):
+      return
     units = [u for u in self._homes(names) if u not in self.resident]
     by_domain = {}
     for unit in units:

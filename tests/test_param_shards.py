@@ -1,6 +1,7 @@
 """parallel/param_shards.py: ZeRO-3 trains like one device at every layout it composes with,
 keeps 1/dp of the parameters between uses, and resumes across ZeRO stages."""
 import pytest
+import torch
 
 from data.loader import Loader
 from optim import update
@@ -98,3 +99,24 @@ def test_hsdp_shard_size_must_divide_dp_x_cp_and_needs_zero1():
   config = parity.parity_config(shard=2)
   assert any('data_parallel_shard_size=2 is read only with zero1=True' in p for p in validate.check(config, 4))
   assert not validate.check(parity.parity_config(zero1=True, zero_stage=3, shard=2), 4)
+
+
+def _owned_after_two_steps(prefetch):
+  config = parity.parity_config(zero1=True, zero_stage=3)
+  config.distributed_strategy.overlap_param_gather = prefetch
+  mesh = meshes.init(config)
+  params = training.init_params(config, mesh)
+  updater = update.Updater(params, config, mesh)
+  for step in range(2):
+    batches = Loader(config, 'train', mesh.dp_rank, mesh.dp).global_batch(step * config.data.global_batch_size)
+    training.train_step(params, updater, batches, config, step, mesh, tensor.make_ops(mesh))
+  return {n: t.clone() for n, t in param_shards.shards_of(params).shard.items()}
+
+
+def _with_and_without_prefetch():
+  return _owned_after_two_steps(True), _owned_after_two_steps(False)
+
+
+def test_prefetching_the_next_layer_changes_no_bit():
+  for on, off in world.run(_with_and_without_prefetch, 2):
+    assert on.keys() == off.keys() and all(torch.equal(on[n], off[n]) for n in on)
