@@ -1,15 +1,14 @@
-"""parallel/param_shards.py: ZeRO-3 trains like one device at every layout it composes with,
-keeps 1/dp of the parameters between uses, and resumes across ZeRO stages."""
+"""parallel/param_shards.py: ZeRO-3 trains like one device at every layout it composes with
+(HSDP too), keeps its own rows of the parameters between steps, prefetches without changing a
+bit, and refuses what it does not run with (resume across stages: tests/test_session.py)."""
 import pytest
 import torch
 
+from configs import validate
 from data.loader import Loader
 from optim import update
 from parallel import mesh as meshes, param_shards, tensor, training
-from tests import world
-
-from configs import validate
-from tests import parity
+from tests import parity, world
 
 LAYOUTS = {
     'dp2_zero3': (2, {'zero1': True, 'zero_stage': 3}),
