@@ -9,7 +9,7 @@ import pytest
 from configs import llama_tiny, validate
 from estimates import clusters, memory
 from tests import procs
-from tools import plan, plan_published
+from tools import plan, plan_published, plan_space
 
 
 def test_search_keeps_only_valid_fitting_layouts():
@@ -42,16 +42,6 @@ def test_memory_refusals_are_counted():
   assert 'no layout fits' in plan.report(config, tiny, 2, result)
 
 
-def test_layout_apply_sets_the_keys():
-  c = plan.Layout(dp=2, tp=2, pp=2, vpp=2, zero1=True, sp=True, micro_batch=4, recompute='full', cp=2, ep=2).apply(
-      llama_tiny.get_config())
-  d = c.distributed_strategy
-  assert (d.tensor_model_parallel_size, d.pipeline_model_parallel_size, d.virtual_pipeline_model_parallel_size,
-          d.zero1, d.sequence_parallel, c.data.micro_batch_size) == (2, 2, 2, True, True, 4)
-  assert (d.context_parallel_size, d.expert_model_parallel_size, c.model.fusions.ring_attention) == (2, 2, True)
-  assert c.model.activations_checkpoint_granularity == 'full'
-
-
 def test_long_sequences_search_context_parallelism():
   config = llama_tiny.get_config()
   config.data.seq_length, config.data.global_batch_size = 8192, 8
@@ -65,7 +55,7 @@ def test_long_sequences_search_context_parallelism():
     assert (c.prediction.terms['cp_comm'] > 0) == (c.layout.cp > 1)
   assert 'cp2' in next(c for c in result.ranked if c.layout.cp == 2).layout.describe()
   # short sequences: cp is not searched
-  assert plan.context_degrees(llama_tiny.get_config(), 4) == [1]
+  assert plan_space.context_degrees(llama_tiny.get_config(), 4) == [1]
 
 
 def test_moe_configs_search_expert_parallelism():
@@ -80,7 +70,7 @@ def test_moe_configs_search_expert_parallelism():
     # the memory estimate of the stages' own parameters: 1/ep of the experts per rank
     stages = plan.stage_sizes(c.config, 4)
     assert max(memory.estimate(c.config, sizes, c.layout.dp, p)['total'] for p, sizes in stages) == c.memory_bytes
-  assert plan.expert_degrees(llama_tiny.get_config(), 4) == [1]
+  assert plan_space.expert_degrees(llama_tiny.get_config(), 4) == [1]
   # MoE with context parallelism is refused by the checks, and counted
   config.data.seq_length = 4096
   config.data.global_batch_size = 4
@@ -132,7 +122,7 @@ def test_the_documented_cp_and_ep_examples_resolve_and_predict(recipe, model, ax
   d = config.distributed_strategy
   if axis == 'ep':       # NxD's recipe runs ep 1: the planner's example layout, dp64 ep8 on 64 H100
     assert (config.model.moe.num_experts, config.model.moe.top_k) == (8, 2)
-    plan.Layout(dp=64, tp=1, pp=1, zero1=True, recompute='selective', ep=8).apply(config)
+    plan_space.Layout(dp=64, tp=1, pp=1, zero1=True, recompute='selective', ep=8).apply(config)
   else:                  # NxD's own layout: tp32 x cp2 x pp8 on 16 trn1 nodes (512 ranks)
     assert (d.context_parallel_size, d.tensor_model_parallel_size, d.pipeline_model_parallel_size) == (2, 32, 8)
   world = 64 if axis == 'ep' else 512
