@@ -186,8 +186,9 @@ def _classify(live, params, updater):
   live.hold(live_bytes.tensors_in(updater.optimizer.state), 'optimizer')
   live.hold([m for n, m in updater.master.items() if updater.has_master_copy(n)], 'master')
   live.hold(params.values(), 'params')
-  if param_shards.shards_of(params) is not None:
-    live.hold(param_shards.shards_of(params).shard.values(), 'params')
+  shards = param_shards.shards_of(params)
+  if shards is not None:                 # ZeRO-3's owned rows
+    live.hold(shards.shard.values(), 'params')
 
 
 def failing_operation(error) -> str:
