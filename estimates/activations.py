@@ -5,7 +5,7 @@ import copy
 import torch
 
 from data import preference, sft
-from model import layers, lora, moe, moe_kernels, param_table, transformer
+from model import attention as attention_fn, layers, lora, moe, moe_kernels, param_table, transformer
 from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
 
@@ -91,7 +91,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1, recompute=True) 
     attention += w * n * (heads + 2 * kv) * d
   elif cp > 1:                                 # the ring: q, k, v, its output, lse (fp32)
     attention += w * n * (2 * heads + 2 * kv) * d + 4 * b * heads * s
-  elif m.fusions.flash_attention and not dropped:
+  elif attention_fn.uses_sdpa(m):
     copied = m.position_embedding_type == 'rope' and heads > 1   # one head: the rearrange is a view
     attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
     attention += w * mask_batch(config) * s * s if takes_mask(config) else 0   # SDPA's additive copy of the mask

@@ -1,7 +1,11 @@
 """Attention as pure functions: the causal / per-document / sliding masks, the scores' scale,
-the core softmax(q k^T) v over grouped KV heads (SDPA or explicit, keyed dropout), and the
-self-attention sub-block around it (q/k/v projections, q/k norms, RoPE, the KV cache, o_proj).
-Context parallelism passes its ring in place of the mask (`layers.Attend`).
+the core softmax(q k^T) v over grouped KV heads (SDPA or explicit, keyed dropout; gpt-oss's
+sinks), and the self-attention sub-block around it (q/k/v projections, q/k norms, RoPE, the KV
+cache, o_proj). Context parallelism passes its ring in place of the mask (`layers.Attend`).
+
+Sinks (model.attention_sinks, gpt-oss): each head's learned logit `self_attn.sinks[n]` joins
+every query's softmax as one more key whose value is zero, so a query may give weight to
+nothing. SDPA has no such key: with sinks the explicit path runs (its s x s probabilities).
 """
 import torch
 import torch.nn.functional as F
@@ -40,14 +44,21 @@ def attention_scale(cfg, d) -> float:
   return (cfg.get('query_pre_attn_scalar') or d) ** -0.5
 
 
-def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, mask_for_slice):
-  """softmax(q k^T * scale) v over grouped KV heads, causal (and per-document / windowed if masked)."""
+def uses_sdpa(cfg, dropout=True) -> bool:
+  """Whether core_attention runs F.scaled_dot_product_attention (`dropout`: attention dropout
+  applies, as in training): not with sinks, nor with dropout."""
+  return bool(cfg.fusions.flash_attention and not cfg.get('attention_sinks')
+              and (cfg.attention_dropout == 0.0 or not dropout))
+
+
+def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, sample_ids_b, mask_for_slice, sinks_n=None):
+  """softmax(q k^T * scale) v over grouped KV heads, causal (and per-document / windowed if
+  masked); `sinks_n`: this rank's heads' sink logits."""
   groups = q_bnsd.shape[1] // k_bnsd.shape[1]
   scale = attention_scale(cfg, q_bnsd.shape[-1])
   if isinstance(mask_b1ss, layers.Attend):
     return mask_b1ss.fn(q_bnsd, k_bnsd, v_bnsd, scale)
-  use_sdpa = cfg.fusions.flash_attention and (cfg.attention_dropout == 0.0 or drop_key is None)
-  if use_sdpa:
+  if uses_sdpa(cfg, drop_key is not None):
     if mask_b1ss is None:
       return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, is_causal=True, scale=scale,
                                             enable_gqa=groups > 1)
@@ -63,7 +74,11 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
   if mask_b1ss is None:
     mask_b1ss = torch.ones(s, s, dtype=torch.bool, device=q_bnsd.device).tril()
   scores = scores.float().masked_fill(~mask_b1ss, float('-inf')) * coeff
-  probs = torch.softmax(scores, dim=-1).to(q_bnsd.dtype)
+  if sinks_n is None:
+    probs = torch.softmax(scores, dim=-1).to(q_bnsd.dtype)
+  else:               # one more column: the sink's logit, its probability dropped (a value of zero)
+    sink = sinks_n.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q_bnsd.dtype)
   full = (cfg.num_attention_heads, s, s)
   probs = layers.dropout(probs, cfg.attention_dropout, drop_key, sample_ids_b, full, lambda m: mask_for_slice(m, 'heads'))
   return probs @ v_bnsd
@@ -91,7 +106,8 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
     if past is not None:
       k, v = torch.cat([past.keys[layer], k], dim=2), torch.cat([past.values[layer], v], dim=2)
     new.keys[layer], new.values[layer] = k, v
-  out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer,
-                                drop_key and drop_key + ('attn',), sample_ids_b, ops.mask_for_slice)
+  out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer, drop_key and drop_key + ('attn',),
+                                sample_ids_b, ops.mask_for_slice,
+                                params[prefix + '.sinks'] if cfg.get('attention_sinks') else None)
   out = rearrange(out, 'b n s d -> b s (n d)')
   return layers.linear(params, prefix + '.o_proj', out, cfg, ops, 'row', drop_key, sample_ids_b)

@@ -61,8 +61,9 @@ def model_section() -> config_dict.ConfigDict:
   model.scale_embeddings = False           # Gemma: embeddings multiplied by sqrt(hidden_size)
   model.query_pre_attn_scalar = 0          # Gemma: scores scaled by 1/sqrt(this); 0 = head_dim
   model.activation = 'swiglu'              # swiglu | geglu (Gemma: tanh GELU gate) | gelu
-  model.has_bias = False                   # biases in every linear layer
+  model.has_bias = False                   # biases in every linear layer (MoE: router and experts too, gpt-oss)
   model.qkv_bias = False                   # biases on q, k, v only (Qwen2)
+  model.attention_sinks = False            # gpt-oss: a learned logit per head joins each query's softmax (its value 0)
   model.share_embeddings_and_output_weights = False  # tie the LM head to the input embedding
   model.hidden_dropout = 0.0               # dropout on attention / MLP outputs before the residual add
   model.attention_dropout = 0.0            # dropout on attention probabilities
@@ -92,6 +93,9 @@ def model_section() -> config_dict.ConfigDict:
   moe.sinkhorn_tol = placeholder(float)
   moe.ffn_hidden_size = 0                  # each expert's inner width; 0 = model.ffn_hidden_size (Qwen2-MoE: moe_intermediate_size)
   moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
+  moe.expert_activation = 'swiglu'        # swiglu | clamped_swiglu (gpt-oss: gate clamped above, up to +-limit, (up + 1) gate sigmoid(alpha gate))
+  moe.swiglu_alpha = 1.702                 # clamped_swiglu: the sigmoid's gain
+  moe.swiglu_limit = 7.0                   # clamped_swiglu: the clamp
   moe.fixed_buffers = False                # experts run in fixed-size buffers (static shapes) in eager runs too;
                                            # always under XLA and model.compile (model/moe.py)
   model.fusions = config_dict.ConfigDict()

@@ -19,11 +19,11 @@ import re
 import torch
 from safetensors.torch import save_file
 
-from model import defaults, moe, param_table
+from model import defaults, hf_gpt_oss, moe, param_table
 from model.hf_files import HFFileError, open_safetensors, read_json
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf  # pylint: disable=unused-import
 from model.hf_export import config_to_hf  # pylint: disable=unused-import
-from model.hf_names import few, fused_expert_stack, fused_rows, ignored, layout, to_hf_name
+from model.hf_names import family, few, fused_expert_stack, fused_rows, ignored, layout, to_hf_name
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
@@ -77,7 +77,9 @@ def _checked_names(path, model_cfg):
   names and shapes."""
   specs = param_table.param_specs(model_cfg, adapters=False)
   files, source = _weight_map(path)
-  layouts = {name: layout(name, model_cfg, files) for name in specs}
+  renamed = (lambda n: hf_gpt_oss.is_renamed(n)) if family(model_cfg) == 'gpt_oss' else (lambda n: False)
+  layouts = {name: [hf_gpt_oss.hf_names(name, hf_gpt_oss.quantized(files))] if renamed(name)
+             else layout(name, model_cfg, files) for name in specs}
   wanted = {hf_name for pieces in layouts.values() for piece in pieces for hf_name in piece}
   stored = {n for n in files if not ignored(n, model_cfg)}
   missing = sorted(wanted - stored)
@@ -87,6 +89,10 @@ def _checked_names(path, model_cfg):
   if unexpected:
     raise HFFileError(f'{source}: unexpected tensors {few(unexpected)}')
   for name, pieces in layouts.items():
+    if renamed(name):
+      for hf_name in pieces[0]:
+        _check_shape(files[hf_name], hf_name, hf_gpt_oss.expected_shape(hf_name, model_cfg))
+      continue
     shape = specs[name].shape
     expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
     if fused_rows(name, model_cfg):                     # Phi-3's [q; k; v] or [gate; up]
@@ -97,11 +103,15 @@ def _checked_names(path, model_cfg):
       expected = shape[1:]
     for piece in pieces:
       for hf_name in piece:
-        with open_safetensors(files[hf_name]) as f:
-          found = tuple(f.get_slice(hf_name).get_shape())
-        if found != expected:
-          raise HFFileError(f'{files[hf_name]}: tensor {hf_name} has shape {found}, expected {expected}')
+        _check_shape(files[hf_name], hf_name, expected)
   return {name: [[(files[n], n) for n in piece] for piece in pieces] for name, pieces in layouts.items()}
+
+
+def _check_shape(file, hf_name, expected):
+  with open_safetensors(file) as f:
+    found = tuple(f.get_slice(hf_name).get_shape())
+  if found != tuple(expected):
+    raise HFFileError(f'{file}: tensor {hf_name} has shape {found}, expected {tuple(expected)}')
 
 
 def _read(file, hf_name, box=None):
@@ -122,7 +132,11 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
   out = {}
   for name, box in requests.items():
     pieces, fused = where[name], fused_rows(name, model_cfg)
-    if fused:                  # this weight's rows of Phi-3's fused tensor
+    if family(model_cfg) == 'gpt_oss' and hf_gpt_oss.is_renamed(name):
+      stored = dict((n, f) for f, n in pieces[0])
+      tensor = hf_gpt_oss.read(name, box, lambda n, b: _read(stored[n], n, b),
+                               any(n.endswith('_blocks') for n in stored)).contiguous()
+    elif fused:                  # this weight's rows of Phi-3's fused tensor
       rows = slice(box[0].start + fused[1], box[0].stop + fused[1])
       tensor = _read(*pieces[0][0], (rows,) + tuple(box[1:]))
     elif pieces[0][0][1].endswith('.gate_up_proj'):
@@ -201,7 +215,14 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
   specs = param_table.param_specs(model_cfg, adapters=False)
   _check_params(model_cfg, params, specs)
   tensors, fused = {}, {}
+  gpt_oss = family(model_cfg) == 'gpt_oss'
   for name in specs:
+    if gpt_oss and hf_gpt_oss.is_renamed(name):
+      if name.endswith('.mlp.gate.weight'):       # the layer's renamed tensors, all at once
+        layer = name.split('.mlp.')[0]
+        tensors.update(hf_gpt_oss.to_hf({n: t.detach().to('cpu') for n, t in params.items()
+                                         if n.startswith(layer + '.mlp.')}, layer))
+      continue
     tensor = params[name].detach().to('cpu')
     if name in VOCAB_PARAMS:
       tensor = tensor[:model_cfg.vocab_size]

@@ -1,5 +1,5 @@
 """HF config.json -> flatron's model section for Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3,
-Phi-3, Gemma 3 text, Mixtral, Qwen2-MoE and Qwen3-MoE (the other way: model/hf_export.py).
+Phi-3, Gemma 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (the other way: model/hf_export.py).
 
 Works with the config layouts of transformers 4.x (top-level `rope_theta`, `rope_scaling`,
 Gemma's `rope_local_base_freq`) and 5.x (`rope_parameters`, per layer type for Gemma 3). Keys a
@@ -21,8 +21,9 @@ FAMILIES = {                      # HF model_type -> (its causal-LM class, our m
     'mixtral': ('MixtralForCausalLM', 'mixtral'),
     'qwen2_moe': ('Qwen2MoeForCausalLM', 'qwen2_moe'),
     'qwen3_moe': ('Qwen3MoeForCausalLM', 'qwen3_moe'),
+    'gpt_oss': ('GptOssForCausalLM', 'gpt_oss'),
 }
-MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe')
+MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'gpt_oss')
 ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # HF hidden_act -> ours
 # Gemma's block: all of these together, and only in gemma3_text
 GEMMA_KEYS = ('rmsnorm_unit_offset', 'qk_norm', 'sandwich_norm', 'scale_embeddings')
@@ -115,6 +116,11 @@ def config_from_hf(hf_config: dict, base_model):
     raise ValueError(f'resid_pdrop={dropouts["resid_pdrop"]} differs from embd_pdrop={dropouts["embd_pdrop"]}; '
                      'flatron has one model.hidden_dropout for both')
   attention_bias, mlp_bias = bool(hf.get('attention_bias', False)), bool(hf.get('mlp_bias', False))
+  if family == 'gpt_oss':          # its router and experts always have biases
+    attention_bias = mlp_bias = bool(hf.get('attention_bias', True))
+    if not attention_bias:
+      raise ValueError('attention_bias=False: gpt-oss\'s router and experts keep their biases, and flatron has '
+                       'one model.has_bias for every linear')
   if attention_bias != mlp_bias:
     # Our single has_bias switch covers attention and MLP linears together.
     raise ValueError(f'attention_bias={attention_bias} differs from mlp_bias={mlp_bias}; '
@@ -145,6 +151,8 @@ def config_from_hf(hf_config: dict, base_model):
   for key in GEMMA_KEYS + OLMO2_KEYS:
     m[key] = (gemma and key in GEMMA_KEYS) or (family == 'olmo2' and key in OLMO2_KEYS)
   m.qk_norm = m.qk_norm or family in ('qwen3', 'qwen3_moe')
+  m.rmsnorm_scale_in_fp32 = m.rmsnorm_scale_in_fp32 or family == 'gpt_oss'   # as its RMSNorm: weight x fp32, then cast
+  m.attention_sinks = family == 'gpt_oss'
   m.qk_norm_span = 'projection' if family == 'olmo2' else 'head'
   if dropouts['resid_pdrop']:
     m.hidden_dropout = dropouts['resid_pdrop']
@@ -163,14 +171,18 @@ def _moe_from_hf(hf, family, m):
     return
   if hf.get('router_jitter_noise'):
     raise ValueError(f'router_jitter_noise={hf["router_jitter_noise"]} is not supported (flatron implements 0)')
-  mixtral = family == 'mixtral'
+  mixtral, gpt_oss = family == 'mixtral', family == 'gpt_oss'
   moe.num_experts = hf['num_experts'] if 'num_experts' in hf else hf['num_local_experts']
   moe.dense_layers = tuple(int(i) for i in hf.get('mlp_only_layers') or ())
-  moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8}[family])
-  moe.frequency = 1 if mixtral else hf.get('decoder_sparse_step', 1)
-  moe.normalize_top_k_affinities = True if mixtral else bool(hf.get('norm_topk_prob', False))
+  moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8, 'gpt_oss': 4}[family])
+  moe.frequency = 1 if mixtral or gpt_oss else hf.get('decoder_sparse_step', 1)
+  # gpt-oss: softmax over the top-k logits, which is the softmax's top k renormalized
+  moe.normalize_top_k_affinities = True if mixtral or gpt_oss else bool(hf.get('norm_topk_prob', False))
   moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'softmax'
   moe.output_router_logits = bool(hf.get('output_router_logits', False))
   moe.router_aux_loss_coef = float(hf.get('router_aux_loss_coef', 0.001))
-  moe.ffn_hidden_size = 0 if mixtral else hf['moe_intermediate_size']
+  moe.ffn_hidden_size = 0 if mixtral or gpt_oss else hf['moe_intermediate_size']
+  moe.expert_activation = 'clamped_swiglu' if gpt_oss else 'swiglu'
+  if gpt_oss:
+    moe.swiglu_alpha, moe.swiglu_limit = float(hf.get('swiglu_alpha', 1.702)), float(hf.get('swiglu_limit', 7.0))
   moe.shared_expert_intermediate_size = hf['shared_expert_intermediate_size'] if family == 'qwen2_moe' else 0

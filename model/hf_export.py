@@ -15,14 +15,27 @@ def _biases(m, family, allowed=('has_bias', 'qkv_bias')):
       raise ValueError(f'model.{key}=True: HF {family} has no such biases; unset it')
 
 
+GPT_OSS_KEYS = ('has_bias', 'attention_sinks', 'rmsnorm_scale_in_fp32')
+
+
 def _moe_family(m) -> str:
-  """mixtral, qwen2_moe or qwen3_moe for a model section with experts, or an error naming what none can."""
+  """mixtral, qwen2_moe, qwen3_moe or gpt_oss for a model section with experts, or an error naming what none can."""
   moe = m.moe
   if moe.routing_algorithm != 'top_k' or moe.router_activation != 'softmax' or moe.dropout:
     raise ValueError('model.moe: HF routes top_k with softmax, no expert dropout')
   if not moe.dropless:
     raise ValueError('model.moe.dropless=False: HF Mixtral / Qwen-MoE never drop tokens; export with '
                      'model.moe.dropless=True (the capacity is a training-time setting)')
+  if any(m.get(k) for k in GPT_OSS_KEYS) or moe.get('expert_activation') == 'clamped_swiglu':
+    if not all(m.get(k) for k in GPT_OSS_KEYS) or moe.get('expert_activation') != 'clamped_swiglu' or \
+        m.get('qk_norm') or m.get('qkv_bias') or moe.shared_expert_intermediate_size or moe.frequency != 1 or \
+        moe.get('dense_layers') or not moe.normalize_top_k_affinities or \
+        moe.ffn_hidden_size not in (0, m.ffn_hidden_size):
+      raise ValueError('model.has_bias, attention_sinks, rmsnorm_scale_in_fp32 and moe.expert_activation='
+                       'clamped_swiglu with experts are HF gpt-oss together (with moe.frequency=1, no dense '
+                       'layers, normalize_top_k_affinities=True, no shared expert, no q/k norms); a subset cannot '
+                       'be expressed in any HF family flatron exports')
+    return 'gpt_oss'
   if moe.shared_expert_intermediate_size:
     if m.has_bias or m.get('qk_norm'):
       raise ValueError('model.has_bias / qk_norm: HF Qwen2-MoE has biases on q, k, v only (model.qkv_bias) '
@@ -104,6 +117,8 @@ def family_of(m) -> str:
 def _windows(m, family) -> dict:
   """The sliding-window keys of `family` for the model's per-layer attention kinds."""
   window, types = m.get('sliding_window') or 0, list(transformer.layer_types(m))
+  if family == 'gpt_oss':
+    return {'sliding_window': window or None, 'layer_types': types}
   if family in WINDOW_EVERYWHERE:
     out = {'sliding_window': window or None}
     return dict(out, use_sliding_window=bool(window)) if family == 'qwen3_moe' else out
@@ -182,12 +197,15 @@ def config_to_hf(model_cfg) -> dict:
     moe = m.moe
     out.update(num_experts_per_tok=moe.top_k, output_router_logits=moe.output_router_logits,
                router_aux_loss_coef=moe.router_aux_loss_coef, router_jitter_noise=0.0)
-    if family == 'mixtral':
+    if family in ('mixtral', 'gpt_oss'):
       out['num_local_experts'] = moe.num_experts
     else:
       out.update(num_experts=moe.num_experts, decoder_sparse_step=moe.frequency,
                  mlp_only_layers=sorted(moe.get('dense_layers', ())), norm_topk_prob=moe.normalize_top_k_affinities,
                  moe_intermediate_size=moe.ffn_hidden_size or m.ffn_hidden_size)
+    if family == 'gpt_oss':
+      out.update(swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+      out.pop('mlp_bias')
     if family == 'qwen2_moe':
       out.update(qkv_bias=bool(m.get('qkv_bias')), shared_expert_intermediate_size=moe.shared_expert_intermediate_size)
   out.update(_windows(m, family))

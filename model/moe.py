@@ -7,6 +7,10 @@ Parameters are transformers' own (5.x layout), so HF import is a rename:
   layers.N.mlp.experts.down_proj          [E, h, f]
   layers.N.mlp.shared_expert.{gate,up,down}_proj.weight, layers.N.mlp.shared_expert_gate.weight [1, h]
                                                        Qwen2-MoE's always-on expert, scaled by sigmoid(gate x)
+With model.has_bias (gpt-oss) every linear has a bias: the router's gate.bias [E], the experts'
+experts.gate_proj_bias and up_proj_bias [E, f] (split like their stacks) and experts.down_proj_bias
+[E, h], which is whole on every rank (not split over EP) and added after the TP reduction: each
+token gets its experts' biases weighted as their outputs, once.
 Experts are stacked on dim 0, so expert parallelism shards dim 0 (one box per rank); tensor
 parallelism splits each expert as it splits the dense MLP (gate / up on f, down on its f
 input: parallel/tensor.py), so a rank holds 1/(tp ep) of the experts.
@@ -19,7 +23,8 @@ MLP's down_proj. The weights multiply partial outputs, so their gradient is summ
 (_own_gradient), so the gather's reduce-scatter and the router's SP gradient sum count every
 position once.
 
-Routing, per token: p = softmax(router logits) (fp32; router_activation=sigmoid: sigmoid, NxD's
+Routing, per token: p = softmax(router logits) (fp32; gpt-oss's softmax over the top-k logits is
+this with normalize_top_k_affinities; router_activation=sigmoid: sigmoid, NxD's
 Megatron Mixtral files), the top_k experts by p, their weights
 p / sum(top-k p) with normalize_top_k_affinities (Mixtral; Qwen2-MoE's norm_topk_prob may be
 off). Tokens are sorted by expert and each expert runs one matmul over its tokens
@@ -41,6 +46,9 @@ import torch.nn.functional as F
 
 import host_values
 from model import moe_kernels
+
+# experts.down_proj_bias is whole on every rank: added after the TP reduction, at the token's own rank
+WHOLE_EXPERT_TENSORS = ('.experts.down_proj_bias',)
 
 
 def enabled(cfg) -> bool:
@@ -77,6 +85,11 @@ def specs(cfg, prefix, spec, std, out_std) -> dict:
          prefix + '.experts.gate_proj': spec((e, f, h), 'normal', std, layout='expert_column'),
          prefix + '.experts.up_proj': spec((e, f, h), 'normal', std, layout='expert_column'),
          prefix + '.experts.down_proj': spec((e, h, f), 'normal', out_std, layout='expert_row')}
+  if cfg.has_bias:
+    out.update({prefix + '.gate.bias': spec((e,), 'zeros', layout='replicated'),
+                prefix + '.experts.gate_proj_bias': spec((e, f), 'zeros', layout='expert_column'),
+                prefix + '.experts.up_proj_bias': spec((e, f), 'zeros', layout='expert_column'),
+                prefix + '.experts.down_proj_bias': spec((e, h), 'zeros', layout='replicated')})
   shared = cfg.moe.shared_expert_intermediate_size
   if shared:
     out.update({prefix + '.shared_expert.gate_proj.weight': spec((shared, h), 'normal', std, layout='column'),
@@ -88,7 +101,7 @@ def specs(cfg, prefix, spec, std, out_std) -> dict:
 
 def is_expert_param(name) -> bool:
   """Stacked expert tensors: dim 0 is the expert (sharded under expert parallelism)."""
-  return '.mlp.experts.' in name
+  return '.mlp.experts.' in name and not name.endswith(WHOLE_EXPERT_TENSORS)
 
 
 def inactive_params(cfg) -> int:
@@ -132,13 +145,13 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   b, s, h = x_bsh.shape
   sliced = ops.residual_slices > 1
   own = (lambda t: _own_gradient(t, ops)) if sliced else (lambda t: t)
-  logits = own(F.linear(x_bsh, params[prefix + '.gate.weight']))
+  logits = own(F.linear(x_bsh, params[prefix + '.gate.weight'], params[prefix + '.gate.bias'] if cfg.has_bias else None))
   probs, weights, experts, kept = route(logits, cfg)
   if ops.moe is not None:
     ops.moe.record(logits, probs, experts, kept)
   # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP
   flat_x = (x_bsh if sliced else ops.copy_to_tp(x_bsh)).reshape(b * s, h)
-  stacks = tuple(params[f'{prefix}.experts.{n}'] for n in ('gate_proj', 'up_proj', 'down_proj'))
+  stacks = experts_of(params, prefix, cfg)
   if fixed_buffers(cfg, x_bsh):
     combined = _static_experts(flat_x, experts, ops.copy_to_tp(weights * kept), cfg, stacks, ops)
   else:
@@ -149,7 +162,21 @@ def mlp(params, prefix, x_bsh, cfg, ops):
                       F.linear(flat_x, params[sp + '.up_proj.weight']), params[sp + '.down_proj.weight'])
     scale = own(F.linear(x_bsh, params[prefix + '.shared_expert_gate.weight'])).reshape(b * s, 1)
     combined = combined + ops.copy_to_tp(torch.sigmoid(scale)) * shared
-  return ops.reduce_over_tp(combined.view(b, s, h))
+  out = ops.reduce_over_tp(combined.view(b, s, h))
+  if cfg.has_bias:      # whole: once per token, after the reduction (SP: this rank's positions)
+    down_bias = params[prefix + '.experts.down_proj_bias']
+    term = ((weights * kept)[..., None] * down_bias[experts].float()).sum(2).to(out.dtype)
+    # SP: this rank's positions, the gradient from them only (no exchange: the replicated layout sums it)
+    out = out + (ops.mask_for_slice(term, 'seq') if sliced else term)
+  return out
+
+
+def experts_of(params, prefix, cfg) -> moe_kernels.Experts:
+  """Layer `prefix`'s experts (this rank's boxes), with gpt-oss's biases and clamped SwiGLU where set."""
+  e = f'{prefix}.experts.'
+  clamp = (cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) if cfg.moe.get('expert_activation') == 'clamped_swiglu' else ()
+  biases = (params[e + 'gate_proj_bias'], params[e + 'up_proj_bias']) if cfg.has_bias else (None, None)
+  return moe_kernels.Experts(params[e + 'gate_proj'], params[e + 'up_proj'], params[e + 'down_proj'], *biases, clamp)
 
 
 def fixed_buffers(cfg, x) -> bool:
@@ -175,7 +202,7 @@ def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
                             'MoE: the tokens per expert (spread evenly)',
                             lambda: host_values.balanced(slot.shape[0], cfg.moe.num_experts))
   token = slot // cfg.moe.top_k
-  out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(flat_x.index_select(0, token), counts, *stacks, ops.fp8_gemms)
+  out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(flat_x.index_select(0, token), counts, stacks, ops.fp8_gemms)
   weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial
   return _Combine.apply(out, weight, token, n)
 
@@ -208,7 +235,7 @@ def _static_experts(flat_x, experts_bsk, weights_bsk, cfg, stacks, ops):
   h = flat_x.shape[1]
   slots_x = flat_x[:, None, :].expand(b * s, k, h).reshape(b * s * k, h)
   buffers = flat_x.new_zeros(e * rows + 1, h).index_copy(0, dest, slots_x)[:-1].view(e, rows, h)
-  out = (ops.expert_buffers or moe_kernels.grouped_expert_ffn)(buffers, *stacks, ops.fp8_gemms).reshape(e * rows, h)
+  out = (ops.expert_buffers or moe_kernels.grouped_expert_ffn)(buffers, stacks, ops.fp8_gemms).reshape(e * rows, h)
   picked = torch.cat([out, out.new_zeros(1, h)])[dest].view(b * s, k, h)
   return (picked * weights_bsk.reshape(b * s, k, 1).to(picked.dtype)).sum(1)
 

@@ -8,6 +8,7 @@ from model.moe import enabled
 
 ROUTING = ('top_k',)
 ACTIVATIONS = ('softmax', 'sigmoid')
+EXPERT_ACTIVATIONS = ('swiglu', 'clamped_swiglu')
 
 
 def check(model) -> list:
@@ -40,9 +41,15 @@ def check(model) -> list:
   positive(problems, 'model.moe.ffn_hidden_size', moe.ffn_hidden_size, allow_zero=True)
   positive(problems, 'model.moe.shared_expert_intermediate_size', moe.shared_expert_intermediate_size,
            allow_zero=True)
-  if model.activation != 'swiglu' or model.has_bias:
-    problems.append(f'model.moe: experts are SwiGLU without biases; model.activation={model.activation!r} '
-                    f'and model.has_bias={model.has_bias} are not supported with num_experts > 0')
+  if model.activation != 'swiglu':
+    problems.append(f'model.moe: experts are SwiGLU; model.activation={model.activation!r} is not supported with '
+                    'num_experts > 0')
+  one_of(problems, 'model.moe.expert_activation', moe.get('expert_activation', 'swiglu'), EXPERT_ACTIVATIONS)
+  if moe.get('expert_activation') == 'clamped_swiglu':
+    positive(problems, 'model.moe.swiglu_limit', moe.swiglu_limit)
+  if model.has_bias and moe.shared_expert_intermediate_size:
+    problems.append('model.has_bias with model.moe.shared_expert_intermediate_size: the shared expert\'s biases '
+                    'are not built (routed experts and router have them: gpt-oss); set has_bias=False')
   return problems
 
 

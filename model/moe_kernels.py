@@ -1,10 +1,14 @@
 """The experts' SwiGLU itself, on tokens already dispatched: stacked expert tensors [E, f, h]
-applied to tokens sorted by expert (grouped GEMM where torch has one, else a matmul triple per
+(`Experts`: with gpt-oss's per-expert gate / up biases and clamped SwiGLU where the model has
+them) applied to tokens sorted by expert (grouped GEMM where torch has one, else a matmul triple per
 expert) or to fixed-size per-expert buffers (batched matmuls), in float8 with precision.fp8's
 gemms. Routing, capacity and the dispatch around these kernels stay in model/moe.py; they live
 apart because parallel/experts.py runs the same kernels on the tokens an all-to-all brought in,
 and estimates/activations.py asks the grouped GEMM's fit rule without building a model.
 """
+import typing
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -12,27 +16,69 @@ import host_values
 from numerics import fp8
 
 
-def local_expert_ffn(x_th, counts, gate_efh, up_efh, down_ehf, gemms=None):
+class Experts(typing.NamedTuple):
+  """One MoE layer's experts as a rank holds them (its experts under EP, its f columns under TP).
+  The down projection's bias is not here: model/moe.py adds it after the TP reduction."""
+  gate: torch.Tensor                          # [E, f, h]
+  up: torch.Tensor                            # [E, f, h]
+  down: torch.Tensor                          # [E, h, f]
+  gate_bias: Optional[torch.Tensor] = None    # [E, f] (gpt-oss)
+  up_bias: Optional[torch.Tensor] = None      # [E, f]
+  clamp: tuple = ()                           # gpt-oss's (alpha, limit): the clamped SwiGLU below
+
+  def glu(self, g, u):
+    """SwiGLU silu(g) u, or gpt-oss's: g clamped above at limit, u to [-limit, limit],
+    (u + 1) g sigmoid(alpha g)."""
+    if not self.clamp:
+      return F.silu(g) * u
+    alpha, limit = self.clamp
+    g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+    return (u + 1) * (g * torch.sigmoid(alpha * g))
+
+
+def _biased(y, bias, rows):
+  """y [T, f] plus each row's expert's bias (`rows`: the expert of each row, or None when y is [E, R, f])."""
+  if bias is None:
+    return y
+  return y + (bias[:, None, :] if rows is None else bias.index_select(0, rows))
+
+
+def local_expert_ffn(x_th, counts, experts: Experts, gemms=None):
   """Tokens sorted by expert (`counts` per expert, a list) through their experts' SwiGLU: one
   grouped GEMM per projection where the build has one for these tensors (torch._grouped_mm:
   exact against per-expert matmuls), else one matmul triple per expert (in float8 with
-  precision.fp8's `gemms`, each expert its own scales). The stacks are unbound once: indexing
-  them per expert would make each expert's backward write a whole-stack gradient (E^2 traffic)."""
-  if gemms is None and _grouped_mm_fits(x_th, gate_efh, down_ehf):
+  precision.fp8's `gemms`, each expert its own scales)."""
+  w = experts
+  if gemms is None and _grouped_mm_fits(x_th, w.gate, w.down):
     offs = torch.tensor(counts, device=x_th.device).cumsum(0).to(torch.int32)
-    hidden = F.silu(torch._grouped_mm(x_th, gate_efh.transpose(1, 2), offs=offs)) * \
-        torch._grouped_mm(x_th, up_efh.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
-    return torch._grouped_mm(hidden, down_ehf.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
+    rows = None
+    if w.gate_bias is not None:     # each row's expert, for its bias
+      rows = torch.arange(len(counts), device=x_th.device).repeat_interleave(
+          torch.tensor(counts, device=x_th.device), output_size=x_th.shape[0])
+    mm = lambda a, b: torch._grouped_mm(a, b.transpose(1, 2), offs=offs)   # pylint: disable=protected-access
+    hidden = w.glu(_biased(mm(x_th, w.gate), w.gate_bias, rows), _biased(mm(x_th, w.up), w.up_bias, rows))
+    return mm(hidden, w.down)
   outs = []
-  for chunk, gate, up, down in zip(x_th.split(counts), gate_efh.unbind(0), up_efh.unbind(0), down_ehf.unbind(0)):
+  for chunk, one in zip(x_th.split(counts), _each(w)):
     if chunk.shape[0]:
-      outs.append(_swiglu(chunk, gate, up, down, gemms))
+      outs.append(_one_expert(chunk, *one, w.glu, gemms))
   return torch.cat(outs) if outs else x_th[:0]
 
 
-def _swiglu(x, gate, up, down, gemms):
+def _each(w):
+  """(gate, up, down, gate bias, up bias) per expert: the stacks unbound once (indexing them per
+  expert would make each expert's backward write a whole-stack gradient: E^2 traffic)."""
+  biases = (w.gate_bias.unbind(0), w.up_bias.unbind(0)) if w.gate_bias is not None else ((None,) * len(w.gate),) * 2
+  return zip(w.gate.unbind(0), w.up.unbind(0), w.down.unbind(0), *biases)
+
+
+def _one_expert(x, gate, up, down, gate_bias, up_bias, glu, gemms):
+  """One expert's SwiGLU on its tokens x [T, h] (in float8 with precision.fp8's `gemms`)."""
   column, row = (gemms['column'], gemms['row']) if gemms else (None, None)
-  return fp8.linear(F.silu(fp8.linear(x, gate, gemms=column)) * fp8.linear(x, up, gemms=column), down, gemms=row)
+  g, u = fp8.linear(x, gate, gemms=column), fp8.linear(x, up, gemms=column)
+  if gate_bias is not None:
+    g, u = g + gate_bias, u + up_bias
+  return fp8.linear(glu(g, u), down, gemms=row)
 
 
 
@@ -52,11 +98,12 @@ def _grouped_mm_fits(x, gate_efh, down_ehf) -> bool:
           and grouped_mm_fits(x.shape[-1], gate_efh.shape[1], x.dtype, x.device.type))
 
 
-def grouped_expert_ffn(buffers_erh, gate_efh, up_efh, down_ehf, gemms=None):
+def grouped_expert_ffn(buffers_erh, experts: Experts, gemms=None):
   """Each expert's SwiGLU on its buffer: batched matmuls, [E, R, h] -> [E, R, h] (in float8 with
   `gemms`: an expert at a time, each its own scales)."""
+  w = experts
   if gemms:
-    return torch.stack([_swiglu(*parts, gemms) for parts in zip(buffers_erh.unbind(0), gate_efh.unbind(0),
-                                                                 up_efh.unbind(0), down_ehf.unbind(0))])
-  hidden = F.silu(torch.bmm(buffers_erh, gate_efh.transpose(1, 2))) * torch.bmm(buffers_erh, up_efh.transpose(1, 2))
-  return torch.bmm(hidden, down_ehf.transpose(1, 2))
+    return torch.stack([_one_expert(x, *one, w.glu, gemms) for x, one in zip(buffers_erh.unbind(0), _each(w))])
+  hidden = w.glu(_biased(torch.bmm(buffers_erh, w.gate.transpose(1, 2)), w.gate_bias, None),
+                 _biased(torch.bmm(buffers_erh, w.up.transpose(1, 2)), w.up_bias, None))
+  return torch.bmm(hidden, w.down.transpose(1, 2))

@@ -77,6 +77,8 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
     elif cfg.get('qk_norm'):        # over each head: every TP rank holds the weight, applies it to its heads
       norm_specs(p + '.self_attn.q_norm', d, 'tp_partial')
       norm_specs(p + '.self_attn.k_norm', d, 'tp_partial')
+    if cfg.get('attention_sinks'):    # one logit per query head, split over TP with the heads
+      specs[p + '.self_attn.sinks'] = ParamSpec((cfg.num_attention_heads,), 'normal', std, layout='column')
     linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std, 'row')
     norm_specs(p + '.post_attention_layernorm')
     if cfg.get('sandwich_norm'):

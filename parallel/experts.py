@@ -65,8 +65,8 @@ def expert_ffn(group, ep):
   """Ops.expert_ffn over an ep group: tokens sorted by (global) expert go to the ranks holding
   their experts and come back in the same order."""
 
-  def ffn(x_th, counts, gate_efh, up_efh, down_ehf, gemms=None):
-    local = gate_efh.shape[0]
+  def ffn(x_th, counts, experts: moe_kernels.Experts, gemms=None):
+    local = experts.gate.shape[0]
     send_counts = torch.tensor(counts, dtype=torch.int64, device=x_th.device).view(ep, local)
     recv_counts = torch.empty_like(send_counts)
     comm.all_to_all_single(recv_counts.view(-1), send_counts.view(-1), [local] * ep, [local] * ep, group,
@@ -81,7 +81,7 @@ def expert_ffn(group, ep):
     order = torch.sort(expert_of, stable=True).indices
     per_expert = host_values.read(recv_counts, lambda c: c.sum(0).tolist(), even,
                                   lambda: host_values.balanced(sum(recv), local))
-    y = moe_kernels.local_expert_ffn(received[order], per_expert, gate_efh, up_efh, down_ehf, gemms)
+    y = moe_kernels.local_expert_ffn(received[order], per_expert, experts, gemms)
     back = torch.zeros_like(y).index_copy(0, order, y)
     return comm.all_to_all(back, group, recv, send, 'all_to_all(tokens from experts)')
 
@@ -94,14 +94,14 @@ def expert_buffers(group, ep):
   all-to-all of equal splits: no counts to exchange), runs its experts on the ep x R rows
   they received, and sends the outputs back the same way."""
 
-  def ffn(buffers_erh, gate_efh, up_efh, down_ehf, gemms=None):
+  def ffn(buffers_erh, experts: moe_kernels.Experts, gemms=None):
     e, rows, h = buffers_erh.shape
     local = e // ep
     split = [local * rows] * ep
     received = comm.all_to_all(buffers_erh.reshape(e * rows, h), group, split, split, 'all_to_all(expert buffers)')
     # received: [source rank, local expert, R, h] -> each local expert's rows from every source
     mine = received.view(ep, local, rows, h).transpose(0, 1).reshape(local, ep * rows, h)
-    out = moe_kernels.grouped_expert_ffn(mine, gate_efh, up_efh, down_ehf, gemms)
+    out = moe_kernels.grouped_expert_ffn(mine, experts, gemms)
     back = out.view(local, ep, rows, h).transpose(0, 1).reshape(e * rows, h)
     return comm.all_to_all(back, group, split, split, 'all_to_all(expert buffers back)').view(e, rows, h)
 

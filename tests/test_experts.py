@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from model import moe_kernels
 from parallel import comm, experts, mesh as meshes
 from tests import parity, world
 
@@ -59,7 +60,8 @@ def _exchange(rank_inputs):
   gate = torch.ones(2, 2, 2)          # [2 experts here, f, h]; rank r's experts scaled by 1 + r
   down = torch.ones(2, 2, 2)
   ffn = experts.expert_ffn(mesh.ep_group, 2)
-  y = ffn(x, counts, gate * (1 + mesh.ep_rank), gate * (1 + mesh.ep_rank), down * (1 + mesh.ep_rank))
+  scale = 1 + mesh.ep_rank
+  y = ffn(x, counts, moe_kernels.Experts(gate * scale, gate * scale, down * scale))
   y.sum().backward()
   return y.detach(), x.grad
 
@@ -68,11 +70,10 @@ def test_all_to_all_round_trip_matches_local_experts():
   """Each rank's tokens come back in order, through the experts the other rank holds too."""
   inputs = [torch.randn(6, 2, generator=torch.Generator().manual_seed(r)) for r in range(2)]
   results = world.run(_exchange, 2, inputs)
-  from model import moe_kernels  # pylint: disable=import-outside-toplevel
   gate = down = torch.cat([torch.ones(2, 2, 2), 2 * torch.ones(2, 2, 2)])
   for r, counts in enumerate(([1, 2, 0, 3], [2, 1, 1, 2])):
     x = inputs[r].clone().requires_grad_()
-    expected = moe_kernels.local_expert_ffn(x, counts, gate, gate, down)
+    expected = moe_kernels.local_expert_ffn(x, counts, moe_kernels.Experts(gate, gate, down))
     expected.sum().backward()
     torch.testing.assert_close(results[r][0], expected.detach())
     torch.testing.assert_close(results[r][1], x.grad)
@@ -113,7 +114,7 @@ def _stop_rank_1_then_dispatch(timeout_s):
   if mesh.rank == 1:
     os.kill(os.getpid(), signal.SIGSTOP)   # a stopped peer (killed by world.run afterwards)
   stack = torch.ones(2, 2, 2)
-  experts.expert_ffn(mesh.ep_group, 2)(torch.ones(4, 2), [1, 1, 1, 1], stack, stack, stack)
+  experts.expert_ffn(mesh.ep_group, 2)(torch.ones(4, 2), [1, 1, 1, 1], moe_kernels.Experts(stack, stack, stack))
 
 
 def test_a_stopped_rank_fails_the_expert_all_to_all_naming_rank_and_operation():

@@ -120,10 +120,11 @@ def test_each_expert_runs_in_float8_with_its_own_scales():
     hidden = torch.nn.functional.silu(fp8.linear(t, gate[e], gemms=column)) * fp8.linear(t, up[e], gemms=column)
     return fp8.linear(hidden, down[e], gemms=gemms['row'])
   expected = torch.cat([swiglu(x[:4], 0), swiglu(x[4:], 2)])
-  assert torch.equal(moe_kernels.local_expert_ffn(x, counts, gate, up, down, gemms), expected)
-  assert not torch.equal(moe_kernels.local_expert_ffn(x, counts, gate, up, down), expected)
+  experts = moe_kernels.Experts(gate, up, down)
+  assert torch.equal(moe_kernels.local_expert_ffn(x, counts, experts, gemms), expected)
+  assert not torch.equal(moe_kernels.local_expert_ffn(x, counts, experts), expected)
   buffers = torch.stack([x[:4], x[4:8], x[5:]])
-  assert torch.equal(moe_kernels.grouped_expert_ffn(buffers, gate, up, down, gemms),
+  assert torch.equal(moe_kernels.grouped_expert_ffn(buffers, experts, gemms),
                      torch.stack([swiglu(buffers[e], e) for e in range(3)]))
 
 

@@ -208,18 +208,25 @@ def test_checks_name_the_key():
 
 @pytest.mark.skipif(not hasattr(torch, '_grouped_mm'), reason='this torch has no _grouped_mm')
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_the_grouped_gemm_equals_a_matmul_triple_per_expert(dtype):
-  """local_expert_ffn's grouped GEMMs against its per-expert loop, experts without tokens included."""
+@pytest.mark.parametrize('gpt_oss', [False, True])
+def test_the_grouped_gemm_equals_a_matmul_triple_per_expert(dtype, gpt_oss):
+  """local_expert_ffn's grouped GEMMs against its per-expert loop, experts without tokens
+  included; gpt_oss: with per-expert gate / up biases and the clamped SwiGLU (its sigmoid
+  rounds differently in a vector's tail than in its body, so to a few ulps, not bitwise)."""
   from unittest import mock  # pylint: disable=import-outside-toplevel
   g = torch.Generator().manual_seed(0)
   e, h, f, counts = 4, 16, 8, [3, 0, 5, 0]
-  tensors = [torch.randn(*shape, generator=g).to(dtype).requires_grad_()
-             for shape in ((8, h), (e, f, h), (e, f, h), (e, h, f))]
+  shapes = ((8, h), (e, f, h), (e, f, h), (e, h, f)) + (((e, f), (e, f)) if gpt_oss else ())
+  tensors = [torch.randn(*shape, generator=g).to(dtype).requires_grad_() for shape in shapes]
+  experts = moe_kernels.Experts(*tensors[1:], clamp=(1.702, 0.5) if gpt_oss else ())
   assert moe_kernels._grouped_mm_fits(tensors[0], tensors[1], tensors[3])  # pylint: disable=protected-access
   grad_y = torch.randn(8, h, generator=g).to(dtype)
-  grouped = moe_kernels.local_expert_ffn(tensors[0], counts, *tensors[1:])
+  grouped = moe_kernels.local_expert_ffn(tensors[0], counts, experts)
   with mock.patch.object(moe_kernels, '_grouped_mm_fits', lambda *args: False):
-    loop = moe_kernels.local_expert_ffn(tensors[0], counts, *tensors[1:])
-  assert torch.equal(grouped, loop)
+    loop = moe_kernels.local_expert_ffn(tensors[0], counts, experts)
+  if gpt_oss:
+    torch.testing.assert_close(grouped, loop, rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+  else:
+    assert torch.equal(grouped, loop)
   for a, b in zip(torch.autograd.grad(grouped, tensors, grad_y), torch.autograd.grad(loop, tensors, grad_y)):
     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
