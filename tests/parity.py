@@ -83,7 +83,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   if moe:          # MoE (model/moe.py): `moe` experts, top-2, dropping at `capacity` (0: dropless), aux losses
     c.model.moe.update(num_experts=moe, top_k=2, capacity_factor=capacity or 1.0, dropless=not capacity,
                        router_z_loss_coef=0.001 if aux else 0.0, output_router_logits=aux)
-    c.model.moe.fixed_buffers = fixed_buffers   # the traced path's static buffers (not in the reference)
+  c.model.moe.fixed_buffers = fixed_buffers   # MoE: the traced path's static buffers (not in the reference)
   if lora:                                   # LoRA (model/lora.py) on every linear, base frozen
     peft = c.model_alignment_strategy.peft
     peft.lora_rank, peft.target_modules, peft.lora_alpha, peft.lora_dropout = lora, ('all-linear',), 8.0, lora_dropout
@@ -148,6 +148,17 @@ def apply_family(model, family):
     model.layer_types = tuple('sliding_attention' if i % 2 else 'full_attention' for i in range(n))
   elif family == 'phi3':
     model.rotary_percentage = 0.5            # half of each head's 8 dims rotated; window 5 everywhere
+  elif family == 'gpt_oss':
+    # sinks, biases on every linear (router and experts too), norms scaled in fp32, YaRN without
+    # truncation, sliding and full layers alternating; every layer dropless top-2 of 4 experts
+    # (softmax over the top 2) with the clamped SwiGLU at a limit the tiny model's gates reach
+    model.attention_sinks = model.has_bias = model.rmsnorm_scale_in_fp32 = True
+    model.head_dim = 16
+    model.layer_types = ('sliding_attention', 'full_attention') * (n // 2)
+    model.rope_scaling.update(type='yarn', factor=4.0, original_max_position_embeddings=8, truncate=False)
+    model.moe.update(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=0, normalize_top_k_affinities=True,
+                     shared_expert_intermediate_size=0, frequency=1, dense_layers=(), expert_activation='clamped_swiglu',
+                     swiglu_limit=0.05, output_router_logits=True, router_aux_loss_coef=0.001)
 
 
 def steps_on_rank(config, steps):

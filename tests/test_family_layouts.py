@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3 and Phi-3, each with every feature of the family on
+"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3 and gpt-oss, each with every feature of the family on
 (tests/parity.py apply_family), train like one device at every layout (fp32, 10 steps, active
 clipping, the layout-parity bounds of parity.compare) and compiled like eager, a graph for each
 kind of layer; what a family cannot run with is refused by name."""
@@ -12,7 +12,8 @@ from model import hf_export, moe, transformer
 from parallel import compiled
 from tests import parity, world
 
-FAMILIES = ('qwen3', 'qwen3_moe', 'olmo2', 'smollm3', 'phi3')
+FAMILIES = ('qwen3', 'qwen3_moe', 'olmo2', 'smollm3', 'phi3', 'gpt_oss')
+MOE = ('qwen3_moe', 'gpt_oss')
 # interleaving needs layers divisible by pp x vp = 4; Qwen3-MoE's 8 put MoE layers on both pp2
 # stages and a dense-only chunk beside MoE ones at vp2 (parity.apply_family)
 LAYERS = {'qwen3_moe': 8}
@@ -31,9 +32,11 @@ def _rows(family):
   tp = {'tp': 2, 'sp': True, 'kv_replicator': 2 if family == 'olmo2' else 1, 'micro': 4}
   rows = {'tp2_sp': (2, tp), 'pp2': (2, {'pp': 2}), 'pp2_vp2': (2, {'pp': 2, 'vp': 2}),
           'dp2_zero1': (2, {'zero1': True})}
-  if family == 'qwen3_moe':          # MoE under cp is refused (test below)
+  if family in MOE:                  # MoE under cp is refused (test below)
     rows['ep2'] = 2, {'ep': 2}
     rows['ep2_tp2_sp'] = 4, {'ep': 2, 'tp': 2, 'sp': True}   # experts over EP (dp 2), each split over TP
+  if family == 'gpt_oss':            # the traced path's fixed-size expert buffers, exchanged over EP
+    rows['ep2_fixed_buffers'] = 2, {'ep': 2, 'fixed_buffers': True}
   else:
     rows['cp2'] = 2, {'cp': 2, 'micro': 4}
   return {f'{family}_{name}': (size, dict(base, **kwargs)) for name, (size, kwargs) in rows.items()}
@@ -121,7 +124,8 @@ def test_compiled_stages_hold_more_than_one_kind_of_layer():
   (dense, MoE) and Qwen3's first (full, sliding) trace more than one graph of the block."""
   kinds = {f: [len(layer_kinds(c, range(s * c.num_layers // 2, (s + 1) * c.num_layers // 2))) for s in (0, 1)]
            for f in FAMILIES for c in [parity.parity_config(family=f, layers=LAYERS.get(f, 4)).model]}
-  assert kinds == {'qwen3': [2, 1], 'qwen3_moe': [2, 2], 'olmo2': [1, 1], 'smollm3': [2, 2], 'phi3': [1, 1]}, kinds
+  assert kinds == {'qwen3': [2, 1], 'qwen3_moe': [2, 2], 'olmo2': [1, 1], 'smollm3': [2, 2], 'phi3': [1, 1],
+                   'gpt_oss': [2, 2]}, kinds
 
 
 def _problems(world_size, **layout):
@@ -130,8 +134,12 @@ def _problems(world_size, **layout):
 
 def test_what_a_family_cannot_run_with_is_refused_by_name():
   # Qwen3-MoE under context parallelism: capacity and the aux losses need the whole sequence
-  assert 'model.moe.num_experts=4 with distributed_strategy.context_parallel_size=2' in \
-      _problems(2, family='qwen3_moe', layers=8, cp=2)
+  for family in MOE:
+    assert 'model.moe.num_experts=4 with distributed_strategy.context_parallel_size=2' in \
+        _problems(2, family=family, layers=LAYERS.get(family, 4), cp=2)
+  # gpt-oss's sinks under cp: the ring does not add them to its log-sum-exp
+  assert 'model.attention_sinks=True with distributed_strategy.context_parallel_size=2' in \
+      _problems(2, family='gpt_oss', cp=2)
   # Phi-3's longrope (Phi-3-128k, Phi-4-mini) under cp: its factors depend on the longest
   # position, which a slice does not see; the cp2 row above has none
   c = parity.parity_config(family='phi3', layers=4, cp=2)

@@ -162,3 +162,38 @@ def test_what_gpt_oss_cannot_be_is_refused_by_name():
   m.attention_sinks = False
   with pytest.raises(ValueError, match='are HF gpt-oss together'):
     hf_export.config_to_hf(m)
+
+
+def test_decoding_with_the_kv_cache_gives_the_whole_sequence_logits(tmp_path):
+  """Generation's cache path (sinks over the cached keys, the window over them too) against
+  one forward over the whole sequence, and transformers' greedy continuation."""
+  model, m, params = imported(tmp_path)
+  tokens = random_tokens(7, b=1, s=12)
+  whole = transformer.forward(params, tokens, m)
+  logits, cache = transformer.decode(params, tokens[:, :6], m)
+  steps = [logits]
+  for i in range(6, 12):
+    logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
+    steps.append(logits)
+  assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-5
+  with torch.no_grad():
+    theirs = model.generate(tokens[:, :8], max_new_tokens=4, do_sample=False)
+  ours = tokens[:, :8]
+  for _ in range(4):
+    nxt = transformer.forward(params, ours, m)[:, -1, :VOCAB].argmax(-1, keepdim=True)
+    ours = torch.cat([ours, nxt], dim=1)
+  assert torch.equal(ours, theirs)
+
+
+def test_through_the_converters_and_a_checkpoint(tmp_path):
+  """tools.convert hf-to-flatron writes a checkpoint step, flatron-to-hf writes it back: the same
+  logits in transformers (the renamed expert tensors through the checkpoint's names)."""
+  from tools import convert  # pylint: disable=import-outside-toplevel
+  model = hf_model()
+  model.save_pretrained(tmp_path / 'theirs')
+  step = convert.hf_to_flatron(str(tmp_path / 'theirs'), str(tmp_path / 'ckpt'))
+  convert.flatron_to_hf(step, str(tmp_path / 'back'))
+  again = transformers.GptOssForCausalLM.from_pretrained(tmp_path / 'back', attn_implementation='eager')
+  tokens = random_tokens(8, s=24)
+  with torch.no_grad():
+    assert (again.float().eval()(tokens).logits - model(tokens).logits).abs().max().item() < TOL
