@@ -35,6 +35,7 @@ def get_config(arg=None):
   model.optim.lr, model.optim.weight_decay = 3e-4, 0.1
   model.optim.sched.warmup_steps, model.optim.sched.min_lr = 2000, 3e-5
   model.activations_checkpoint_granularity = 'full'
+  c.precision.type = 'mixed_precision'       # bf16 compute, fp32 master weights and optimizer state
   c.data.seq_length, c.data.micro_batch_size, c.data.global_batch_size = 4096, 1, 1024
   c.trainer.max_steps = 100000
   c.trainer.log_every_n_steps = 10
