@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from model import layers
+from model import layers, mla
 from model.rope import apply_rope
 
 
@@ -40,7 +40,9 @@ def causal_mask_after(past, s, device=None, window=0):
 
 
 def attention_scale(cfg, d) -> float:
-  """The scores' scale: 1 / sqrt(d), or Gemma's 1 / sqrt(query_pre_attn_scalar)."""
+  """The scores' scale: 1 / sqrt(d), or Gemma's 1 / sqrt(query_pre_attn_scalar), or MLA's."""
+  if mla.enabled(cfg):
+    return mla.scale(cfg)
   return (cfg.get('query_pre_attn_scalar') or d) ** -0.5
 
 
@@ -85,8 +87,26 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
 
 
 def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_key, sample_ids_b, kv=None):
-  d = layers.head_dim(cfg)
   x_bsh = ops.full_input(x_bsh)
+  if mla.enabled(cfg):
+    q, k, v = mla.qkv(params, prefix, x_bsh, cos_sin, cfg, ops, drop_key, sample_ids_b)
+  else:
+    q, k, v = _qkv(params, prefix, x_bsh, cos_sin, cfg, ops, drop_key, sample_ids_b)
+  if kv is not None:                   # generation: attend the cached positions too
+    past, new = kv
+    if past is not None:
+      k, v = torch.cat([past.keys[layer], k], dim=2), torch.cat([past.values[layer], v], dim=2)
+    new.keys[layer], new.values[layer] = k, v
+  out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer, drop_key and drop_key + ('attn',),
+                                sample_ids_b, ops.mask_for_slice,
+                                params[prefix + '.sinks'] if cfg.get('attention_sinks') else None)
+  out = rearrange(out, 'b n s d -> b s (n d)')
+  return layers.linear(params, prefix + '.o_proj', out, cfg, ops, 'row', drop_key, sample_ids_b)
+
+
+def _qkv(params, prefix, x_bsh, cos_sin, cfg, ops, drop_key, sample_ids_b):
+  """This rank's heads' q [b, n, s, d] and k, v [b, g, s, d] (q/k norms and RoPE applied)."""
+  d = layers.head_dim(cfg)
   q, k, v = (layers.linear(params, f'{prefix}.{n}', x_bsh, cfg, ops, 'column', drop_key, sample_ids_b)
              for n in ('q_proj', 'k_proj', 'v_proj'))
   eps, offset, in_fp32 = cfg.layernorm_epsilon, cfg.get('rmsnorm_unit_offset', False), cfg.get('rmsnorm_scale_in_fp32', False)
@@ -101,13 +121,4 @@ def self_attention(params, prefix, x_bsh, cos_sin, mask, cfg, ops, layer, drop_k
     q, k = (layers.rms_norm(t, params[f'{prefix}.{n}.weight'], eps, offset, in_fp32) for t, n in ((q, 'q_norm'), (k, 'k_norm')))
   if cos_sin is not None:
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
-  if kv is not None:                   # generation: attend the cached positions too
-    past, new = kv
-    if past is not None:
-      k, v = torch.cat([past.keys[layer], k], dim=2), torch.cat([past.values[layer], v], dim=2)
-    new.keys[layer], new.values[layer] = k, v
-  out = ops.recompute_attention(core_attention, q, k, v, mask, cfg, layer, drop_key and drop_key + ('attn',),
-                                sample_ids_b, ops.mask_for_slice,
-                                params[prefix + '.sinks'] if cfg.get('attention_sinks') else None)
-  out = rearrange(out, 'b n s d -> b s (n d)')
-  return layers.linear(params, prefix + '.o_proj', out, cfg, ops, 'row', drop_key, sample_ids_b)
+  return q, k, v

@@ -7,7 +7,7 @@ from config_checks import one_of, positive
 from model import moe_checks, rope
 
 ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'phi3', 'gemma3', 'mixtral', 'qwen2_moe',
-                 'qwen3_moe', 'gpt_oss')
+                 'qwen3_moe', 'gpt_oss', 'deepseek_v3')
 NORMALIZATIONS = ('rmsnorm', 'layernorm')
 ACTIVATIONS = ('swiglu', 'geglu', 'gelu')
 POSITIONS = ('rope', 'learned_absolute')

@@ -64,6 +64,13 @@ def model_section() -> config_dict.ConfigDict:
   model.has_bias = False                   # biases in every linear layer (MoE: router and experts too, gpt-oss)
   model.qkv_bias = False                   # biases on q, k, v only (Qwen2)
   model.attention_sinks = False            # gpt-oss: a learned logit per head joins each query's softmax (its value 0)
+  model.mla = mla = config_dict.ConfigDict()   # multi-head latent attention (DeepSeek-V2/V3; model/mla.py)
+  mla.kv_lora_rank = 0                     # the keys' and values' shared latent width; 0 = MLA off
+  mla.q_lora_rank = 0                      # the queries' bottleneck; 0 = one q_proj
+  mla.qk_nope_head_dim = 128               # each head's query / key dims without RoPE
+  mla.qk_rope_head_dim = 64                # ... with RoPE (the key's part shared by every head)
+  mla.v_head_dim = 128                     # each head's value dims
+  mla.rope_interleave = True               # the rotary dims stored in pairs (DeepSeek's files), de-interleaved for RoPE
   model.share_embeddings_and_output_weights = False  # tie the LM head to the input embedding
   model.hidden_dropout = 0.0               # dropout on attention / MLP outputs before the residual add
   model.attention_dropout = 0.0            # dropout on attention probabilities
@@ -92,7 +99,12 @@ def model_section() -> config_dict.ConfigDict:
   moe.sinkhorn_iterations = 30             # NxD's sinkhorn settings: read only with routing_algorithm=sinkhorn (refused)
   moe.sinkhorn_tol = placeholder(float)
   moe.ffn_hidden_size = 0                  # each expert's inner width; 0 = model.ffn_hidden_size (Qwen2-MoE: moe_intermediate_size)
-  moe.shared_expert_intermediate_size = 0  # Qwen2-MoE's always-on shared expert (sigmoid-gated); 0 = none
+  moe.shared_expert_intermediate_size = 0  # the always-on shared expert's width (Qwen2-MoE; DeepSeek: n_shared_experts x moe_intermediate_size); 0 = none
+  moe.shared_expert_gate = True            # the shared expert scaled by sigmoid(gate x) (Qwen2-MoE); False: added as it is (DeepSeek)
+  moe.num_groups = 1                       # experts in this many groups (DeepSeek's n_group): a token picks within ...
+  moe.top_k_groups = 1                     # ... the top_k_groups groups whose two best scores sum highest
+  moe.routed_scaling_factor = 1.0          # the routed experts' weights times this (DeepSeek-V3: 2.5)
+  moe.load_balance_bias = False            # DeepSeek-V3's per-expert bias added to the scores to choose experts (not to weigh them)
   moe.expert_activation = 'swiglu'        # swiglu | clamped_swiglu (gpt-oss: gate clamped above, up to +-limit, (up + 1) gate sigmoid(alpha gate))
   moe.swiglu_alpha = 1.702                 # clamped_swiglu: the sigmoid's gain
   moe.swiglu_limit = 7.0                   # clamped_swiglu: the clamp

@@ -1,5 +1,6 @@
 """HF config.json -> flatron's model section for Llama, Mistral, Qwen2, Qwen3, OLMo 2, SmolLM3,
-Phi-3, Gemma 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE and gpt-oss (the other way: model/hf_export.py).
+Phi-3, Gemma 3 text, Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss and DeepSeek-V3 (the other way:
+model/hf_export.py).
 
 Works with the config layouts of transformers 4.x (top-level `rope_theta`, `rope_scaling`,
 Gemma's `rope_local_base_freq`) and 5.x (`rope_parameters`, per layer type for Gemma 3). Keys a
@@ -22,8 +23,10 @@ FAMILIES = {                      # HF model_type -> (its causal-LM class, our m
     'qwen2_moe': ('Qwen2MoeForCausalLM', 'qwen2_moe'),
     'qwen3_moe': ('Qwen3MoeForCausalLM', 'qwen3_moe'),
     'gpt_oss': ('GptOssForCausalLM', 'gpt_oss'),
+    'deepseek_v3': ('DeepseekV3ForCausalLM', 'deepseek_v3'),
 }
-MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'gpt_oss')
+MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'gpt_oss', 'deepseek_v3')
+MLA_KEYS = ('kv_lora_rank', 'q_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
 ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # HF hidden_act -> ours
 # Gemma's block: all of these together, and only in gemma3_text
 GEMMA_KEYS = ('rmsnorm_unit_offset', 'qk_norm', 'sandwich_norm', 'scale_embeddings')
@@ -157,6 +160,12 @@ def config_from_hf(hf_config: dict, base_model):
   if dropouts['resid_pdrop']:
     m.hidden_dropout = dropouts['resid_pdrop']
   m.query_pre_attn_scalar = int(hf.get('query_pre_attn_scalar', 256)) if gemma else 0
+  m.mla.kv_lora_rank = 0
+  if family == 'deepseek_v3':      # latent attention; model.head_dim is then the query / key heads' width
+    for key in MLA_KEYS:
+      m.mla[key] = int(hf[key] or 0)
+    m.mla.rope_interleave = bool(hf.get('rope_interleave', True))
+    m.head_dim = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
   m.share_embeddings_and_output_weights = bool(hf.get('tie_word_embeddings', gemma))
   m.attention_dropout = float(hf.get('attention_dropout', 0.0))
   m.init_method_std = float(hf.get('initializer_range', m.init_method_std))
@@ -171,14 +180,22 @@ def _moe_from_hf(hf, family, m):
     return
   if hf.get('router_jitter_noise'):
     raise ValueError(f'router_jitter_noise={hf["router_jitter_noise"]} is not supported (flatron implements 0)')
-  mixtral, gpt_oss = family == 'mixtral', family == 'gpt_oss'
-  moe.num_experts = hf['num_experts'] if 'num_experts' in hf else hf['num_local_experts']
+  mixtral, gpt_oss, deepseek = family == 'mixtral', family == 'gpt_oss', family == 'deepseek_v3'
+  moe.num_experts = hf.get('num_experts') or hf.get('n_routed_experts') or hf['num_local_experts']
   moe.dense_layers = tuple(int(i) for i in hf.get('mlp_only_layers') or ())
-  moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8, 'gpt_oss': 4}[family])
+  if deepseek:                     # the first k layers dense
+    moe.dense_layers = tuple(range(int(hf.get('first_k_dense_replace') or 0)))
+  moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8, 'gpt_oss': 4,
+                                              'deepseek_v3': 8}[family])
   moe.frequency = 1 if mixtral or gpt_oss else hf.get('decoder_sparse_step', 1)
   # gpt-oss: softmax over the top-k logits, which is the softmax's top k renormalized
   moe.normalize_top_k_affinities = True if mixtral or gpt_oss else bool(hf.get('norm_topk_prob', False))
-  moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'softmax'
+  moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'sigmoid' if deepseek else 'softmax'
+  # DeepSeek-V3: groups of experts, the correction bias, the routed experts' scale, one plain shared expert
+  moe.num_groups, moe.top_k_groups = (int(hf.get('n_group') or 1), int(hf.get('topk_group') or 1)) if deepseek else (1, 1)
+  moe.routed_scaling_factor = float(hf.get('routed_scaling_factor', 1.0)) if deepseek else 1.0
+  moe.load_balance_bias = deepseek
+  moe.shared_expert_gate = not deepseek
   moe.output_router_logits = bool(hf.get('output_router_logits', False))
   moe.router_aux_loss_coef = float(hf.get('router_aux_loss_coef', 0.001))
   moe.ffn_hidden_size = 0 if mixtral or gpt_oss else hf['moe_intermediate_size']
@@ -186,3 +203,5 @@ def _moe_from_hf(hf, family, m):
   if gpt_oss:
     moe.swiglu_alpha, moe.swiglu_limit = float(hf.get('swiglu_alpha', 1.702)), float(hf.get('swiglu_limit', 7.0))
   moe.shared_expert_intermediate_size = hf['shared_expert_intermediate_size'] if family == 'qwen2_moe' else 0
+  if deepseek:
+    moe.shared_expert_intermediate_size = int(hf.get('n_shared_experts') or 0) * moe.ffn_hidden_size

@@ -1,6 +1,6 @@
 """flatron's model section -> an HF config.json: the family that expresses it (one of
 model/hf_config.py's FAMILIES), or an error naming what none can."""
-from model import param_table, rope, transformer
+from model import mla, param_table, rope, transformer
 from model.hf_config import FAMILIES, MOE_FAMILIES, WINDOW_EVERYWHERE
 
 
@@ -21,11 +21,24 @@ GPT_OSS_KEYS = ('has_bias', 'attention_sinks', 'rmsnorm_scale_in_fp32')
 def _moe_family(m) -> str:
   """mixtral, qwen2_moe, qwen3_moe or gpt_oss for a model section with experts, or an error naming what none can."""
   moe = m.moe
-  if moe.routing_algorithm != 'top_k' or moe.router_activation != 'softmax' or moe.dropout:
-    raise ValueError('model.moe: HF routes top_k with softmax, no expert dropout')
+  if moe.routing_algorithm != 'top_k' or moe.dropout:
+    raise ValueError('model.moe: HF routes top_k, no expert dropout')
   if not moe.dropless:
     raise ValueError('model.moe.dropless=False: HF Mixtral / Qwen-MoE never drop tokens; export with '
                      'model.moe.dropless=True (the capacity is a training-time setting)')
+  if mla.enabled(m) or moe.get('load_balance_bias') or moe.get('num_groups', 1) > 1 or not moe.get('shared_expert_gate', True):
+    dense = tuple(moe.get('dense_layers', ()))
+    if not (mla.enabled(m) and moe.get('load_balance_bias') and not moe.get('shared_expert_gate', True)
+            and moe.router_activation == 'sigmoid') or dense != tuple(range(len(dense))) or moe.frequency != 1 or \
+        m.has_bias or m.get('qkv_bias') or m.get('qk_norm') or m.get('sliding_window') or \
+        moe.shared_expert_intermediate_size % (moe.ffn_hidden_size or m.ffn_hidden_size):
+      raise ValueError('model.mla, moe.load_balance_bias, moe.router_activation=sigmoid and a shared expert without '
+                       'a gate (moe.shared_expert_gate=False) are HF DeepSeek-V3 together (with its first layers '
+                       'dense, moe.frequency=1, no biases, no q/k norms, no sliding window, a shared width that is a '
+                       'whole number of experts); a subset cannot be expressed in any HF family flatron exports')
+    return 'deepseek_v3'
+  if moe.router_activation != 'softmax':
+    raise ValueError('model.moe.router_activation=sigmoid: HF routes with softmax but in DeepSeek-V3')
   if any(m.get(k) for k in GPT_OSS_KEYS) or moe.get('expert_activation') == 'clamped_swiglu':
     if not all(m.get(k) for k in GPT_OSS_KEYS) or moe.get('expert_activation') != 'clamped_swiglu' or \
         m.get('qk_norm') or m.get('qkv_bias') or moe.shared_expert_intermediate_size or moe.frequency != 1 or \
@@ -199,12 +212,21 @@ def config_to_hf(model_cfg) -> dict:
                router_aux_loss_coef=moe.router_aux_loss_coef, router_jitter_noise=0.0)
     if family in ('mixtral', 'gpt_oss'):
       out['num_local_experts'] = moe.num_experts
-    else:
+    elif family != 'deepseek_v3':
       out.update(num_experts=moe.num_experts, decoder_sparse_step=moe.frequency,
                  mlp_only_layers=sorted(moe.get('dense_layers', ())), norm_topk_prob=moe.normalize_top_k_affinities,
                  moe_intermediate_size=moe.ffn_hidden_size or m.ffn_hidden_size)
     if family == 'gpt_oss':
       out.update(swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+      out.pop('mlp_bias')
+    if family == 'deepseek_v3':
+      width = moe.ffn_hidden_size or m.ffn_hidden_size
+      out.update({k: m.mla[k] for k in ('kv_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')})
+      out.update(q_lora_rank=m.mla.q_lora_rank or None, rope_interleave=m.mla.rope_interleave,
+                 n_routed_experts=moe.num_experts, n_shared_experts=moe.shared_expert_intermediate_size // width,
+                 moe_intermediate_size=width, n_group=moe.num_groups, topk_group=moe.top_k_groups,
+                 routed_scaling_factor=moe.routed_scaling_factor, norm_topk_prob=moe.normalize_top_k_affinities,
+                 first_k_dense_replace=len(moe.get('dense_layers', ())), head_dim=m.mla.qk_rope_head_dim)
       out.pop('mlp_bias')
     if family == 'qwen2_moe':
       out.update(qkv_bias=bool(m.get('qkv_bias')), shared_expert_intermediate_size=moe.shared_expert_intermediate_size)

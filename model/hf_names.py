@@ -18,6 +18,9 @@ def ignored(hf_name, model_cfg):
   """Tensors HF files may hold that carry nothing for us."""
   if hf_name == 'lm_head.weight' and model_cfg.share_embeddings_and_output_weights:
     return True   # tied: some writers store the (identical) head anyway
+  parts = hf_name.split('.')
+  if model_cfg.architecture == 'deepseek_v3' and parts[1:2] == ['layers'] and int(parts[2]) >= model_cfg.num_layers:
+    return True   # DeepSeek-V3's multi-token-prediction layer (layers.61): transformers skips it too
   return hf_name.endswith('rotary_emb.inv_freq')   # old checkpoints saved this RoPE buffer
 
 

@@ -75,11 +75,16 @@ def adapter_specs(cfg, base_specs, spec_type) -> dict:
   return out
 
 
+# updated by a rule, never by a gradient: DeepSeek-V3's load-balancing bias (model/moe.py)
+UNTRAINED = ('.e_score_correction_bias',)
+
+
 def trainable(cfg, names) -> list:
-  """The names that train: with LoRA the adapters (and the biases `lora_bias` names), else all."""
+  """The names that train: with LoRA the adapters (and the biases `lora_bias` names), else all
+  (but UNTRAINED's)."""
   peft = settings(cfg)
   if peft is None:
-    return list(names)
+    return [n for n in names if not n.endswith(UNTRAINED)]
   names = list(names)
   adapted = {split_name(n)[0] for n in names if is_adapter(n)}
   keep = []

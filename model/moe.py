@@ -90,13 +90,22 @@ def specs(cfg, prefix, spec, std, out_std) -> dict:
                 prefix + '.experts.gate_proj_bias': spec((e, f), 'zeros', layout='expert_column'),
                 prefix + '.experts.up_proj_bias': spec((e, f), 'zeros', layout='expert_column'),
                 prefix + '.experts.down_proj_bias': spec((e, h), 'zeros', layout='replicated')})
+  if cfg.moe.get('load_balance_bias'):        # chooses experts; never trained by a gradient (lora.UNTRAINED)
+    out[prefix + '.gate.e_score_correction_bias'] = spec((e,), 'zeros', layout='replicated')
   shared = cfg.moe.shared_expert_intermediate_size
   if shared:
-    out.update({prefix + '.shared_expert.gate_proj.weight': spec((shared, h), 'normal', std, layout='column'),
-                prefix + '.shared_expert.up_proj.weight': spec((shared, h), 'normal', std, layout='column'),
-                prefix + '.shared_expert.down_proj.weight': spec((h, shared), 'normal', out_std, layout='row'),
-                prefix + '.shared_expert_gate.weight': spec((1, h), 'normal', std, layout='replicated')})
+    sp = prefix + shared_prefix(cfg)
+    out.update({sp + '.gate_proj.weight': spec((shared, h), 'normal', std, layout='column'),
+                sp + '.up_proj.weight': spec((shared, h), 'normal', std, layout='column'),
+                sp + '.down_proj.weight': spec((h, shared), 'normal', out_std, layout='row')})
+    if cfg.moe.get('shared_expert_gate', True):
+      out[prefix + '.shared_expert_gate.weight'] = spec((1, h), 'normal', std, layout='replicated')
   return out
+
+
+def shared_prefix(cfg) -> str:
+  """The always-on expert's name: Qwen2-MoE's sigmoid-gated '.shared_expert', DeepSeek's plain '.shared_experts'."""
+  return '.shared_expert' if cfg.moe.get('shared_expert_gate', True) else '.shared_experts'
 
 
 def is_expert_param(name) -> bool:
@@ -119,14 +128,30 @@ def capacity(cfg, tokens) -> int:
   return min(tokens, math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts))
 
 
-def route(logits_bse, cfg):
-  """(probs fp32 [b,s,E], top-k weights fp32 [b,s,k], top-k experts [b,s,k], kept [b,s,k] bool)."""
+def route(logits_bse, cfg, correction=None):
+  """(probs fp32 [b,s,E], top-k weights fp32 [b,s,k], top-k experts [b,s,k], kept [b,s,k] bool).
+  `correction` [E] (DeepSeek-V3's load-balancing bias): added to the probabilities to choose the
+  experts, not to their weights. With moe.num_groups > 1 (DeepSeek's n_group) the experts are
+  chosen within the moe.top_k_groups groups whose two best scores sum highest."""
   moe = cfg.moe
   logits = logits_bse.float()
   probs = torch.sigmoid(logits) if moe.router_activation == 'sigmoid' else torch.softmax(logits, dim=-1)
-  weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+  choice = probs if correction is None else probs + correction.float()
+  groups = moe.get('num_groups', 1)
+  if groups > 1:
+    per_group = choice.unflatten(-1, (groups, -1))
+    best = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(-1)        # [b, s, groups]
+    chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, best.topk(moe.top_k_groups, dim=-1).indices, True)
+    choice = per_group.masked_fill(~chosen[..., None], float('-inf')).flatten(-2)
+  if choice is probs:
+    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+  else:
+    experts = torch.topk(choice, moe.top_k, dim=-1).indices
+    weights = probs.gather(-1, experts)
   if moe.normalize_top_k_affinities:
     weights = weights / weights.sum(dim=-1, keepdim=True)
+  if moe.get('routed_scaling_factor', 1.0) != 1.0:
+    weights = weights * moe.routed_scaling_factor
   b, s, k = experts.shape
   cap = capacity(cfg, s)
   if cap >= s:
@@ -146,7 +171,8 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   sliced = ops.residual_slices > 1
   own = (lambda t: _own_gradient(t, ops)) if sliced else (lambda t: t)
   logits = own(F.linear(x_bsh, params[prefix + '.gate.weight'], params[prefix + '.gate.bias'] if cfg.has_bias else None))
-  probs, weights, experts, kept = route(logits, cfg)
+  correction = params[prefix + '.gate.e_score_correction_bias'] if moe.get('load_balance_bias') else None
+  probs, weights, experts, kept = route(logits, cfg, correction)
   if ops.moe is not None:
     ops.moe.record(logits, probs, experts, kept)
   # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP
@@ -157,11 +183,13 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   else:
     combined = _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops)
   if moe.shared_expert_intermediate_size:
-    sp = prefix + '.shared_expert'
+    sp = prefix + shared_prefix(cfg)
     shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
                       F.linear(flat_x, params[sp + '.up_proj.weight']), params[sp + '.down_proj.weight'])
-    scale = own(F.linear(x_bsh, params[prefix + '.shared_expert_gate.weight'])).reshape(b * s, 1)
-    combined = combined + ops.copy_to_tp(torch.sigmoid(scale)) * shared
+    if moe.get('shared_expert_gate', True):
+      scale = own(F.linear(x_bsh, params[prefix + '.shared_expert_gate.weight'])).reshape(b * s, 1)
+      shared = ops.copy_to_tp(torch.sigmoid(scale)) * shared
+    combined = combined + shared
   out = ops.reduce_over_tp(combined.view(b, s, h))
   if cfg.has_bias:      # whole: once per token, after the reduction (SP: this rank's positions)
     down_bias = params[prefix + '.experts.down_proj_bias']

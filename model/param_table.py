@@ -5,7 +5,7 @@ declares it (parallel/tensor.py, parallel/grads.py)."""
 import dataclasses
 import math
 
-from model import layers, lora, lora_fused, moe
+from model import layers, lora, lora_fused, mla, moe
 
 head_dim = layers.head_dim
 
@@ -68,9 +68,12 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
     p = f'layers.{i}'
     if not after_only:
       norm_specs(p + '.input_layernorm')
-    linear_specs(p + '.self_attn.q_proj', cfg.num_attention_heads * d, h, std, 'column')
-    linear_specs(p + '.self_attn.k_proj', kv_heads(cfg) * d, h, std, 'column_kv')
-    linear_specs(p + '.self_attn.v_proj', kv_heads(cfg) * d, h, std, 'column_kv')
+    if mla.enabled(cfg):            # DeepSeek's latent attention (model/mla.py)
+      specs.update(mla.specs(cfg, p + '.self_attn', ParamSpec, std, out_std))
+    else:
+      linear_specs(p + '.self_attn.q_proj', cfg.num_attention_heads * d, h, std, 'column')
+      linear_specs(p + '.self_attn.k_proj', kv_heads(cfg) * d, h, std, 'column_kv')
+      linear_specs(p + '.self_attn.v_proj', kv_heads(cfg) * d, h, std, 'column_kv')
     if cfg.get('qk_norm') and cfg.get('qk_norm_span', 'head') == 'projection':   # split like q and k's rows
       norm_specs(p + '.self_attn.q_norm', cfg.num_attention_heads * d, 'column')
       norm_specs(p + '.self_attn.k_norm', kv_heads(cfg) * d, 'column_kv')
@@ -79,7 +82,8 @@ def param_specs(cfg, tp=1, adapters=True) -> dict:
       norm_specs(p + '.self_attn.k_norm', d, 'tp_partial')
     if cfg.get('attention_sinks'):    # one logit per query head, split over TP with the heads
       specs[p + '.self_attn.sinks'] = ParamSpec((cfg.num_attention_heads,), 'normal', std, layout='column')
-    linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std, 'row')
+    if not mla.enabled(cfg):
+      linear_specs(p + '.self_attn.o_proj', h, cfg.num_attention_heads * d, out_std, 'row')
     norm_specs(p + '.post_attention_layernorm')
     if cfg.get('sandwich_norm'):
       norm_specs(p + '.pre_feedforward_layernorm')

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from model import attention, chunked_ce, layers, lora, moe, objectives, param_init, rope, router_losses
+from model import attention, chunked_ce, layers, lora, mla, moe, objectives, param_init, rope, router_losses
 from model.param_table import param_specs
 
 
@@ -32,7 +32,7 @@ def layer_types(cfg) -> tuple:
 def _rope_by_type(cfg, position_ids_bs, dtype):
   """cos, sin per layer type: sliding layers use their own unscaled base when
   model.rope_local_theta is set (Gemma 3), else every layer uses rope_theta with rope_scaling."""
-  rot_dim = int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
+  rot_dim = cfg.mla.qk_rope_head_dim if mla.enabled(cfg) else int(head_dim(cfg) * cfg.rotary_percentage) // 2 * 2
   full = rope.rope_cos_sin(position_ids_bs, rot_dim, cfg.rope_theta, dtype, cfg.get('rope_scaling'),
                              cfg.max_position_embeddings)
   local_theta = cfg.get('rope_local_theta')

@@ -101,6 +101,9 @@ def check(config) -> list:
     problems.append(f"model.rope_scaling.type={m.rope_scaling.type!r} with {why}: its frequencies depend on the "
                     "longest position, which a slice does not see; use 'linear', 'llama3' or 'yarn', or "
                     "context_parallel_size=1")
+  if m.get('mla') and m.mla.kv_lora_rank > 0:
+    problems.append(f'model.mla.kv_lora_rank={m.mla.kv_lora_rank} (latent attention) with {why}: the ring does not '
+                    'take values narrower than the keys yet; use context_parallel_size=1')
   if m.get('attention_sinks'):
     problems.append(f'model.attention_sinks=True with {why}: the ring does not add the sink logits to its '
                     'log-sum-exp yet; use context_parallel_size=1')

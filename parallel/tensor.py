@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import layers, moe, param_init, param_table, transformer
+from model import layers, mla, moe, param_init, param_table, transformer
 from numerics import fp8, precision
 from parallel import comm, context, experts, sequence
 
@@ -291,9 +291,14 @@ def describe_layout(config, mesh):
     rows = experts.ep_box(name, param_init.full_box(specs[name].shape), specs[name], r)[0]
     return f'experts {rows.start}-{rows.stop - 1}'
 
+  def heads(r):
+    if mla.enabled(m):               # latent attention: the heads of kv_b_proj's rows (keys and values alike)
+      per = m.num_attention_heads // mesh.tp
+      return f'heads {r.tp_rank * per}-{(r.tp_rank + 1) * per - 1}'
+    return (f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
+            f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}')
+
   ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
   return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank}{f" cp {r.cp_rank}" if r.cp > 1 else ""} tp {r.tp_rank} | '
-          f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
-          f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}, '
-          f'{ffn(r)}, vocab rows {span("embed_tokens.weight", r.tp_rank)}'
+          f'{heads(r)}, {ffn(r)}, vocab rows {span("embed_tokens.weight", r.tp_rank)}'
           for r in ranks]

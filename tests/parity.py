@@ -159,6 +159,21 @@ def apply_family(model, family):
     model.moe.update(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=0, normalize_top_k_affinities=True,
                      shared_expert_intermediate_size=0, frequency=1, dense_layers=(), expert_activation='clamped_swiglu',
                      swiglu_limit=0.05, output_router_logits=True, router_aux_loss_coef=0.001)
+  elif family == 'deepseek_v3':
+    # latent attention (a q bottleneck, the shared key RoPE part stored interleaved, values
+    # narrower than keys), YaRN with DeepSeek's mscale; layer 0 dense, then 8 sigmoid-scored
+    # experts in 4 groups (top 2 of the best 2 groups) with the correction bias, the weights x 2.5,
+    # and one ungated shared expert
+    model.sliding_window = 0
+    model.mla.update(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                     rope_interleave=True)
+    model.head_dim = 12
+    model.rope_scaling.update(type='yarn', factor=4.0, original_max_position_embeddings=8, mscale=1.0,
+                              mscale_all_dim=1.0)
+    model.moe.update(num_experts=8, top_k=2, num_groups=4, top_k_groups=2, router_activation='sigmoid',
+                     load_balance_bias=True, routed_scaling_factor=2.5, normalize_top_k_affinities=True,
+                     dropless=True, ffn_hidden_size=16, shared_expert_intermediate_size=16, shared_expert_gate=False,
+                     dense_layers=(0,), frequency=1, output_router_logits=True, router_aux_loss_coef=0.001)
 
 
 def steps_on_rank(config, steps):

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3 and gpt-oss, each with every feature of the family on
+"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3, gpt-oss and DeepSeek-V3, each with every feature of the family on
 (tests/parity.py apply_family), train like one device at every layout (fp32, 10 steps, active
 clipping, the layout-parity bounds of parity.compare) and compiled like eager, a graph for each
 kind of layer; what a family cannot run with is refused by name."""
@@ -12,8 +12,8 @@ from model import hf_export, moe, transformer
 from parallel import compiled
 from tests import parity, world
 
-FAMILIES = ('qwen3', 'qwen3_moe', 'olmo2', 'smollm3', 'phi3', 'gpt_oss')
-MOE = ('qwen3_moe', 'gpt_oss')
+FAMILIES = ('qwen3', 'qwen3_moe', 'olmo2', 'smollm3', 'phi3', 'gpt_oss', 'deepseek_v3')
+MOE = ('qwen3_moe', 'gpt_oss', 'deepseek_v3')
 # interleaving needs layers divisible by pp x vp = 4; Qwen3-MoE's 8 put MoE layers on both pp2
 # stages and a dense-only chunk beside MoE ones at vp2 (parity.apply_family)
 LAYERS = {'qwen3_moe': 8}
@@ -35,7 +35,7 @@ def _rows(family):
   if family in MOE:                  # MoE under cp is refused (test below)
     rows['ep2'] = 2, {'ep': 2}
     rows['ep2_tp2_sp'] = 4, {'ep': 2, 'tp': 2, 'sp': True}   # experts over EP (dp 2), each split over TP
-  if family == 'gpt_oss':            # the traced path's fixed-size expert buffers, exchanged over EP
+  if family in ('gpt_oss', 'deepseek_v3'):   # the traced path's fixed-size expert buffers, exchanged over EP
     rows['ep2_fixed_buffers'] = 2, {'ep': 2, 'fixed_buffers': True}
   else:
     rows['cp2'] = 2, {'cp': 2, 'micro': 4}
@@ -125,7 +125,7 @@ def test_compiled_stages_hold_more_than_one_kind_of_layer():
   kinds = {f: [len(layer_kinds(c, range(s * c.num_layers // 2, (s + 1) * c.num_layers // 2))) for s in (0, 1)]
            for f in FAMILIES for c in [parity.parity_config(family=f, layers=LAYERS.get(f, 4)).model]}
   assert kinds == {'qwen3': [2, 1], 'qwen3_moe': [2, 2], 'olmo2': [1, 1], 'smollm3': [2, 2], 'phi3': [1, 1],
-                   'gpt_oss': [2, 2]}, kinds
+                   'gpt_oss': [2, 2], 'deepseek_v3': [2, 1]}, kinds
 
 
 def _problems(world_size, **layout):
