@@ -105,6 +105,7 @@ def model_section() -> config_dict.ConfigDict:
   moe.top_k_groups = 1                     # ... the top_k_groups groups whose two best scores sum highest
   moe.routed_scaling_factor = 1.0          # the routed experts' weights times this (DeepSeek-V3: 2.5)
   moe.load_balance_bias = False            # DeepSeek-V3's per-expert bias added to the scores to choose experts (not to weigh them)
+  moe.load_balance_rate = 0.0              # after each step the bias moves this much toward balance (DeepSeek-V3: 0.001; optim/balancing.py); 0 = fixed
   moe.expert_activation = 'swiglu'        # swiglu | clamped_swiglu (gpt-oss: gate clamped above, up to +-limit, (up + 1) gate sigmoid(alpha gate))
   moe.swiglu_alpha = 1.702                 # clamped_swiglu: the sigmoid's gain
   moe.swiglu_limit = 7.0                   # clamped_swiglu: the clamp

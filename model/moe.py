@@ -174,7 +174,7 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   correction = params[prefix + '.gate.e_score_correction_bias'] if moe.get('load_balance_bias') else None
   probs, weights, experts, kept = route(logits, cfg, correction)
   if ops.moe is not None:
-    ops.moe.record(logits, probs, experts, kept)
+    ops.moe.record(logits, probs, experts, kept, prefix)
   # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP
   flat_x = (x_bsh if sliced else ops.copy_to_tp(x_bsh)).reshape(b * s, h)
   stacks = experts_of(params, prefix, cfg)

@@ -45,8 +45,22 @@ def check(model) -> list:
     problems.append(f'model.moe: experts are SwiGLU; model.activation={model.activation!r} is not supported with '
                     'num_experts > 0')
   one_of(problems, 'model.moe.expert_activation', moe.get('expert_activation', 'swiglu'), EXPERT_ACTIVATIONS)
+  if moe.get('num_groups', 1) > 1 and (moe.num_experts % moe.num_groups or not
+                                       0 < moe.top_k_groups <= moe.num_groups):
+    problems.append(f'model.moe.num_groups={moe.num_groups} must divide num_experts={moe.num_experts}, and '
+                    f'top_k_groups={moe.top_k_groups} be 1..num_groups')
   if moe.get('expert_activation') == 'clamped_swiglu':
     positive(problems, 'model.moe.swiglu_limit', moe.swiglu_limit)
+  positive(problems, 'model.moe.load_balance_rate', moe.get('load_balance_rate', 0.0), allow_zero=True)
+  if moe.get('load_balance_rate', 0.0) and not moe.get('load_balance_bias'):
+    problems.append(f'model.moe.load_balance_rate={moe.load_balance_rate} moves the correction bias, which '
+                    'model.moe.load_balance_bias=False leaves out; set load_balance_bias=True or the rate to 0')
+  if moe.get('load_balance_rate', 0.0) and model.compile:
+    problems.append('model.moe.load_balance_rate > 0 with model.compile=True: the per-layer loads are not '
+                    'counted inside compiled blocks yet; set model.compile=False')
+  if moe.get('load_balance_rate', 0.0) and model.peft.lora_rank > 0:
+    problems.append('model.moe.load_balance_rate > 0 with LoRA: the moving biases would not be in the adapter '
+                    'checkpoints; set the rate to 0 (the biases stay as loaded)')
   if model.has_bias and moe.shared_expert_intermediate_size:
     problems.append('model.has_bias with model.moe.shared_expert_intermediate_size: the shared expert\'s biases '
                     'are not built (routed experts and router have them: gpt-oss); set has_bias=False')

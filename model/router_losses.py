@@ -16,12 +16,17 @@ import torch.nn.functional as F
 
 from model import moe
 
+EXPERT_LOADS = 'expert_loads'    # the tally's per-layer loads (not a logged metric)
 METRICS = ('lm_loss', 'moe_aux_loss', 'moe_z_loss', 'moe_load_max_over_mean', 'moe_dropped_fraction')
 
 
 def carry_width(cfg) -> int:
   """Per row, what a pipeline stage passes on for the auxiliary losses (Collector.carry)."""
   return 2 * cfg.moe.num_experts + 1
+
+
+def _add(loads, layer, counts):
+  loads[layer] = loads.get(layer, 0) + counts
 
 
 class Collector:
@@ -57,8 +62,11 @@ class Collector:
         t.requires_grad_()
     self.load, self.dropped, self.layers = zeros(b), zeros(b), zeros()   # this stage's MoE layers
     self.finished = False
+    self.expert_loads = {}      # layer -> kept assignments per expert, for model/balancing.py
 
-  def record(self, logits, probs, experts, kept):
+  def record(self, logits, probs, experts, kept, layer=None):
+    """One MoE layer's routing; `layer` (its prefix) also counts its load per expert where
+    moe.load_balance_rate moves the correction biases by it (training passes only)."""
     e = self.cfg.moe.num_experts
     chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
     kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
@@ -70,6 +78,9 @@ class Collector:
     # same tensors) but keeps nothing: its sums are never read
     if not self.finished:
       self.counts, self.probs, self.z, self.load, self.dropped, self.layers = sums
+      if layer is not None and self.cfg.moe.get('load_balance_rate', 0.0) and torch.is_grad_enabled():
+        counts = torch.zeros(e, device=experts.device).index_add_(0, experts.reshape(-1), kept.reshape(-1).float())
+        _add(self.expert_loads, layer, counts)
 
   def sums(self):
     """(counts [b, E], probs [b, E], z [b]): this stage's layers' sums plus the carried ones."""
@@ -109,6 +120,8 @@ class Collector:
     if tally is not None:
       for name, value in self.metric_sums(all_layers).items():
         tally[name] = tally.get(name, 0) + value
+      for layer, counts in self.expert_loads.items():
+        _add(tally.setdefault(EXPERT_LOADS, {}), layer, counts)
     if not (last and objective_adds and moe.adds_loss(self.cfg)):
       return None
     if not all_layers:

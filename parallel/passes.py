@@ -177,6 +177,8 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
   metric_sums = {name: sums.get(name, zero) for name in objective.metrics}
   if tally is not None:
     metric_sums.update({name: torch.as_tensor(tally.get(name, zero)).detach() for name in router_losses.METRICS})
+    if router_losses.EXPERT_LOADS in tally:      # per layer, for optim/balancing.py (train_step takes them out)
+      metric_sums[router_losses.EXPERT_LOADS] = tally[router_losses.EXPERT_LOADS]
   return loss_sum, count, metric_sums
 
 

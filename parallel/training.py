@@ -9,8 +9,9 @@ import math
 
 import torch
 
-from model import param_table, transformer
+from model import param_table, router_losses, transformer
 from numerics import precision
+from optim import balancing
 from parallel import grads, param_shards, passes, pipeline, tensor
 
 
@@ -30,9 +31,11 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
   grads.sync(gradients, mesh, updater.layouts, config.distributed_strategy.sequence_parallel,
              config.model.share_embeddings_and_output_weights)
   lr = updater.lr(step)
+  expert_loads = metric_sums.pop(router_losses.EXPERT_LOADS, None)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss, defer_gather=defer_param_gather,
                                     param_squares=param_norm)
+  balancing.update(params, expert_loads, config, mesh, updated)
   lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
   if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
     raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')

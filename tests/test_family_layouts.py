@@ -21,11 +21,15 @@ LAYERS = {'qwen3_moe': 8}
 # spikes (to 27 in Qwen3-MoE's 9th step) amplify round-off 1e3x past the bounds; 1e-3 keeps the
 # norms within 1.1-3.1 and still moves weights by ~1e-2 in 10 steps, 1e3x the parameter bound
 LR = 1e-3
+# DeepSeek-V3's bias moves: large enough that every step changes which experts some tokens choose
+BALANCE_RATE = 0.05
 
 
 def _rows(family):
   """name: (world size, parity_config kwargs) of the family's layouts."""
   base = {'family': family, 'layers': LAYERS.get(family, 4), 'lr': LR}
+  if family == 'deepseek_v3':        # the correction biases move by the global expert loads each step
+    base['balance_rate'] = BALANCE_RATE
   # TP and CP rows take 2 micro batches of 4 (the reference 4 of 2): their collectives per
   # micro batch are most of the file's time on 2 cores; both still accumulate
   # OLMo 2's single KV head is held by both tp ranks: its k-norm's sum over TP is halved
