@@ -39,10 +39,10 @@ def _rows(family):
   if family in MOE:                  # MoE under cp is refused (test below)
     rows['ep2'] = 2, {'ep': 2}
     rows['ep2_tp2_sp'] = 4, {'ep': 2, 'tp': 2, 'sp': True}   # experts over EP (dp 2), each split over TP
-  if family in ('gpt_oss', 'deepseek_v3'):   # the traced path's fixed-size expert buffers, exchanged over EP
-    rows['ep2_fixed_buffers'] = 2, {'ep': 2, 'fixed_buffers': True}
   else:
     rows['cp2'] = 2, {'cp': 2, 'micro': 4}
+  if family in ('gpt_oss', 'deepseek_v3'):   # the traced path's fixed-size expert buffers, exchanged over EP
+    rows['ep2_fixed_buffers'] = 2, {'ep': 2, 'fixed_buffers': True}
   return {f'{family}_{name}': (size, dict(base, **kwargs)) for name, (size, kwargs) in rows.items()}
 
 
