@@ -24,7 +24,7 @@ import torch
 
 import host_values
 from numerics import precision
-from optim import optimizers, rounding, schedules, sr_update
+from optim import balancing, optimizers, rounding, schedules, sr_update
 from optim.update_state import CheckpointedState
 from parallel import comm, experts, grad_buffer, grad_shards, grads as grad_ops, param_shards, tensor, zero
 
@@ -119,6 +119,11 @@ class Updater(CheckpointedState):
     for n in [n for n in self.pending if match is None or match(n)]:
       work, group = self.pending.pop(n)
       comm.wait(work, 'parameter gather over dp (ZeRO-1)', group)
+
+  def balance(self, expert_loads, updated):
+    """After the step: DeepSeek-V3's correction biases moved by the step's expert loads
+    (optim/balancing.py; nothing without moe.load_balance_rate or where `updated` is False)."""
+    balancing.update(self.params, expert_loads, self.config, self.mesh, updated)
 
   def step(self, gradients, lr, step, loss=None, defer_gather=False, param_squares=False):
     """Clip by the global norm and update, unless the norm (or `loss`) is not finite.

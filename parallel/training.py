@@ -11,7 +11,6 @@ import torch
 
 from model import param_table, router_losses, transformer
 from numerics import precision
-from optim import balancing
 from parallel import grads, param_shards, passes, pipeline, tensor
 
 
@@ -35,7 +34,7 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
   grad_norm, updated = updater.step(gradients, lr, step, loss, defer_gather=defer_param_gather,
                                     param_squares=param_norm)
-  balancing.update(params, expert_loads, config, mesh, updated)
+  updater.balance(expert_loads, updated)
   lazy = torch.is_tensor(updated)         # XLA: a device bool, read on log steps (_check_skips)
   if not lazy and not updated and config.trainer.nonfinite_policy == 'error':
     raise nonfinite_error(step, f' (loss={loss.item()}, grad_norm={grad_norm.item()})')
