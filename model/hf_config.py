@@ -88,7 +88,7 @@ def _refuse(hf, unsupported):
   """Keys whose set values change the model in ways flatron does not implement."""
   for key, allowed in unsupported.items():
     if hf.get(key) not in allowed:
-      raise ValueError(f'{key}={hf[key]!r} is not supported (flatron implements {allowed[0]!r})')
+      raise ValueError(f'{key}={hf[key]!r} is not supported (flatron implements {allowed[-1]!r})')
 
 
 def config_from_hf(hf_config: dict, base_model):
@@ -162,6 +162,8 @@ def config_from_hf(hf_config: dict, base_model):
   m.query_pre_attn_scalar = int(hf.get('query_pre_attn_scalar', 256)) if gemma else 0
   m.mla.kv_lora_rank = 0
   if family == 'deepseek_v3':      # latent attention; model.head_dim is then the query / key heads' width
+    # the original DeepSeek code's router keys; transformers' DeepSeek-V3 (and flatron) is sigmoid + noaux_tc
+    _refuse(hf, {'scoring_func': (None, 'sigmoid'), 'topk_method': (None, 'noaux_tc'), 'moe_layer_freq': (None, 1)})
     for key in MLA_KEYS:
       m.mla[key] = int(hf[key] or 0)
     m.mla.rope_interleave = bool(hf.get('rope_interleave', True))
@@ -184,16 +186,18 @@ def _moe_from_hf(hf, family, m):
   moe.num_experts = hf.get('num_experts') or hf.get('n_routed_experts') or hf['num_local_experts']
   moe.dense_layers = tuple(int(i) for i in hf.get('mlp_only_layers') or ())
   if deepseek:                     # the first k layers dense
-    moe.dense_layers = tuple(range(int(hf.get('first_k_dense_replace') or 0)))
+    moe.dense_layers = tuple(range(int(hf.get('first_k_dense_replace', 3) or 0)))
   moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8, 'gpt_oss': 4,
                                               'deepseek_v3': 8}[family])
   moe.frequency = 1 if mixtral or gpt_oss else hf.get('decoder_sparse_step', 1)
   # gpt-oss: softmax over the top-k logits, which is the softmax's top k renormalized
   moe.normalize_top_k_affinities = True if mixtral or gpt_oss else bool(hf.get('norm_topk_prob', False))
   moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'sigmoid' if deepseek else 'softmax'
-  # DeepSeek-V3: groups of experts, the correction bias, the routed experts' scale, one plain shared expert
-  moe.num_groups, moe.top_k_groups = (int(hf.get('n_group') or 1), int(hf.get('topk_group') or 1)) if deepseek else (1, 1)
-  moe.routed_scaling_factor = float(hf.get('routed_scaling_factor', 1.0)) if deepseek else 1.0
+  # DeepSeek-V3: groups of experts, the correction bias, the routed experts' scale, one plain shared
+  # expert (an absent key: transformers' class default)
+  moe.num_groups, moe.top_k_groups = (int(hf.get('n_group', 8) or 1), int(hf.get('topk_group', 4) or 1)) if deepseek \
+      else (1, 1)
+  moe.routed_scaling_factor = float(hf.get('routed_scaling_factor', 2.5)) if deepseek else 1.0
   moe.load_balance_bias = deepseek
   moe.shared_expert_gate = not deepseek
   moe.output_router_logits = bool(hf.get('output_router_logits', False))
@@ -204,4 +208,4 @@ def _moe_from_hf(hf, family, m):
     moe.swiglu_alpha, moe.swiglu_limit = float(hf.get('swiglu_alpha', 1.702)), float(hf.get('swiglu_limit', 7.0))
   moe.shared_expert_intermediate_size = hf['shared_expert_intermediate_size'] if family == 'qwen2_moe' else 0
   if deepseek:
-    moe.shared_expert_intermediate_size = int(hf.get('n_shared_experts') or 0) * moe.ffn_hidden_size
+    moe.shared_expert_intermediate_size = int(hf.get('n_shared_experts', 1) or 0) * moe.ffn_hidden_size

@@ -9,7 +9,7 @@ from model import defaults, param_table
 from optim import schedules
 
 PUBLISHED = {'llama7b': 6_738_415_616, 'llama3_8b': 8_030_261_248, 'llama3_70b': 70_553_706_496,
-             'gpt_oss_120b': 116_829_156_672}
+             'gpt_oss_120b': 116_829_156_672, 'deepseek_v3': 671_026_419_200}
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fixtures')
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
 ALL = tuple(sorted(n[:-3] for n in os.listdir(CONFIGS) if n.endswith('.py') and n not in cli.NOT_MODELS))
@@ -36,13 +36,17 @@ def test_parameter_count_equals_published_size(name):
   assert param_table.count_params(load(name).model) == PUBLISHED[name]
 
 
-def test_gpt_oss_120b_is_its_published_config_json():
-  """configs/gpt_oss_120b.py's model section against openai/gpt-oss-120b's config.json (the
-  fixture: its published values) read by model/hf.py over it: nothing changes."""
+@pytest.mark.parametrize('name', ['gpt_oss_120b', 'deepseek_v3'])
+def test_a_published_model_is_its_config_json(name):
+  """configs/NAME.py's model section against the released config.json (the fixture: its
+  published values) read by model/hf.py over it: nothing changes."""
   from model import hf  # pylint: disable=import-outside-toplevel
-  ours = load('gpt_oss_120b').model
-  read = hf.read_config(os.path.join(FIXTURES, 'hf_configs', 'gpt_oss_120b_config.json'), ours)
+  ours = load(name).model
+  read = hf.read_config(os.path.join(FIXTURES, 'hf_configs', f'{name}_config.json'), ours)
   assert read.to_dict() == ours.to_dict()
+
+
+def test_gpt_oss_20b_has_its_published_size():
   assert param_table.count_params(load('gpt_oss_120b', '20b').model) == 20_914_757_184
 
 
