@@ -36,7 +36,7 @@ import math
 from estimates import schedule_sim
 from estimates.collective_cost import all_gather, collective, link, reduce_scatter
 from estimates.micro_batch_cost import compute_dtype, edge_comm, head_cost, layer_cost
-from model import flop_count, moe, param_table
+from model import flop_count, lora, moe, param_table
 from numerics import precision
 from parallel import grad_reduce
 
@@ -141,7 +141,7 @@ def predict(config, cluster, world_size, counts=None, slower_than=None):
   # holding the same ones (parallel/experts.py); a LoRA run freezes them
   experts = (len(moe.moe_layers(m)) * m.moe.num_experts * 3 * moe.expert_ffn_size(m) * m.hidden_size
              if moe.enabled(m) else 0)
-  experts_trained = experts if trained == total else 0
+  experts_trained = experts if lora.settings(m) is None else 0
   params_rank = (total - experts) / (tp * pp) + experts / (tp * pp * ep)
   dense_trained, expert_trained = (trained - experts_trained) / (tp * pp), experts_trained / (tp * pp * ep)
   trainable = dense_trained + expert_trained

@@ -1,5 +1,5 @@
 """Training FLOPs per token: what MFU, the planner and the benchmarks divide by."""
-from model import moe, param_table, transformer
+from model import lora, moe, param_table, transformer
 
 
 def attention_spans(cfg, seq_length: int) -> list:
@@ -24,7 +24,7 @@ def flops_per_token(cfg, seq_length: int) -> float:
   """
   n, trained = param_table.count_params(cfg, embedding=False), param_table.count_params(cfg, embedding=False, trainable_only=True)
   if moe.enabled(cfg):        # a token runs top_k of the experts: active parameters only
-    full = trained == n       # else LoRA: the experts are frozen (adapters never target them)
+    full = lora.settings(cfg) is None    # else LoRA: the experts are frozen (adapters never target them)
     n -= moe.inactive_params(cfg)
     trained = n if full else trained
   attention = 12 * cfg.num_attention_heads * transformer.head_dim(cfg) * sum(attention_spans(cfg, seq_length))
