@@ -77,6 +77,7 @@ def _checked_names(path, model_cfg):
   names and shapes."""
   specs = param_table.param_specs(model_cfg, adapters=False)
   files, source = _weight_map(path)
+  _check_quantization(path, model_cfg)
   renamed = (lambda n: hf_gpt_oss.is_renamed(n)) if family(model_cfg) == 'gpt_oss' else (lambda n: False)
   layouts = {name: [hf_gpt_oss.hf_names(name, hf_gpt_oss.quantized(files))] if renamed(name)
              else layout(name, model_cfg, files) for name in specs}
@@ -105,6 +106,17 @@ def _checked_names(path, model_cfg):
       for hf_name in piece:
         _check_shape(files[hf_name], hf_name, expected)
   return {name: [[(files[n], n) for n in piece] for piece in pieces] for name, pieces in layouts.items()}
+
+
+def _check_quantization(path, model_cfg):
+  """Quantized weights are read where flatron knows the format (gpt-oss's MXFP4), else refused."""
+  config_path = os.path.join(path, CONFIG_FILE)
+  quant = (read_json(config_path).get('quantization_config') or {}) if os.path.isfile(config_path) else {}
+  method = quant.get('quant_method')
+  if method and not (method == 'mxfp4' and family(model_cfg) == 'gpt_oss'):
+    raise HFFileError(f'{config_path}: quantization_config.quant_method={method!r}: these weights are quantized and '
+                      'flatron reads only unquantized files (and gpt-oss\'s MXFP4); dequantize them first (e.g. '
+                      'transformers\' from_pretrained, then save_pretrained in bf16)')
 
 
 def _check_shape(file, hf_name, expected):

@@ -151,6 +151,17 @@ def test_through_the_converters_and_a_checkpoint(tmp_path):
     assert (again.float().eval()(tokens).logits - model(tokens).logits).abs().max().item() < TOL
 
 
+def test_a_quantized_release_is_refused_naming_the_method(tmp_path):
+  """DeepSeek-V3's own files are FP8 with block scales: refused before any tensor is read."""
+  import json  # pylint: disable=import-outside-toplevel
+  hf_model().save_pretrained(tmp_path)
+  config = json.loads((tmp_path / hf.CONFIG_FILE).read_text())
+  config['quantization_config'] = {'quant_method': 'fp8', 'fmt': 'e4m3', 'weight_block_size': [128, 128]}
+  (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(config))
+  with pytest.raises(hf.HFFileError, match="quant_method='fp8': these weights are quantized"):
+    hf.load_hf(str(tmp_path), BASE_MODEL)
+
+
 def test_what_deepseek_v3_cannot_be_is_refused_by_name():
   m = hf.config_from_hf(transformers.DeepseekV3Config(**CONFIG).to_dict(), BASE_MODEL)
   m.moe.shared_expert_gate = True
