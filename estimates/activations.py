@@ -5,7 +5,7 @@ import copy
 import torch
 
 from data import preference, sft
-from model import attention as attention_fn, layers, lora, moe, moe_kernels, param_table, transformer
+from model import attention as attention_fn, layers, lora, mla, moe, moe_kernels, param_table, transformer
 from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
 
@@ -85,7 +85,11 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1, recompute=True) 
     norm = w * (local * h + 2 * local)
   swiglu = m.activation in layers.GATED       # swiglu or geglu: gate, up, act(gate), product
 
-  attention = norm + w * gathered * h * (3 if copies else 1) + w * n * heads * d + hidden_mask
+  v_dim = m.mla.v_head_dim if mla.enabled(m) else d       # the values' (and the attention output's) head width
+  attention = norm + w * gathered * h * (3 if copies else 1) + w * n * heads * v_dim + hidden_mask
+  if mla.enabled(m) and 'attention' not in parts:
+    kv = heads                                 # keys and values expanded per head
+    attention += _latent_bytes(m, w, n)
   dropped = m.attention_dropout > 0
   if 'attention' in parts:
     attention += w * n * (heads + 2 * kv) * d
@@ -93,11 +97,14 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1, recompute=True) 
     attention += w * n * (2 * heads + 2 * kv) * d + 4 * b * heads * s
   elif attention_fn.uses_sdpa(m):
     copied = m.position_embedding_type == 'rope' and heads > 1   # one head: the rearrange is a view
-    attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
+    if mla.enabled(m):      # q and k joined from their parts; v a view of kv_b_proj's output (nope + v a head)
+      attention += w * n * heads * (2 * d + m.mla.qk_nope_head_dim + v_dim) + 4 * b * heads * s
+    else:
+      attention += w * n * (heads * (1 + copied) + 2 * kv) * d + 4 * b * heads * s
     attention += w * mask_batch(config) * s * s if takes_mask(config) else 0   # SDPA's additive copy of the mask
   else:
     probs = (4 + (w if dropped or w != 4 else 0)) * b * heads * s * s
-    attention += w * 3 * n * heads * d + probs + s * s + (b * mask_heads * s * s if dropped else 0)
+    attention += w * n * heads * (2 * d + v_dim) + probs + s * s + (b * mask_heads * s * s if dropped else 0)
 
   mlp = norm + hidden_mask
   if moe.enabled(m) and 'mlp' not in parts:
@@ -137,6 +144,17 @@ def mask_bytes_per_micro_batch(config) -> int:
   per micro batch in flight), where attention takes one (`takes_mask`)."""
   s = config.data.seq_length
   return mask_batch(config) * s * s if takes_mask(config) else 0
+
+
+def _latent_bytes(m, w, n) -> int:
+  """Latent attention's tensors before the heads (model/mla.py), N = n tokens: the query
+  bottleneck's output, its RMSNorm (fp32 input, 1 / rms, normed output) (4 + 2 w) N q_lora + 4 N;
+  kv_a_proj's output w N (kv_lora + rope), the latent's norm 2 w N kv_lora + 4 N; the shared
+  key's RoPE part w N rope."""
+  a = m.mla
+  q = (4 + 2 * w) * n * a.q_lora_rank + 4 * n if a.q_lora_rank else 0
+  return q + w * n * (a.kv_lora_rank + a.qk_rope_head_dim) + 2 * w * n * a.kv_lora_rank + 4 * n + \
+      w * n * a.qk_rope_head_dim
 
 
 def moe_bytes(config, w, tp, b, n) -> int:
