@@ -47,10 +47,13 @@ def fused_rows(name, model_cfg):
 
 
 def file_name(name, model_cfg):
-  """HF's stored name of our (non-stacked) tensor `name`; Mixtral's router lives under block_sparse_moe."""
+  """HF's stored name of our (non-stacked) tensor `name`; Mixtral's router lives under
+  block_sparse_moe, DeepSeek-V3's shared expert is `shared_experts`."""
   hf_name = to_hf_name(name)
   if moe.enabled(model_cfg) and family(model_cfg) == 'mixtral':
     hf_name = hf_name.replace('.mlp.gate.', '.block_sparse_moe.gate.')
+  if family(model_cfg) == 'deepseek_v3':       # its shared expert, plural
+    hf_name = hf_name.replace('.mlp.shared_expert.', '.mlp.shared_experts.')
   return hf_name
 
 

@@ -94,18 +94,13 @@ def specs(cfg, prefix, spec, std, out_std) -> dict:
     out[prefix + '.gate.e_score_correction_bias'] = spec((e,), 'zeros', layout='replicated')
   shared = cfg.moe.shared_expert_intermediate_size
   if shared:
-    sp = prefix + shared_prefix(cfg)
+    sp = prefix + '.shared_expert'
     out.update({sp + '.gate_proj.weight': spec((shared, h), 'normal', std, layout='column'),
                 sp + '.up_proj.weight': spec((shared, h), 'normal', std, layout='column'),
                 sp + '.down_proj.weight': spec((h, shared), 'normal', out_std, layout='row')})
     if cfg.moe.get('shared_expert_gate', True):
       out[prefix + '.shared_expert_gate.weight'] = spec((1, h), 'normal', std, layout='replicated')
   return out
-
-
-def shared_prefix(cfg) -> str:
-  """The always-on expert's name: Qwen2-MoE's sigmoid-gated '.shared_expert', DeepSeek's plain '.shared_experts'."""
-  return '.shared_expert' if cfg.moe.get('shared_expert_gate', True) else '.shared_experts'
 
 
 def is_expert_param(name) -> bool:
@@ -183,7 +178,7 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   else:
     combined = _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops)
   if moe.shared_expert_intermediate_size:
-    sp = prefix + shared_prefix(cfg)
+    sp = prefix + '.shared_expert'
     shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
                       F.linear(flat_x, params[sp + '.up_proj.weight']), params[sp + '.down_proj.weight'])
     if moe.get('shared_expert_gate', True):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip('transformers')
 
 from model import hf, hf_export, lora, mla, transformer
+from model.hf_names import file_name
 from tests.test_hf import BASE_MODEL, VOCAB, _randomize, random_tokens
 
 TOL = 1e-4        # fp32 max |logit difference|
@@ -87,7 +88,8 @@ def test_logits_loss_and_every_gradient_equal_transformers(q_lora_rank, tmp_path
       stacked = hf_grads[name.rsplit('.', 1)[0] + ('.down_proj' if name.endswith('down_proj') else '.gate_up_proj')]
       expected = stacked if name.endswith('down_proj') else stacked.chunk(2, dim=1)[name.endswith('up_proj')]
     else:
-      expected = hf_grads[name][:VOCAB] if name == 'lm_head.weight' else hf_grads[name]
+      stored = file_name(name, m).removeprefix('model.')     # DeepSeek's shared expert is `shared_experts`
+      expected = hf_grads[stored][:VOCAB] if name == 'lm_head.weight' else hf_grads[stored]
     grad = p.grad[:VOCAB] if name in hf.VOCAB_PARAMS else p.grad
     torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=lambda msg, name=name: f'{name}: {msg}')
 
