@@ -7,36 +7,54 @@ Sinks (model.attention_sinks, gpt-oss): each head's learned logit `self_attn.sin
 every query's softmax as one more key whose value is zero, so a query may give weight to
 nothing. SDPA has no such key: with sinks the explicit path runs (its s x s probabilities).
 """
+import typing
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 
 from model import layers, mla
-from model.rope import apply_rope
+from model.rope import apply_rope, interleaved_to_halves
 
 
-def attention_mask(segment_ids_bs, s, window=0, device=None):
+def attention_mask(segment_ids_bs, s, window=0, device=None, chunk=0):
   """Causal mask [b or 1, 1, s, s] (True = attend), restricted to the same document when
-  segments are given and to the last `window` positions (sliding window, HF's: query i sees
-  keys i - window < j <= i); None when plainly causal."""
-  if segment_ids_bs is None and not window:
+  segments are given, to the last `window` positions (sliding window, HF's: query i sees
+  keys i - window < j <= i) and to the query's own `chunk` of positions (Llama 4's chunked
+  attention: floor(i / chunk) = floor(j / chunk)); None when plainly causal."""
+  if segment_ids_bs is None and not window and not chunk:
     return None
   if segment_ids_bs is not None:
     device = segment_ids_bs.device
-  mask = causal_mask_after(0, s, device, window)
+  mask = causal_mask_after(0, s, device, window, chunk)
   if segment_ids_bs is not None:
     mask = mask & (segment_ids_bs[:, :, None] == segment_ids_bs[:, None, :])[:, None]
   return mask
 
 
-def causal_mask_after(past, s, device=None, window=0):
+def causal_mask_after(past, s, device=None, window=0, chunk=0):
   """[1, 1, s, past + s]: new query i (position past + i) attends keys 0 .. past + i (the last
-  `window` of them with a sliding window)."""
+  `window` of them with a sliding window, those of its own `chunk` with chunked attention)."""
   keys, queries = torch.arange(past + s, device=device)[None], past + torch.arange(s, device=device)[:, None]
   mask = keys <= queries
   if window:
     mask = mask & (keys > queries - window)
+  if chunk:
+    mask = mask & (keys // chunk == queries // chunk)
   return mask[None, None]
+
+
+class QueryScale(typing.NamedTuple):
+  """Passed where a NoPE layer's RoPE tables would go: Llama 4's attention temperature, each
+  position's queries times `scale` [1, 1, s, 1]."""
+  scale: torch.Tensor
+
+
+def temperature(cfg, positions_s):
+  """Llama 4's attention temperature of positions p: log(floor((p + 1) / floor_scale) + 1) x
+  attn_scale + 1 (1 up to floor_scale - 1, growing slowly past it)."""
+  scale = torch.log1p(torch.floor((positions_s.float() + 1.0) / cfg.attn_floor_scale)) * cfg.attn_scale + 1.0
+  return QueryScale(scale[None, None, :, None])
 
 
 def attention_scale(cfg, d) -> float:
@@ -119,6 +137,12 @@ def _qkv(params, prefix, x_bsh, cos_sin, cfg, ops, drop_key, sample_ids_b):
   q, k, v = (rearrange(t, 'b s (n d) -> b n s d', d=d) for t in (q, k, v))
   if cfg.get('qk_norm') and not whole_projection:   # Gemma 3, Qwen3: over each head's dims
     q, k = (layers.rms_norm(t, params[f'{prefix}.{n}.weight'], eps, offset, in_fp32) for t, n in ((q, 'q_norm'), (k, 'k_norm')))
-  if cos_sin is not None:
+  if isinstance(cos_sin, QueryScale):      # Llama 4's NoPE layers: the queries' temperature
+    q = (q * cos_sin.scale).to(q.dtype)
+  elif cos_sin is not None:
+    if cfg.get('rope_interleave'):         # Llama 4's rotary pairs (x0, x1), (x2, x3)...: as halves
+      q, k = interleaved_to_halves(q), interleaved_to_halves(k)
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+    if cfg.get('qk_l2_norm'):              # Llama 4: q and k scaled to unit RMS per head, no weight
+      q, k = (layers.rms_norm(t, t.new_ones(()), eps, scale_in_fp32=True) for t in (q, k))
   return q, k, v

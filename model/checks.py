@@ -7,12 +7,12 @@ from config_checks import one_of, positive
 from model import moe_checks, rope
 
 ARCHITECTURES = ('llama', 'gpt', 'mistral', 'qwen2', 'qwen3', 'olmo2', 'smollm3', 'phi3', 'gemma3', 'mixtral', 'qwen2_moe',
-                 'qwen3_moe', 'gpt_oss', 'deepseek_v3')
+                 'qwen3_moe', 'gpt_oss', 'deepseek_v3', 'llama4')
 NORMALIZATIONS = ('rmsnorm', 'layernorm')
 ACTIVATIONS = ('swiglu', 'geglu', 'gelu')
 POSITIONS = ('rope', 'learned_absolute')
 ROPE_SCALINGS = ('none', 'linear', 'dynamic', 'llama3', 'yarn', 'longrope')
-LAYER_TYPES = ('full_attention', 'sliding_attention')
+LAYER_TYPES = ('full_attention', 'sliding_attention', 'chunked_attention')
 POSITIVE_KEYS = ('num_layers', 'hidden_size', 'ffn_hidden_size', 'num_attention_heads', 'vocab_size',
                  'max_position_embeddings', 'make_vocab_size_divisible_by', 'init_method_std',
                  'layernorm_epsilon', 'rope_theta')
@@ -99,4 +99,6 @@ def _check_positions(model) -> list:
                       f'{model.num_layers} layers; give one per layer (or () for all alike)')
     if 'sliding_attention' in model.layer_types and not model.sliding_window:
       problems.append('model.layer_types has sliding_attention layers but model.sliding_window=0; set the window')
+    if 'chunked_attention' in model.layer_types and model.get('attention_chunk_size', 0) <= 0:
+      problems.append('model.layer_types has chunked_attention layers but model.attention_chunk_size=0; set the chunk')
   return problems

@@ -46,7 +46,8 @@ def model_section() -> config_dict.ConfigDict:
   model.rope_scaling.long_factor = ()      # longrope: per-frequency divisors once a position passes it
   model.rope_local_theta = 0.0             # RoPE base of sliding-window layers (Gemma 3: 1e4); 0 = rope_theta (and its scaling)
   model.sliding_window = 0                 # sliding_attention layers see the last this-many positions (Mistral, Gemma 3); 0 = off
-  model.layer_types = ()                   # per layer: full_attention | sliding_attention; () = all sliding if sliding_window, else all full
+  model.layer_types = ()                   # per layer: full_attention | sliding_attention | chunked_attention; () = all sliding if sliding_window, else all full
+  model.attention_chunk_size = 0           # chunked_attention layers see the positions of their query's chunk of this many (Llama 4: 8192)
   model.normalization = 'rmsnorm'          # rmsnorm | layernorm
   model.layernorm_epsilon = 1e-5           # norm epsilon
   model.rmsnorm_unit_offset = False        # Gemma: RMSNorm scales by (1 + w), w starting at 0
@@ -58,6 +59,11 @@ def model_section() -> config_dict.ConfigDict:
                                            # post_attention_layernorm, post_feedforward_layernorm), their inputs not
   model.rmsnorm_scale_in_fp32 = False      # OLMo 2: RMSNorm multiplies by its weight in fp32, then casts (Llama casts first)
   model.nope_layers = ()                   # layers whose attention has no RoPE (SmolLM3: every 4th; HF no_rope_layers' zeros)
+  model.attn_temperature_tuning = False    # Llama 4: NoPE layers' queries x log(floor((p + 1) / attn_floor_scale) + 1) x attn_scale + 1
+  model.attn_floor_scale = 8192            # attn_temperature_tuning: positions per step of the temperature
+  model.attn_scale = 0.1                   # attn_temperature_tuning: the temperature's slope
+  model.rope_interleave = False            # Llama 4: each head's rotary dims stored in pairs (x0, x1)...; de-interleaved for RoPE
+  model.qk_l2_norm = False                 # Llama 4: q and k scaled to unit RMS per head after RoPE (no weight; RoPE layers only)
   model.scale_embeddings = False           # Gemma: embeddings multiplied by sqrt(hidden_size)
   model.query_pre_attn_scalar = 0          # Gemma: scores scaled by 1/sqrt(this); 0 = head_dim
   model.activation = 'swiglu'              # swiglu | geglu (Gemma: tanh GELU gate) | gelu
@@ -104,6 +110,7 @@ def model_section() -> config_dict.ConfigDict:
   moe.num_groups = 1                       # experts in this many groups (DeepSeek's n_group): a token picks within ...
   moe.top_k_groups = 1                     # ... the top_k_groups groups whose two best scores sum highest
   moe.routed_scaling_factor = 1.0          # the routed experts' weights times this (DeepSeek-V3: 2.5)
+  moe.scale_expert_input = False           # Llama 4: each token's input to an expert times its weight (its output unweighted)
   moe.load_balance_bias = False            # DeepSeek-V3's per-expert bias added to the scores to choose experts (not to weigh them)
   moe.load_balance_rate = 0.0              # after each step the bias moves this much toward balance (DeepSeek-V3: 0.001; optim/balancing.py); 0 = fixed
   moe.expert_activation = 'swiglu'        # swiglu | clamped_swiglu (gpt-oss: gate clamped above, up to +-limit, (up + 1) gate sigmoid(alpha gate))

@@ -4,9 +4,11 @@ from model import lora, moe, param_table, transformer
 
 def attention_spans(cfg, seq_length: int) -> list:
   """Keys each layer's queries attend to, as the FLOPs count them: the whole sequence for a
-  full-attention layer, at most the window for a sliding one."""
+  full-attention layer, at most the window for a sliding one, the chunk for a chunked one."""
   window = min(cfg.get('sliding_window') or seq_length, seq_length)
-  return [window if kind == 'sliding_attention' else seq_length for kind in transformer.layer_types(cfg)]
+  chunk = min(cfg.get('attention_chunk_size') or seq_length, seq_length)
+  span = {'sliding_attention': window, 'chunked_attention': chunk}
+  return [span.get(kind, seq_length) for kind in transformer.layer_types(cfg)]
 
 
 def flops_per_token(cfg, seq_length: int) -> float:

@@ -23,7 +23,7 @@ from model import defaults, hf_gpt_oss, moe, param_table
 from model.hf_files import HFFileError, open_safetensors, read_json
 from model.hf_config import FAMILIES, GEMMA_KEYS, MOE_FAMILIES, config_from_hf  # pylint: disable=unused-import
 from model.hf_export import config_to_hf  # pylint: disable=unused-import
-from model.hf_names import family, few, fused_expert_stack, fused_rows, ignored, layout, to_hf_name
+from model.hf_names import family, few, file_name, fused_expert_stack, fused_rows, ignored, layout, to_hf_name, transposed_stack  # pylint: disable=unused-import
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
@@ -98,6 +98,9 @@ def _checked_names(path, model_cfg):
     expected = (model_cfg.vocab_size,) + shape[1:] if name in VOCAB_PARAMS else shape
     if fused_rows(name, model_cfg):                     # Phi-3's [q; k; v] or [gate; up]
       expected = (fused_rows(name, model_cfg)[2],) + shape[1:]
+    elif transposed_stack(name, model_cfg):             # Llama 4's [E, h, 2f] and [E, f, h]
+      half = transposed_stack(name, model_cfg)[1]
+      expected = (shape[0], shape[2], 2 * shape[1]) if half is not None else (shape[0], shape[2], shape[1])
     elif pieces[0][0].endswith('.gate_up_proj'):         # transformers 5's [E, 2f, h]
       expected = (shape[0], 2 * shape[1]) + shape[2:]
     elif moe.is_expert_param(name) and to_hf_name(name) not in files:    # one tensor per expert
@@ -148,6 +151,10 @@ def read_boxes(path, model_cfg, requests, dtype=torch.float32):
       stored = dict((n, f) for f, n in pieces[0])
       tensor = hf_gpt_oss.read(name, box, lambda n, b: _read(stored[n], n, b),
                                any(n.endswith('_blocks') for n in stored)).contiguous()
+    elif transposed_stack(name, model_cfg):      # Llama 4: read transposed (gate / up: this half's columns)
+      half, f = transposed_stack(name, model_cfg)[1], param_table.param_specs(model_cfg, adapters=False)[name].shape[1]
+      cols = box[1] if half is None else slice(box[1].start + half * f, box[1].stop + half * f)
+      tensor = _read(*pieces[0][0], (box[0], box[2], cols)).transpose(1, 2).contiguous()
     elif fused:                  # this weight's rows of Phi-3's fused tensor
       rows = slice(box[0].start + fused[1], box[0].stop + fused[1])
       tensor = _read(*pieces[0][0], (rows,) + tuple(box[1:]))
@@ -221,6 +228,10 @@ def _remove_old_weights(path):
       os.remove(os.path.join(path, name))
 
 
+def transposed_stack_name(hf_name):
+  return hf_name.endswith(('.feed_forward.experts.gate_up_proj', '.feed_forward.experts.down_proj'))
+
+
 def save_hf(path, model_cfg, params, max_shard_bytes=None):
   """Write an HF model directory (config.json + safetensors, sharded past max_shard_bytes)."""
   hf_config = config_to_hf(model_cfg)
@@ -242,14 +253,18 @@ def save_hf(path, model_cfg, params, max_shard_bytes=None):
     if fused_rows(name, model_cfg):       # Phi-3: concatenated below, in row order
       fused.setdefault(pieces[0][0], []).append((fused_rows(name, model_cfg)[1], tensor))
       continue
+    if transposed_stack(name, model_cfg):   # Llama 4: [E, h, 2f] (gate, then up) and [E, f, h]
+      fused.setdefault(pieces[0][0], []).append((transposed_stack(name, model_cfg)[1] or 0, tensor.transpose(1, 2)))
+      continue
     if len(pieces) == 1:
       tensors[pieces[0][0]] = tensor.contiguous()
       continue
     for e, piece in enumerate(pieces):     # as save_pretrained writes experts: one tensor each
       for hf_name, part in zip(piece, tensor[e].chunk(len(piece))):
         tensors[hf_name] = part.clone()
-  for hf_name, parts in fused.items():
-    tensors[hf_name] = torch.cat([t for _, t in sorted(parts, key=lambda part: part[0])])
+  for hf_name, parts in fused.items():     # Phi-3's rows; Llama 4's transposed experts, gate and up side by side
+    dim = -1 if transposed_stack_name(hf_name) else 0
+    tensors[hf_name] = torch.cat([t for _, t in sorted(parts, key=lambda part: part[0])], dim=dim).contiguous()
   dtype_name = str(params['embed_tokens.weight'].dtype).removeprefix('torch.')
   hf_config['torch_dtype'] = hf_config['dtype'] = dtype_name   # 4.x reads torch_dtype, 5.x dtype
 

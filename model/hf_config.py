@@ -24,8 +24,9 @@ FAMILIES = {                      # HF model_type -> (its causal-LM class, our m
     'qwen3_moe': ('Qwen3MoeForCausalLM', 'qwen3_moe'),
     'gpt_oss': ('GptOssForCausalLM', 'gpt_oss'),
     'deepseek_v3': ('DeepseekV3ForCausalLM', 'deepseek_v3'),
+    'llama4_text': ('Llama4ForCausalLM', 'llama4'),
 }
-MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'gpt_oss', 'deepseek_v3')
+MOE_FAMILIES = ('mixtral', 'qwen2_moe', 'qwen3_moe', 'gpt_oss', 'deepseek_v3', 'llama4_text')
 MLA_KEYS = ('kv_lora_rank', 'q_lora_rank', 'qk_nope_head_dim', 'qk_rope_head_dim', 'v_head_dim')
 ACTIVATIONS = {'silu': 'swiglu', 'gelu_pytorch_tanh': 'geglu'}   # HF hidden_act -> ours
 # Gemma's block: all of these together, and only in gemma3_text
@@ -56,12 +57,18 @@ def _layer_types(hf, family, num_layers, nope_layers):
     types = ['sliding_attention' if i >= first else 'full_attention' for i in range(num_layers)]
   if not types and family == 'smollm3' and window:      # SmolLM3 slides its NoPE layers
     types = ['sliding_attention' if i in nope_layers else 'full_attention' for i in range(num_layers)]
+  if family == 'llama4_text':      # chunked attention on the RoPE layers (Llama4TextConfig's default)
+    chunked = hf.get('attention_chunk_size', 8192)
+    types = types or ['chunked_attention' if i not in nope_layers and chunked else 'full_attention'
+                      for i in range(num_layers)]
+    return 0, tuple(types) if 'chunked_attention' in types else ()
   if family in ('llama', 'mistral', 'phi3', 'olmo2') and types and len(set(types)) > 1:
     raise ValueError(f'layer_types={types}: per-layer attention types are not part of HF {family}')
   types = tuple(types or ())
   unknown = sorted(set(types) - {'full_attention', 'sliding_attention'})
   if unknown:
-    raise ValueError(f'layer_types has {unknown}: only full_attention and sliding_attention are supported')
+    raise ValueError(f'layer_types has {unknown}: only full_attention and sliding_attention are supported '
+                     '(chunked_attention in llama4_text)')
   if len(types) not in (0, num_layers):
     raise ValueError(f'layer_types has {len(types)} entries for {num_layers} layers')
   if family in WINDOW_EVERYWHERE:
@@ -72,8 +79,9 @@ def _layer_types(hf, family, num_layers, nope_layers):
 
 
 def _nope_layers(hf, family, num_layers):
-  """The layers without RoPE: SmolLM3's no_rope_layers (1 = RoPE, 0 = none) or its interval."""
-  if family != 'smollm3':
+  """The layers without RoPE: SmolLM3's and Llama 4's no_rope_layers (1 = RoPE, 0 = none) or
+  their interval."""
+  if family not in ('smollm3', 'llama4_text'):
     return ()
   flags = hf.get('no_rope_layers')
   if flags is None:
@@ -124,6 +132,9 @@ def config_from_hf(hf_config: dict, base_model):
     if not attention_bias:
       raise ValueError('attention_bias=False: gpt-oss\'s router and experts keep their biases, and flatron has '
                        'one model.has_bias for every linear')
+  if family == 'llama4_text' and attention_bias:
+    raise ValueError('attention_bias=True: Llama 4\'s experts have no biases, and flatron has one model.has_bias '
+                     'for every linear')
   if attention_bias != mlp_bias:
     # Our single has_bias switch covers attention and MLP linears together.
     raise ValueError(f'attention_bias={attention_bias} differs from mlp_bias={mlp_bias}; '
@@ -131,7 +142,7 @@ def config_from_hf(hf_config: dict, base_model):
   m = copy.deepcopy(base_model)
   m.architecture = FAMILIES[family][1]
   m.hidden_size = hf['hidden_size']
-  m.ffn_hidden_size = hf['intermediate_size']
+  m.ffn_hidden_size = hf['intermediate_size_mlp' if family == 'llama4_text' else 'intermediate_size']
   m.num_layers = hf['num_hidden_layers']
   m.num_attention_heads = hf['num_attention_heads']
   m.num_kv_heads = hf.get('num_key_value_heads') or hf['num_attention_heads']
@@ -156,6 +167,13 @@ def config_from_hf(hf_config: dict, base_model):
   m.qk_norm = m.qk_norm or family in ('qwen3', 'qwen3_moe')
   m.rmsnorm_scale_in_fp32 = m.rmsnorm_scale_in_fp32 or family == 'gpt_oss'   # as its RMSNorm: weight x fp32, then cast
   m.attention_sinks = family == 'gpt_oss'
+  llama4 = family == 'llama4_text'       # chunked RoPE layers, NoPE layers with a temperature, L2 q/k norms
+  m.attention_chunk_size = int(hf.get('attention_chunk_size', 8192) or 0) if llama4 else 0
+  m.attn_temperature_tuning = llama4 and bool(hf.get('attn_temperature_tuning', True))
+  m.attn_floor_scale, m.attn_scale = (int(hf.get('floor_scale', 8192)), float(hf.get('attn_scale', 0.1))) if llama4 \
+      else (8192, 0.1)
+  m.rope_interleave = llama4
+  m.qk_l2_norm = llama4 and bool(hf.get('use_qk_norm', True))
   m.qk_norm_span = 'projection' if family == 'olmo2' else 'head'
   if dropouts['resid_pdrop']:
     m.hidden_dropout = dropouts['resid_pdrop']
@@ -183,29 +201,38 @@ def _moe_from_hf(hf, family, m):
   if hf.get('router_jitter_noise'):
     raise ValueError(f'router_jitter_noise={hf["router_jitter_noise"]} is not supported (flatron implements 0)')
   mixtral, gpt_oss, deepseek = family == 'mixtral', family == 'gpt_oss', family == 'deepseek_v3'
+  llama4 = family == 'llama4_text'
   moe.num_experts = hf.get('num_experts') or hf.get('n_routed_experts') or hf['num_local_experts']
   moe.dense_layers = tuple(int(i) for i in hf.get('mlp_only_layers') or ())
   if deepseek:                     # the first k layers dense
     moe.dense_layers = tuple(range(int(hf.get('first_k_dense_replace', 3) or 0)))
+  if llama4:                       # its moe_layers, or every interleave_moe_layer_step-th
+    step = int(hf.get('interleave_moe_layer_step', 1))
+    moe_layers = hf.get('moe_layers') or list(range(step - 1, m.num_layers, step))
+    moe.dense_layers = tuple(i for i in range(m.num_layers) if i not in set(moe_layers))
   moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8, 'gpt_oss': 4,
-                                              'deepseek_v3': 8}[family])
-  moe.frequency = 1 if mixtral or gpt_oss else hf.get('decoder_sparse_step', 1)
+                                              'deepseek_v3': 8, 'llama4_text': 1}[family])
+  moe.frequency = 1 if mixtral or gpt_oss or llama4 else hf.get('decoder_sparse_step', 1)
   # gpt-oss: softmax over the top-k logits, which is the softmax's top k renormalized
   moe.normalize_top_k_affinities = True if mixtral or gpt_oss else bool(hf.get('norm_topk_prob', False))
-  moe.dropless, moe.routing_algorithm, moe.router_activation = True, 'top_k', 'sigmoid' if deepseek else 'softmax'
+  moe.dropless, moe.routing_algorithm = True, 'top_k'
+  moe.router_activation = 'sigmoid' if deepseek or llama4 else 'softmax'
+  moe.scale_expert_input = llama4          # Llama 4: the sigmoid score scales the expert's input
   # DeepSeek-V3: groups of experts, the correction bias, the routed experts' scale, one plain shared
   # expert (an absent key: transformers' class default)
   moe.num_groups, moe.top_k_groups = (int(hf.get('n_group', 8) or 1), int(hf.get('topk_group', 4) or 1)) if deepseek \
       else (1, 1)
   moe.routed_scaling_factor = float(hf.get('routed_scaling_factor', 2.5)) if deepseek else 1.0
   moe.load_balance_bias = deepseek
-  moe.shared_expert_gate = not deepseek
+  moe.shared_expert_gate = not (deepseek or llama4)
   moe.output_router_logits = bool(hf.get('output_router_logits', False))
   moe.router_aux_loss_coef = float(hf.get('router_aux_loss_coef', 0.001))
-  moe.ffn_hidden_size = 0 if mixtral or gpt_oss else hf['moe_intermediate_size']
+  moe.ffn_hidden_size = 0 if mixtral or gpt_oss else hf['intermediate_size' if llama4 else 'moe_intermediate_size']
   moe.expert_activation = 'clamped_swiglu' if gpt_oss else 'swiglu'
   if gpt_oss:
     moe.swiglu_alpha, moe.swiglu_limit = float(hf.get('swiglu_alpha', 1.702)), float(hf.get('swiglu_limit', 7.0))
   moe.shared_expert_intermediate_size = hf['shared_expert_intermediate_size'] if family == 'qwen2_moe' else 0
   if deepseek:
     moe.shared_expert_intermediate_size = int(hf.get('n_shared_experts', 1) or 0) * moe.ffn_hidden_size
+  if llama4:                       # one shared expert as wide as the routed ones
+    moe.shared_expert_intermediate_size = moe.ffn_hidden_size

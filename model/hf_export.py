@@ -26,6 +26,18 @@ def _moe_family(m) -> str:
   if not moe.dropless:
     raise ValueError('model.moe.dropless=False: HF Mixtral / Qwen-MoE never drop tokens; export with '
                      'model.moe.dropless=True (the capacity is a training-time setting)')
+  if moe.get('scale_expert_input') or m.get('qk_l2_norm') or m.get('rope_interleave') or m.get('attention_chunk_size'):
+    width = moe.ffn_hidden_size or m.ffn_hidden_size
+    if not (moe.get('scale_expert_input') and moe.router_activation == 'sigmoid' and not moe.normalize_top_k_affinities
+            and not moe.get('shared_expert_gate', True) and moe.shared_expert_intermediate_size == width
+            and m.get('rope_interleave')) or moe.frequency != 1 or m.has_bias or m.get('qkv_bias') or \
+        m.get('qk_norm') or m.get('sliding_window') or mla.enabled(m) or moe.get('load_balance_bias') or \
+        moe.get('num_groups', 1) > 1 or moe.get('routed_scaling_factor', 1.0) != 1.0:
+      raise ValueError('moe.scale_expert_input, a sigmoid router without renormalization, an ungated shared expert as '
+                       'wide as the routed ones and model.rope_interleave are HF Llama 4 together (with its '
+                       'qk_l2_norm, chunked and NoPE layers as it sets them); a subset cannot be expressed in any '
+                       'HF family flatron exports')
+    return 'llama4_text'
   if mla.enabled(m) or moe.get('load_balance_bias') or moe.get('num_groups', 1) > 1 or not moe.get('shared_expert_gate', True):
     dense = tuple(moe.get('dense_layers', ()))
     if not (mla.enabled(m) and moe.get('load_balance_bias') and not moe.get('shared_expert_gate', True)
@@ -212,12 +224,21 @@ def config_to_hf(model_cfg) -> dict:
                router_aux_loss_coef=moe.router_aux_loss_coef, router_jitter_noise=0.0)
     if family in ('mixtral', 'gpt_oss'):
       out['num_local_experts'] = moe.num_experts
-    elif family != 'deepseek_v3':
+    elif family not in ('deepseek_v3', 'llama4_text'):
       out.update(num_experts=moe.num_experts, decoder_sparse_step=moe.frequency,
                  mlp_only_layers=sorted(moe.get('dense_layers', ())), norm_topk_prob=moe.normalize_top_k_affinities,
                  moe_intermediate_size=moe.ffn_hidden_size or m.ffn_hidden_size)
     if family == 'gpt_oss':
       out.update(swiglu_alpha=moe.swiglu_alpha, swiglu_limit=moe.swiglu_limit)
+      out.pop('mlp_bias')
+    if family == 'llama4_text':
+      nope, moe_layers = set(m.get('nope_layers', ())), [i for i in range(m.num_layers) if i not in moe.get('dense_layers', ())]
+      out.update(num_local_experts=moe.num_experts, intermediate_size=moe.ffn_hidden_size or m.ffn_hidden_size,
+                 intermediate_size_mlp=m.ffn_hidden_size, moe_layers=moe_layers,
+                 no_rope_layers=[0 if i in nope else 1 for i in range(m.num_layers)],
+                 attention_chunk_size=m.get('attention_chunk_size') or None, use_qk_norm=bool(m.get('qk_l2_norm')),
+                 attn_temperature_tuning=bool(m.get('attn_temperature_tuning')), floor_scale=m.attn_floor_scale,
+                 attn_scale=m.attn_scale, layer_types=list(transformer.layer_types(m)))
       out.pop('mlp_bias')
     if family == 'deepseek_v3':
       width = moe.ffn_hidden_size or m.ffn_hidden_size

@@ -1,6 +1,6 @@
 """Which tensor of an HF model's files holds each of ours: names (ours are HF's minus `model.`),
 Mixtral's and Qwen-MoE's experts stored one tensor per expert (or as transformers 5's stacks),
-Phi-3's fused qkv_proj and gate_up_proj rows."""
+Llama 4's transposed stacks, Phi-3's fused qkv_proj and gate_up_proj rows."""
 from model import lora_fused, moe, param_table, transformer
 from model.hf_config import MOE_FAMILIES
 from model.hf_export import family_of
@@ -54,7 +54,19 @@ def file_name(name, model_cfg):
     hf_name = hf_name.replace('.mlp.gate.', '.block_sparse_moe.gate.')
   if family(model_cfg) == 'deepseek_v3':       # its shared expert, plural
     hf_name = hf_name.replace('.mlp.shared_expert.', '.mlp.shared_experts.')
+  if family(model_cfg) == 'llama4_text':       # its feed_forward and router
+    hf_name = hf_name.replace('.mlp.gate.', '.mlp.router.').replace('.mlp.', '.feed_forward.')
   return hf_name
+
+
+def transposed_stack(name, model_cfg):
+  """(Llama 4's stored stack holding expert tensor `name`, which half of gate_up_proj or None
+  for down_proj): [E, h, 2f] gate then up, [E, f, h] down, each ours transposed; else None."""
+  if family(model_cfg) != 'llama4_text' or not moe.is_expert_param(name):
+    return None
+  base, kind = name.rsplit('.', 1)
+  stored = file_name(base, model_cfg)
+  return (stored + '.down_proj', None) if kind == 'down_proj' else (stored + '.gate_up_proj', FUSED_HALVES.index(kind))
 
 
 MIXTRAL_EXPERTS = {'gate_proj': 'w1', 'up_proj': 'w3', 'down_proj': 'w2'}
@@ -81,7 +93,7 @@ def fused_expert_stack(name):
 def layout(name, model_cfg, files):
   """[[HF name, ...] per expert] making up our tensor `name`: one piece for a plain tensor (or a
   stacked expert tensor stored whole, as transformers 5 holds it in memory)."""
-  fused = fused_rows(name, model_cfg)
+  fused = fused_rows(name, model_cfg) or transposed_stack(name, model_cfg)
   if fused:
     return [[fused[0]]]
   if not moe.is_expert_param(name) or to_hf_name(name) in files:

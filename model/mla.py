@@ -30,7 +30,7 @@ import torch
 from einops import rearrange
 
 from model import layers
-from model.rope import apply_rope
+from model.rope import apply_rope, interleaved_to_halves
 
 
 def enabled(cfg) -> bool:
@@ -70,11 +70,6 @@ def specs(cfg, prefix, spec, std, out_std) -> dict:
   return out
 
 
-def _interleaved_to_halves(x):
-  """(x0, x1), (x2, x3)... -> (x0, x2, ..., x1, x3, ...): the pairs as rotate-half's halves."""
-  return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
-
-
 def qkv(params, prefix, x_bsh, cos_sin, cfg, ops, drop_key, sample_ids_b):
   """This rank's heads' q, k [b, n, s, nope + rope] (RoPE applied) and v [b, n, s, v_head_dim]
   from the whole input (`ops.full_input` done)."""
@@ -93,7 +88,7 @@ def qkv(params, prefix, x_bsh, cos_sin, cfg, ops, drop_key, sample_ids_b):
   k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
   k_rot = k_rot[:, None]                                     # [b, 1, s, rope]: every head's
   if m.rope_interleave:
-    q_rot, k_rot = _interleaved_to_halves(q_rot), _interleaved_to_halves(k_rot)
+    q_rot, k_rot = interleaved_to_halves(q_rot), interleaved_to_halves(k_rot)
   if cos_sin is not None:
     q_rot, k_rot = apply_rope(q_rot, *cos_sin), apply_rope(k_rot, *cos_sin)
   q = torch.cat([q_nope, q_rot], dim=-1)

@@ -225,8 +225,11 @@ def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
                             'MoE: the tokens per expert (spread evenly)',
                             lambda: host_values.balanced(slot.shape[0], cfg.moe.num_experts))
   token = slot // cfg.moe.top_k
-  out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(flat_x.index_select(0, token), counts, stacks, ops.fp8_gemms)
   weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial
+  x = flat_x.index_select(0, token)
+  if cfg.moe.get('scale_expert_input'):      # Llama 4: the weight scales the expert's input, not its output
+    x, weight = (x * weight[:, None]).to(x.dtype), torch.ones_like(weight)
+  out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(x, counts, stacks, ops.fp8_gemms)
   return _Combine.apply(out, weight, token, n)
 
 
@@ -257,6 +260,9 @@ def _static_experts(flat_x, experts_bsk, weights_bsk, cfg, stacks, ops):
   dest = torch.where(place < rows, expert * rows + place, e * rows)  # e * rows: a spare row for the dropped
   h = flat_x.shape[1]
   slots_x = flat_x[:, None, :].expand(b * s, k, h).reshape(b * s * k, h)
+  if cfg.moe.get('scale_expert_input'):      # Llama 4: the weight scales the expert's input; the output is kept or dropped
+    slots_x = (slots_x * weights_bsk.reshape(-1, 1)).to(slots_x.dtype)
+    weights_bsk = (weights_bsk != 0).to(weights_bsk.dtype)
   buffers = flat_x.new_zeros(e * rows + 1, h).index_copy(0, dest, slots_x)[:-1].view(e, rows, h)
   out = (ops.expert_buffers or moe_kernels.grouped_expert_ffn)(buffers, stacks, ops.fp8_gemms).reshape(e * rows, h)
   picked = torch.cat([out, out.new_zeros(1, h)])[dest].view(b * s, k, h)

@@ -96,6 +96,13 @@ def apply_rope(x_bnsd, cos_b1sr, sin_b1sr):
   return torch.cat(halves + [x_bnsd[..., r:]] if r < x_bnsd.shape[-1] else halves, dim=-1)
 
 
+def interleaved_to_halves(x):
+  """(x0, x1), (x2, x3)... -> (x0, x2, ..., x1, x3, ...): rotary pairs stored side by side (the
+  complex-number RoPE of Llama 4's and DeepSeek's files) as rotate-half's halves. The queries and
+  keys are permuted alike, so their products are unchanged."""
+  return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
 def longrope_problems(scaling, rot_dim, key) -> list:
   """longrope's factor lists must hold one factor per rotated frequency (rot_dim / 2)."""
   return [f'{key}.{name} has {len(scaling[name])} entries; longrope needs one per rotated frequency, '

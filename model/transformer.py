@@ -37,7 +37,7 @@ def _rope_by_type(cfg, position_ids_bs, dtype):
                              cfg.max_position_embeddings)
   local_theta = cfg.get('rope_local_theta')
   local = rope.rope_cos_sin(position_ids_bs, rot_dim, local_theta, dtype) if local_theta else full
-  return {'full_attention': full, 'sliding_attention': local}
+  return {'full_attention': full, 'sliding_attention': local, 'chunked_attention': full}
 
 
 def _masks_by_type(cfg, batch, s, device, ops=layers.LOCAL_OPS):
@@ -47,11 +47,12 @@ def _masks_by_type(cfg, batch, s, device, ops=layers.LOCAL_OPS):
   out = {}
   for kind in set(layer_types(cfg)):
     window = cfg.sliding_window if kind == 'sliding_attention' else 0
+    chunk = cfg.attention_chunk_size if kind == 'chunked_attention' else 0
     if ops.context_attention is not None:
       out[kind] = ops.context_attention(batch, window)
       continue
-    out[kind] = (attention.causal_mask_after(past, s, device, window) if past is not None else
-                 attention.attention_mask(batch.get('segment_ids'), s, window, device))
+    out[kind] = (attention.causal_mask_after(past, s, device, window, chunk) if past is not None else
+                 attention.attention_mask(batch.get('segment_ids'), s, window, device, chunk))
   return out
 
 
@@ -120,6 +121,11 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     x_bsh = ops.slice_residual(x_bsh)
   rope_tables = _rope_by_type(cfg, position_ids_bs, x_bsh.dtype) if cfg.position_embedding_type == 'rope' else {}
   nope = set(cfg.get('nope_layers', ()))
+  no_rope = None              # what a NoPE layer gets: nothing, or Llama 4's query temperature
+  if nope and cfg.get('attn_temperature_tuning'):
+    kv_in = batch.get('kv_cache')
+    past = kv_in[0].length if kv_in is not None and kv_in[0] is not None else 0
+    no_rope = attention.temperature(cfg, past + torch.arange(s, device=tokens_bs.device))
   masks = _masks_by_type(cfg, batch, s, tokens_bs.device, ops)
   kv = batch.get('kv_cache')
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
@@ -135,7 +141,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
     # what differs between layers reaches the block as arguments (model.compile traces a graph per kind)
-    cos_sin = None if i in nope else rope_tables.get(kinds[i])
+    cos_sin = no_rope if i in nope else rope_tables.get(kinds[i])
     x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, masks[kinds[i]], cfg, ops, key, sample_ids_b, kv,
                      moe.is_moe_layer(cfg, i))
   aux_sum = collector and collector.finish(ops.moe_tally, last, objective is not None and objective.adds_aux)

@@ -104,6 +104,12 @@ def check(config) -> list:
   if m.get('mla') and m.mla.kv_lora_rank > 0:
     problems.append(f'model.mla.kv_lora_rank={m.mla.kv_lora_rank} (latent attention) with {why}: the ring does not '
                     'take values narrower than the keys yet; use context_parallel_size=1')
+  if 'chunked_attention' in tuple(m.get('layer_types', ())):
+    problems.append(f'model.layer_types has chunked_attention with {why}: the ring does not cut its blocks into '
+                    'chunks yet; use context_parallel_size=1')
+  if m.get('attn_temperature_tuning'):
+    problems.append(f'model.attn_temperature_tuning=True with {why}: the temperature is computed from a slice\'s own '
+                    'positions; use context_parallel_size=1')
   if m.get('attention_sinks'):
     problems.append(f'model.attention_sinks=True with {why}: the ring does not add the sink logits to its '
                     'log-sum-exp yet; use context_parallel_size=1')

@@ -160,6 +160,21 @@ def apply_family(model, family):
     model.moe.update(num_experts=4, top_k=2, dropless=True, ffn_hidden_size=0, normalize_top_k_affinities=True,
                      shared_expert_intermediate_size=0, frequency=1, dense_layers=(), expert_activation='clamped_swiglu',
                      swiglu_limit=0.05, output_router_logits=True, router_aux_loss_coef=0.001)
+  elif family == 'llama4':
+    # chunked attention (chunks of 5) on the RoPE layers, their rotary pairs interleaved and
+    # q / k L2-normed; NoPE layers 1, 3 with full attention and the temperature (rising every 4
+    # positions); MoE in layers 1, 3 (interleave step 2): top-1 of 4 sigmoid-scored experts
+    # scaling their input, and an ungated shared expert
+    model.sliding_window = 0
+    model.nope_layers = tuple(range(1, n, 2))
+    model.layer_types = tuple('full_attention' if i % 2 else 'chunked_attention' for i in range(n))
+    model.attention_chunk_size, model.rope_interleave, model.qk_l2_norm = 5, True, True
+    model.attn_temperature_tuning, model.attn_floor_scale, model.attn_scale = True, 4, 0.5
+    model.rope_scaling.update(type='llama3', factor=8.0, original_max_position_embeddings=8)
+    model.moe.update(num_experts=4, top_k=1, router_activation='sigmoid', normalize_top_k_affinities=False,
+                     scale_expert_input=True, dropless=True, ffn_hidden_size=16, shared_expert_intermediate_size=16,
+                     shared_expert_gate=False, dense_layers=tuple(range(0, n, 2)), frequency=1,
+                     output_router_logits=True, router_aux_loss_coef=0.001)
   elif family == 'deepseek_v3':
     # latent attention (a q bottleneck, the shared key RoPE part stored interleaved, values
     # narrower than keys), YaRN with DeepSeek's mscale; layer 0 dense, then 8 sigmoid-scored

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3, gpt-oss and DeepSeek-V3, each with every feature of the family on
+"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3, gpt-oss, DeepSeek-V3 and Llama 4, each with every feature of the family on
 (tests/parity.py apply_family), train like one device at every layout (fp32, 10 steps, active
 clipping, the layout-parity bounds of parity.compare) and compiled like eager, a graph for each
 kind of layer; what a family cannot run with is refused by name."""
@@ -12,8 +12,8 @@ from model import hf_export, moe, transformer
 from parallel import compiled
 from tests import parity, world
 
-FAMILIES = ('qwen3', 'qwen3_moe', 'olmo2', 'smollm3', 'phi3', 'gpt_oss', 'deepseek_v3')
-MOE = ('qwen3_moe', 'gpt_oss', 'deepseek_v3')
+FAMILIES = ('qwen3', 'qwen3_moe', 'olmo2', 'smollm3', 'phi3', 'gpt_oss', 'deepseek_v3', 'llama4')
+MOE = ('qwen3_moe', 'gpt_oss', 'deepseek_v3', 'llama4')
 # interleaving needs layers divisible by pp x vp = 4; Qwen3-MoE's 8 put MoE layers on both pp2
 # stages and a dense-only chunk beside MoE ones at vp2 (parity.apply_family)
 LAYERS = {'qwen3_moe': 8}
@@ -41,7 +41,7 @@ def _rows(family):
     rows['ep2_tp2_sp'] = 4, {'ep': 2, 'tp': 2, 'sp': True}   # experts over EP (dp 2), each split over TP
   else:
     rows['cp2'] = 2, {'cp': 2, 'micro': 4}
-  if family in ('gpt_oss', 'deepseek_v3'):   # the traced path's fixed-size expert buffers, exchanged over EP
+  if family in ('gpt_oss', 'deepseek_v3', 'llama4'):   # the traced path's fixed-size expert buffers, exchanged over EP
     rows['ep2_fixed_buffers'] = 2, {'ep': 2, 'fixed_buffers': True}
   return {f'{family}_{name}': (size, dict(base, **kwargs)) for name, (size, kwargs) in rows.items()}
 
@@ -129,7 +129,7 @@ def test_compiled_stages_hold_more_than_one_kind_of_layer():
   kinds = {f: [len(layer_kinds(c, range(s * c.num_layers // 2, (s + 1) * c.num_layers // 2))) for s in (0, 1)]
            for f in FAMILIES for c in [parity.parity_config(family=f, layers=LAYERS.get(f, 4)).model]}
   assert kinds == {'qwen3': [2, 1], 'qwen3_moe': [2, 2], 'olmo2': [1, 1], 'smollm3': [2, 2], 'phi3': [1, 1],
-                   'gpt_oss': [2, 2], 'deepseek_v3': [2, 1]}, kinds
+                   'gpt_oss': [2, 2], 'deepseek_v3': [2, 1], 'llama4': [2, 2]}, kinds
 
 
 def _problems(world_size, **layout):
@@ -139,8 +139,13 @@ def _problems(world_size, **layout):
 def test_what_a_family_cannot_run_with_is_refused_by_name():
   # Qwen3-MoE under context parallelism: capacity and the aux losses need the whole sequence
   for family in MOE:
-    assert 'model.moe.num_experts=4 with distributed_strategy.context_parallel_size=2' in \
+    experts = parity.parity_config(family=family, layers=LAYERS.get(family, 4)).model.moe.num_experts
+    assert f'model.moe.num_experts={experts} with distributed_strategy.context_parallel_size=2' in \
         _problems(2, family=family, layers=LAYERS.get(family, 4), cp=2)
+  # Llama 4's chunks and temperature: the ring sees neither
+  problems = _problems(2, family='llama4', cp=2)
+  assert 'model.layer_types has chunked_attention with distributed_strategy.context_parallel_size=2' in problems
+  assert 'model.attn_temperature_tuning=True with distributed_strategy.context_parallel_size=2' in problems
   # gpt-oss's sinks under cp: the ring does not add them to its log-sum-exp
   assert 'model.attention_sinks=True with distributed_strategy.context_parallel_size=2' in \
       _problems(2, family='gpt_oss', cp=2)
@@ -167,4 +172,4 @@ def test_what_a_family_cannot_run_with_is_refused_by_name():
 def test_each_family_config_is_what_its_hf_family_expresses(family):
   """The model sections trained above are real families: each exports as its HF model_type."""
   c = parity.parity_config(family=family, layers=LAYERS.get(family, 4))
-  assert hf_export.config_to_hf(c.model)['model_type'] == family
+  assert hf_export.config_to_hf(c.model)['model_type'] == {'llama4': 'llama4_text'}.get(family, family)

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3 and Phi-3 through model/hf.py: each family, with every feature
+"""Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3 and Llama 4 through model/hf.py: each family, with every feature
 it adds over Llama on in one small random model made by transformers' own classes, gives
 transformers' logits after import and after export, imports back to the same model section, and
 round-trips its safetensors bit for bit."""
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 transformers = pytest.importorskip('transformers')
 
-from model import hf, hf_export, transformer
+from model import hf, hf_export, moe, transformer
 from tests.test_hf import BASE_MODEL, VOCAB, _randomize, random_tokens
 
 TOL = 1e-4        # fp32 max |logit difference|
@@ -38,6 +38,16 @@ FAMILIES = {     # name -> (config class, model class, config overrides: every f
     'phi3': ('Phi3Config', 'Phi3ForCausalLM',
              dict(sliding_window=5, rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0,
                                                      'partial_rotary_factor': 0.5})),
+    # chunked attention (5) on the RoPE layers with interleaved rotary pairs and L2 q/k norms, NoPE
+    # layers with the temperature (floor 4), MoE every 2nd layer: top-1 sigmoid scaling the
+    # expert's input, a shared expert; dense layers of their own width, Llama 3.1's RoPE scaling
+    'llama4_text': ('Llama4TextConfig', 'Llama4ForCausalLM',
+                    dict(num_hidden_layers=4, head_dim=16, intermediate_size=32, intermediate_size_mlp=96,
+                         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                         no_rope_layer_interval=2, attention_chunk_size=5, floor_scale=4, attn_scale=0.5,
+                         rope_parameters={'rope_type': 'llama3', 'rope_theta': 10000.0, 'factor': 8.0,
+                                          'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+                                          'original_max_position_embeddings': 16})),
 }
 
 
@@ -67,6 +77,8 @@ def _ablations(m):
   """Copies of model section `m`, each with one of its family's features switched off (those that
   need no other parameters): each must change the logits, or the test would not see it."""
   switches = {'qk_norm': dict(qk_norm=False), 'sliding_window': dict(sliding_window=0, layer_types=()),
+              'attention_chunk_size': dict(attention_chunk_size=0, layer_types=()), 'qk_l2_norm': dict(qk_l2_norm=False),
+              'rope_interleave': dict(rope_interleave=False), 'attn_temperature_tuning': dict(attn_temperature_tuning=False),
               'nope_layers': dict(nope_layers=()), 'rotary_percentage': dict(rotary_percentage=1.0),
               'rmsnorm_scale_in_fp32': dict(rmsnorm_scale_in_fp32=False)}
   out = {}
@@ -108,7 +120,7 @@ def test_each_family_reads_its_features():
   for family, (config_class, _, features) in FAMILIES.items():
     config = getattr(transformers, config_class)(**dict(SMALL, **features)).to_dict()
     sections[family] = hf.config_from_hf(config, BASE_MODEL)
-  qwen3, moe, olmo2, smol, phi3 = (sections[f] for f in FAMILIES)
+  qwen3, moe, olmo2, smol, phi3, llama4 = (sections[f] for f in FAMILIES)
   assert (qwen3.qk_norm, qwen3.qk_norm_span, qwen3.head_dim) == (True, 'head', 32)
   assert transformer.layer_types(qwen3) == ('full_attention', 'sliding_attention', 'sliding_attention')
   assert (moe.moe.num_experts, moe.moe.shared_expert_intermediate_size, moe.moe.normalize_top_k_affinities) == (4, 0, True)
@@ -118,6 +130,11 @@ def test_each_family_reads_its_features():
   assert transformer.layer_types(smol) == ('full_attention', 'sliding_attention') * 2
   assert (phi3.rotary_percentage, phi3.sliding_window, transformer.layer_types(phi3)) == \
       (0.5, 5, ('sliding_attention',) * 3)
+  assert (llama4.nope_layers, llama4.moe.dense_layers, llama4.attention_chunk_size) == ((1, 3), (0, 2), 5)
+  assert transformer.layer_types(llama4) == ('chunked_attention', 'full_attention') * 2
+  assert (llama4.ffn_hidden_size, llama4.moe.ffn_hidden_size, llama4.moe.shared_expert_intermediate_size) == (96, 32, 32)
+  assert (llama4.moe.router_activation, llama4.moe.scale_expert_input, llama4.moe.normalize_top_k_affinities) == \
+      ('sigmoid', True, False)
 
 
 def test_an_olmo2_norm_without_its_block_is_refused_by_name():
@@ -132,7 +149,34 @@ def test_an_olmo2_norm_without_its_block_is_refused_by_name():
     hf_export.config_to_hf(m)
 
 
-@pytest.mark.parametrize('family', ['qwen3_moe', 'phi3'])
+def test_llama4_loss_and_every_gradient_equal_transformers(tmp_path):
+  """The input-scaling router, the temperature and the chunks in the backward too."""
+  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
+  model, m, params = imported('llama4_text', tmp_path)
+  params = {n: t.requires_grad_() for n, t in params.items()}
+  tokens = random_tokens(4, s=24)
+  batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(tokens[:, 1:].shape))
+  loss, _ = transformer.stage(params, batch, m)
+  (loss / batch['labels'].numel()).backward()
+  theirs = F.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+  theirs.backward()
+  assert abs(loss.item() / batch['labels'].numel() - theirs.item()) < TOL
+  grads = {n: p.grad for n, p in model.named_parameters()}
+  for name, p in params.items():
+    stored = hf.file_name(name, m) if not moe.is_expert_param(name) else None
+    if stored is None:               # [E, h, 2f] gate then up, [E, f, h]: ours transposed
+      base, kind = name.rsplit('.', 1)
+      stack = grads[hf.file_name(base, m) + ('.down_proj' if kind == 'down_proj' else '.gate_up_proj')]
+      expected = stack.transpose(1, 2) if kind == 'down_proj' else stack.chunk(2, dim=-1)[kind == 'up_proj'].transpose(1, 2)
+    else:
+      expected = grads[stored][:VOCAB] if name in hf.VOCAB_PARAMS else grads[stored]
+    grad = p.grad[:VOCAB] if name in hf.VOCAB_PARAMS else p.grad
+    if name == 'embed_tokens.weight':   # HF's nn.Embedding(padding_idx=pad_token_id 0) never trains row 0
+      grad, expected = grad[1:], expected[1:]
+    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-4, msg=lambda msg, name=name: f'{name}: {msg}')
+
+
+@pytest.mark.parametrize('family', ['qwen3_moe', 'phi3', 'llama4_text'])
 def test_family_through_the_converters_and_a_checkpoint(family, tmp_path):
   """tools.convert hf-to-flatron writes a checkpoint step, flatron-to-hf writes it back: the
   same logits in transformers (the fused and per-expert tensors through the checkpoint's names)."""
@@ -145,3 +189,23 @@ def test_family_through_the_converters_and_a_checkpoint(family, tmp_path):
   tokens = random_tokens(4, s=24)
   with torch.no_grad():
     assert (again.float().eval()(tokens).logits - model(tokens).logits).abs().max().item() < TOL
+
+
+def test_llama4_decodes_with_the_kv_cache_as_transformers_generates(tmp_path):
+  """Chunks, NoPE layers' temperature and the interleaved RoPE over cached positions: decoding
+  step by step gives the whole sequence's logits, and greedy tokens are transformers' own."""
+  model, m, params = imported('llama4_text', tmp_path)
+  tokens = random_tokens(7, b=1, s=12)
+  with torch.no_grad():
+    whole = transformer.forward(params, tokens, m)
+    logits, cache = transformer.decode(params, tokens[:, :6], m)
+    steps = [logits]
+    for i in range(6, 12):
+      logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
+      steps.append(logits)
+    assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-5
+    theirs = model.generate(tokens[:, :8], max_new_tokens=6, do_sample=False)
+  ours = tokens[:, :8]
+  for _ in range(6):
+    ours = torch.cat([ours, transformer.forward(params, ours, m)[:, -1, :VOCAB].argmax(-1, keepdim=True)], dim=1)
+  assert torch.equal(ours, theirs)
