@@ -110,8 +110,9 @@ def config_from_hf(hf_config: dict, base_model):
   family = hf.get('model_type')
   if family not in FAMILIES:
     if 'LlamaForCausalLM' not in (hf.get('architectures') or []):
-      hint = ' (a Gemma 3 vision-language config: import its text model, Gemma3ForCausalLM)' \
-          if family == 'gemma3' else ''
+      hint = {'gemma3': ' (a Gemma 3 vision-language config: import its text model, Gemma3ForCausalLM)',
+              'llama4': ' (a Llama 4 vision-language config: import its text model, Llama4ForCausalLM with its '
+                        'text_config)'}.get(family, '')
       raise ValueError(f"model_type={family!r}, architectures={hf.get('architectures')}: only "
                        f"{', '.join(FAMILIES)} can be imported{hint}")
     family = 'llama'
