@@ -108,7 +108,25 @@ def check(peft, model=None) -> list:
   if peft.load_lora_from_ckpt and not peft.lora_save_dir:
     problems.append(f'{key}.load_lora_from_ckpt needs lora_save_dir (a flatron step or peft directory, '
                     'with lora_load_tag its sub-directory)')
-  return problems if problems or model is None else fused_problems(peft, model)
+  if problems or model is None:
+    return problems
+  return fused_problems(peft, model) + latent_problems(peft, model)
+
+
+def latent_problems(peft, model) -> list:
+  """Latent attention (DeepSeek-V3) has no q/k/v projections to adapt, and its own are not
+  targets yet: a target naming q, k or v (all-linear among them) would leave them untouched,
+  where peft adapts them."""
+  mla = model.get('mla')
+  if mla is None or mla.get('kv_lora_rank', 0) <= 0:
+    return []
+  entries = _target_entries(peft)
+  attention = {'all-linear', 'qkv_proj', 'q_proj', 'k_proj', 'v_proj'}
+  if is_regex(peft) or attention & {str(t).split('.')[-1] for t in entries}:
+    return [f'model_alignment_strategy.peft.target_modules={tuple(entries)!r} with latent attention '
+            '(model.mla): its q_a/q_b/kv_a/kv_b projections are not LoRA targets yet; name the ones that are, '
+            "e.g. ('o_proj', 'gate_proj', 'up_proj', 'down_proj')"]
+  return []
 
 
 def fused_problems(peft, model) -> list:
