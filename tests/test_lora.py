@@ -345,3 +345,14 @@ def test_load_lora_from_ckpt_starts_from_those_adapters(runs, tmp_path, source):
     _, start = train.run(config, str(tmp_path / 'run'))
   for name, p in trained.items():
     assert torch.equal(start[name].detach(), p.detach()), name    # adapters loaded, base from init_from
+
+
+def test_latent_attention_refuses_targets_it_cannot_adapt_naming_those_it_can():
+  """DeepSeek-V3's latent attention has no q/k/v projections: all-linear would silently leave its
+  q_a/q_b/kv_a/kv_b projections alone (peft adapts them), so it is refused; o_proj and the MLP are fine."""
+  from configs import validate  # pylint: disable=import-outside-toplevel
+  c = parity.parity_config(family='deepseek_v3', layers=4, lora=4)
+  assert "with latent attention (model.mla): its q_a/q_b/kv_a/kv_b projections are not LoRA targets yet" in \
+      '\n'.join(validate.check(c, 1))
+  c.model_alignment_strategy.peft.target_modules = ('o_proj', 'gate_proj', 'up_proj', 'down_proj')
+  assert validate.check(c, 1) == []
