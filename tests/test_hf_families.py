@@ -73,6 +73,29 @@ def _logit_error(params, m, model, tokens):
     return (transformer.forward(params, tokens, m)[..., :VOCAB] - model(tokens).logits).abs().max().item()
 
 
+@torch.no_grad()
+def decoding_error(params, m, tokens, prefix=6):
+  """Max |difference| between the logits of `tokens` decoded with the KV cache (the first
+  `prefix` at once, then one at a time) and of one forward over them all."""
+  whole = transformer.forward(params, tokens, m)
+  logits, cache = transformer.decode(params, tokens[:, :prefix], m)
+  steps = [logits]
+  for i in range(prefix, tokens.shape[1]):
+    logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
+    steps.append(logits)
+  return (torch.cat(steps, dim=1) - whole).abs().max().item()
+
+
+@torch.no_grad()
+def greedy_equals_transformers(params, m, model, prompt, new_tokens):
+  """Whether greedy decoding continues `prompt` with transformers' own `generate` tokens."""
+  theirs = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+  ours = prompt
+  for _ in range(new_tokens):
+    ours = torch.cat([ours, transformer.forward(params, ours, m)[:, -1, :VOCAB].argmax(-1, keepdim=True)], dim=1)
+  return torch.equal(ours, theirs)
+
+
 def _ablations(m):
   """Copies of model section `m`, each with one of its family's features switched off (those that
   need no other parameters): each must change the logits, or the test would not see it."""
@@ -196,16 +219,5 @@ def test_llama4_decodes_with_the_kv_cache_as_transformers_generates(tmp_path):
   step by step gives the whole sequence's logits, and greedy tokens are transformers' own."""
   model, m, params = imported('llama4_text', tmp_path)
   tokens = random_tokens(7, b=1, s=12)
-  with torch.no_grad():
-    whole = transformer.forward(params, tokens, m)
-    logits, cache = transformer.decode(params, tokens[:, :6], m)
-    steps = [logits]
-    for i in range(6, 12):
-      logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
-      steps.append(logits)
-    assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-5
-    theirs = model.generate(tokens[:, :8], max_new_tokens=6, do_sample=False)
-  ours = tokens[:, :8]
-  for _ in range(6):
-    ours = torch.cat([ours, transformer.forward(params, ours, m)[:, -1, :VOCAB].argmax(-1, keepdim=True)], dim=1)
-  assert torch.equal(ours, theirs)
+  assert decoding_error(params, m, tokens) < 1e-5
+  assert greedy_equals_transformers(params, m, model, tokens[:, :8], 6)

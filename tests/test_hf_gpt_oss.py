@@ -18,6 +18,7 @@ mxfp4 = pytest.importorskip('transformers.integrations.mxfp4')
 
 from model import hf, hf_export, hf_gpt_oss, transformer
 from tests.test_hf import BASE_MODEL, VOCAB, _randomize, random_tokens
+from tests.test_hf_families import _logit_error, decoding_error, greedy_equals_transformers
 
 TOL = 1e-4        # fp32 max |logit difference|
 YARN = {'rope_type': 'yarn', 'rope_theta': 150000.0, 'factor': 4.0, 'beta_fast': 32.0, 'beta_slow': 1.0,
@@ -42,11 +43,6 @@ def imported(tmp_path, seed=0):
   model.save_pretrained(tmp_path / 'theirs')
   m, params = hf.load_hf(str(tmp_path / 'theirs'), BASE_MODEL)
   return model, m, params
-
-
-def _logit_error(params, m, model, tokens):
-  with torch.no_grad():
-    return (transformer.forward(params, tokens, m)[..., :VOCAB] - model(tokens).logits).abs().max().item()
 
 
 def in_hf_names(ours, m):
@@ -169,20 +165,8 @@ def test_decoding_with_the_kv_cache_gives_the_whole_sequence_logits(tmp_path):
   one forward over the whole sequence, and transformers' greedy continuation."""
   model, m, params = imported(tmp_path)
   tokens = random_tokens(7, b=1, s=12)
-  whole = transformer.forward(params, tokens, m)
-  logits, cache = transformer.decode(params, tokens[:, :6], m)
-  steps = [logits]
-  for i in range(6, 12):
-    logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
-    steps.append(logits)
-  assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-5
-  with torch.no_grad():
-    theirs = model.generate(tokens[:, :8], max_new_tokens=4, do_sample=False)
-  ours = tokens[:, :8]
-  for _ in range(4):
-    nxt = transformer.forward(params, ours, m)[:, -1, :VOCAB].argmax(-1, keepdim=True)
-    ours = torch.cat([ours, nxt], dim=1)
-  assert torch.equal(ours, theirs)
+  assert decoding_error(params, m, tokens) < 1e-5
+  assert greedy_equals_transformers(params, m, model, tokens[:, :8], 4)
 
 
 def test_through_the_converters_and_a_checkpoint(tmp_path):

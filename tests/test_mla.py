@@ -18,6 +18,7 @@ transformers = pytest.importorskip('transformers')
 from model import hf, hf_export, lora, mla, transformer
 from model.hf_names import file_name
 from tests.test_hf import BASE_MODEL, VOCAB, _randomize, random_tokens
+from tests.test_hf_families import _logit_error, decoding_error, greedy_equals_transformers
 
 TOL = 1e-4        # fp32 max |logit difference|
 YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 16,
@@ -48,11 +49,6 @@ def imported(tmp_path, seed=0, **overrides):
   model.save_pretrained(tmp_path / 'theirs')
   m, params = hf.load_hf(str(tmp_path / 'theirs'), BASE_MODEL)
   return model, m, params
-
-
-def _logit_error(params, m, model, tokens):
-  with torch.no_grad():
-    return (transformer.forward(params, tokens, m)[..., :VOCAB] - model(tokens).logits).abs().max().item()
 
 
 def test_config_reads_every_feature():
@@ -130,15 +126,10 @@ def test_the_multi_token_prediction_layer_of_a_release_is_skipped_as_transformer
 
 
 def test_decoding_with_the_kv_cache_gives_the_whole_sequence_logits(tmp_path):
-  _, m, params = imported(tmp_path)
+  model, m, params = imported(tmp_path)
   tokens = random_tokens(7, b=1, s=12)
-  whole = transformer.forward(params, tokens, m)
-  logits, cache = transformer.decode(params, tokens[:, :6], m)
-  steps = [logits]
-  for i in range(6, 12):
-    logits, cache = transformer.decode(params, tokens[:, i:i + 1], m, cache)
-    steps.append(logits)
-  assert (torch.cat(steps, dim=1) - whole).abs().max().item() < 1e-5
+  assert decoding_error(params, m, tokens) < 1e-5
+  assert greedy_equals_transformers(params, m, model, tokens[:, :8], 4)
 
 
 def test_through_the_converters_and_a_checkpoint(tmp_path):
