@@ -73,6 +73,17 @@ def _logit_error(params, m, model, tokens):
     return (transformer.forward(params, tokens, m)[..., :VOCAB] - model(tokens).logits).abs().max().item()
 
 
+def losses_after_backward(params, m, model, tokens):
+  """(our mean next-token loss, transformers' cross-entropy) over `tokens`, each backward once."""
+  batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(tokens[:, 1:].shape))
+  loss, _ = transformer.stage(params, batch, m)
+  ours = loss / batch['labels'].numel()
+  ours.backward()
+  theirs = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+  theirs.backward()
+  return ours.item(), theirs.item()
+
+
 @torch.no_grad()
 def decoding_error(params, m, tokens, prefix=6):
   """Max |difference| between the logits of `tokens` decoded with the KV cache (the first
@@ -174,16 +185,11 @@ def test_an_olmo2_norm_without_its_block_is_refused_by_name():
 
 def test_llama4_loss_and_every_gradient_equal_transformers(tmp_path):
   """The input-scaling router, the temperature and the chunks in the backward too."""
-  import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
   model, m, params = imported('llama4_text', tmp_path)
   params = {n: t.requires_grad_() for n, t in params.items()}
   tokens = random_tokens(4, s=24)
-  batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(tokens[:, 1:].shape))
-  loss, _ = transformer.stage(params, batch, m)
-  (loss / batch['labels'].numel()).backward()
-  theirs = F.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-  theirs.backward()
-  assert abs(loss.item() / batch['labels'].numel() - theirs.item()) < TOL
+  ours, theirs = losses_after_backward(params, m, model, tokens)
+  assert abs(ours - theirs) < TOL
   grads = {n: p.grad for n, p in model.named_parameters()}
   for name, p in params.items():
     stored = hf.file_name(name, m) if not moe.is_expert_param(name) else None

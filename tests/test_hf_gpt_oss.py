@@ -10,7 +10,6 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip('transformers')
@@ -18,7 +17,7 @@ mxfp4 = pytest.importorskip('transformers.integrations.mxfp4')
 
 from model import hf, hf_export, hf_gpt_oss, transformer
 from tests.test_hf import BASE_MODEL, VOCAB, _randomize, random_tokens
-from tests.test_hf_families import _logit_error, decoding_error, greedy_equals_transformers
+from tests.test_hf_families import _logit_error, decoding_error, greedy_equals_transformers, losses_after_backward
 
 TOL = 1e-4        # fp32 max |logit difference|
 YARN = {'rope_type': 'yarn', 'rope_theta': 150000.0, 'factor': 4.0, 'beta_fast': 32.0, 'beta_slow': 1.0,
@@ -70,12 +69,8 @@ def test_logits_loss_and_every_gradient_equal_transformers(tmp_path):
   params = {n: t.requires_grad_() for n, t in params.items()}
   tokens = random_tokens(4, b=2)
   assert _logit_error(params, m, model, tokens[:, :-1]) < TOL
-  batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(tokens[:, 1:].shape))
-  loss, _ = transformer.stage(params, batch, m)
-  (loss / batch['labels'].numel()).backward()
-  theirs = F.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-  theirs.backward()
-  assert abs(loss.item() / batch['labels'].numel() - theirs.item()) < TOL
+  ours, theirs = losses_after_backward(params, m, model, tokens)
+  assert abs(ours - theirs) < TOL
   ours = in_hf_names({n: p.grad for n, p in params.items()}, m)
   hf_grads = {n: p.grad for n, p in model.named_parameters()}
   assert ours.keys() == hf_grads.keys()

@@ -10,15 +10,14 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip('transformers')
 
-from model import hf, hf_export, lora, mla, transformer
+from model import hf, hf_export, lora, mla
 from model.hf_names import file_name
 from tests.test_hf import BASE_MODEL, VOCAB, _randomize, random_tokens
-from tests.test_hf_families import _logit_error, decoding_error, greedy_equals_transformers
+from tests.test_hf_families import _logit_error, decoding_error, greedy_equals_transformers, losses_after_backward
 
 TOL = 1e-4        # fp32 max |logit difference|
 YARN = {'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0, 'original_max_position_embeddings': 16,
@@ -69,12 +68,8 @@ def test_logits_loss_and_every_gradient_equal_transformers(q_lora_rank, tmp_path
   params = {n: t.requires_grad_(n in lora.trainable(m, [n])) for n, t in params.items()}
   tokens = random_tokens(4, b=2)
   assert _logit_error(params, m, model, tokens[:, :-1]) < TOL
-  batch = dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(tokens[:, 1:].shape))
-  loss, _ = transformer.stage(params, batch, m)
-  (loss / batch['labels'].numel()).backward()
-  theirs = F.cross_entropy(model(tokens[:, :-1]).logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-  theirs.backward()
-  assert abs(loss.item() / batch['labels'].numel() - theirs.item()) < TOL
+  ours, theirs = losses_after_backward(params, m, model, tokens)
+  assert abs(ours - theirs) < TOL
   hf_grads = {n.removeprefix('model.'): p.grad for n, p in model.named_parameters()}
   for name, p in params.items():
     if not p.requires_grad:          # the correction bias: chosen with, never trained
