@@ -3,9 +3,17 @@ names the file, where in it, and the fix: safetensors cut short or of another fo
 does not parse (its line and column)."""
 import contextlib
 import json
+import re
 
 from safetensors import safe_open
 from user_errors import UserError, readable
+
+
+CONFIG_FILE = 'config.json'
+WEIGHTS_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+SHARD_PATTERN = re.compile(r'model-\d{5}-of-\d{5}\.safetensors')
+VOCAB_PARAMS = ('embed_tokens.weight', 'lm_head.weight')
 
 
 class HFFileError(UserError, ValueError):
