@@ -1,4 +1,4 @@
-"""LoRA on Qwen3, Qwen3-MoE, OLMo 2, SmolLM3 and Phi-3 (tests/test_hf_families.py's small models, every
+"""LoRA on Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3 and Llama 4 (tests/test_hf_families.py's small models, every
 feature of the family on) with peft as the oracle: our adapter, saved as a peft directory, loads
 with PeftModel.from_pretrained and gives our logits, and peft's own adapter loads here and gives
 its logits. Phi-3's fused qkv_proj / gate_up_proj share one A (model/lora_fused.py): its gradient
@@ -27,9 +27,10 @@ transformers = pytest.importorskip('transformers')
 peft_lib = pytest.importorskip('peft')
 
 SETTINGS = dict(r=4, lora_alpha=8, target_modules='all-linear')     # peft's LoraConfig
-# peft on transformers 5 reads a Qwen3-MoE's MLP targets as its experts' (`target_parameters`, by
-# the v4 modules' names) and adapts no dense MLP: both ways, Qwen3-MoE's adapters are on attention
-TARGETS = {'qwen3_moe': ['q_proj', 'k_proj', 'v_proj', 'o_proj']}
+# peft on transformers 5 reads a MoE model's MLP targets as its experts' (`target_parameters`, by
+# the v4 modules' names) and adapts no dense MLP: both ways, Qwen3-MoE's and Llama 4's adapters are
+# on attention
+TARGETS = {'qwen3_moe': ['q_proj', 'k_proj', 'v_proj', 'o_proj'], 'llama4_text': ['q_proj', 'k_proj', 'v_proj', 'o_proj']}
 
 
 def randomized(named, seed, scale=0.1):
