@@ -166,7 +166,8 @@ def moe_bytes(config, w, tp, b, n) -> int:
     indices and weights 12 N k + 4 N; slot indices 16 T (slot, token), their weights 4 T (and
     the grouped GEMM's offsets 4 E); the experts' sorted inputs and outputs 2 w T h, their
     inner 4 w T f'
-    (gate, silu(gate), up, product); under SP the router's own-gradient mask w s (and the
+    (gate, silu(gate), up, product; gpt-oss's clamped SwiGLU 7 w T f' and, with biases, each
+    slot's expert 8 T and its down bias w N k h); under SP the router's own-gradient mask w s (and the
     shared gate's); Qwen2-MoE's shared expert 4 w N f_s' + w N h + w N (inner, output, gate).
   In fixed-size buffers (fixed_buffers: XLA, model.compile) of R rows per expert
   (moe.buffer_rows): the slots' kept flags, rows and weights 9 N k + w N k, their inputs and
@@ -177,13 +178,16 @@ def moe_bytes(config, w, tp, b, n) -> int:
   slots = min(n * k, b * e * moe.capacity(m, n // b))
   f = moe.expert_ffn_size(m) // tp
   routing = w * n * h + 8 * n * e + 4 * n + 12 * n * k + 4 * n
+  inner = 7 if m.moe.get('expert_activation') == 'clamped_swiglu' else 4   # gpt-oss's clamps: 3 more
   if fixed_buffers(config):
     rows = moe.buffer_rows(m, b, n // b)
-    experts = 9 * n * k + w * n * k * (2 * h + 1) + w * (e * rows + 1) * h + 4 * w * e * rows * f
+    experts = 9 * n * k + w * n * k * (2 * h + 1) + w * (e * rows + 1) * h + inner * w * e * rows * f
   else:
     dtype = torch.float32 if w == 4 else torch.bfloat16
     offsets = 4 * e if moe_kernels.grouped_mm_fits(h, f, dtype, devices.kind(config.device)) else 0
-    experts = 20 * slots + offsets + w * slots * (2 * h + 4 * f)
+    experts = 20 * slots + offsets + w * slots * (2 * h + inner * f)
+  if m.has_bias:          # gpt-oss: each slot's expert row (bias lookup), the down biases gathered per slot
+    experts += 8 * slots + w * n * k * h + 4 * n * k
   sp = tp > 1 and config.distributed_strategy.sequence_parallel
   shared = m.moe.shared_expert_intermediate_size // tp
   masks = (2 if shared else 1) * w * (n // b) if sp else 0       # own-gradient masks: router, shared gate

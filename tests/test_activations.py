@@ -1,5 +1,7 @@
 """estimates/activations.py: the activation formula in closed form (its measurement is pinned
 in tests/test_remat.py)."""
+import pytest
+
 from configs import llama7b
 from estimates import activations
 
@@ -62,11 +64,13 @@ def test_selective_recompute_leaves_no_quadratic_term():
   assert activations.activation_bytes_per_layer(c, 2) == 2 * short
 
 
-def test_latent_attention_is_counted_as_it_is_measured():
-  """DeepSeek-V3's block (latent attention, explicit softmax, MoE) against what autograd keeps:
-  within 3% (its q bottleneck, latent norms and narrower values counted)."""
+@pytest.mark.parametrize('family', ['deepseek_v3', 'gpt_oss', 'llama4'])
+def test_the_2026_moe_blocks_are_counted_as_they_are_measured(family):
+  """Each family's block (explicit softmax, MoE) against what autograd keeps, within 3%:
+  DeepSeek-V3's latent attention (q bottleneck, latent norms, narrower values), gpt-oss's sinks,
+  biases and clamped SwiGLU, Llama 4's input-scaled experts."""
   from tests import parity  # pylint: disable=import-outside-toplevel
-  c = parity.parity_config(family='deepseek_v3', layers=2)
+  c = parity.parity_config(family=family, layers=2)
   c.model.moe.dense_layers = ()
   c.model.fusions.flash_attention = False
   c.data.seq_length, c.data.micro_batch_size = 64, 2
