@@ -95,7 +95,7 @@ def activation_bytes_per_layer(config, bytes_per_value=4, tp=1, recompute=True) 
     attention += w * n * (heads + 2 * kv) * d
   elif cp > 1:                                 # the ring: q, k, v, its output, lse (fp32)
     attention += w * n * (2 * heads + 2 * kv) * d + 4 * b * heads * s
-  elif attention_fn.uses_sdpa(m):
+  elif fused_attention(config):
     copied = m.position_embedding_type == 'rope' and heads > 1   # one head: the rearrange is a view
     if mla.enabled(m):      # q and k joined from their parts; v a view of kv_b_proj's output (nope + v a head)
       attention += w * n * heads * (2 * d + m.mla.qk_nope_head_dim + v_dim) + 4 * b * heads * s
@@ -144,6 +144,14 @@ def mask_bytes_per_micro_batch(config) -> int:
   per micro batch in flight), where attention takes one (`takes_mask`)."""
   s = config.data.seq_length
   return mask_batch(config) * s * s if takes_mask(config) else 0
+
+
+def fused_attention(config) -> bool:
+  """Whether attention runs as SDPA's fused kernels (no s x s probabilities kept): SDPA, but not
+  latent attention on the CPU, whose kernels take values as wide as keys only (torch runs it on
+  its math path, which keeps them)."""
+  m = config.model
+  return attention_fn.uses_sdpa(m) and not (mla.enabled(m) and devices.kind(config.device) == 'cpu')
 
 
 def _latent_bytes(m, w, n) -> int:

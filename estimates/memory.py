@@ -6,7 +6,7 @@ import math
 from estimates import activations, grad_memory, param_memory, update_memory
 from estimates.host_heap import heap_holes_bytes
 from estimates.update_memory import ADAM_STATES, fused_fp32_names, fused_sr, update_temporaries
-from model import attention, lora, moe, objectives, param_table, transformer
+from model import lora, moe, objectives, param_table, transformer
 from numerics import precision
 from parallel import device as devices
 
@@ -181,7 +181,7 @@ def backward_working_bytes(config, tp) -> int:
   # the probabilities' gradient in fp32 and the softmax's backward output, and the probabilities
   # themselves where recompute rebuilds them (else they are a saved activation already)
   softmax = ((3 if rebuilt else 2) * 4 * b * (m.num_attention_heads // tp) * s * s
-             if cp == 1 and not attention.uses_sdpa(m) else 0)
+             if cp == 1 and not activations.fused_attention(config) else 0)
   recomputed = (activations.activation_bytes_per_layer(config, w, tp, recompute=False)
                 - activations.activation_bytes_per_layer(config, w, tp)
                 if granularity in ('full', 'selective') else 0)
