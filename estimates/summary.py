@@ -8,8 +8,8 @@ import dataclasses
 import torch
 
 from estimates import clusters, memory, memory_check, step_time
-from model import flop_count, lora, lora_targets, param_table, transformer
-from parallel import device as devices, mesh as meshes, tensor, training
+from model import flop_count, lora, lora_targets, mla, param_init, param_table, transformer
+from parallel import device as devices, experts, mesh as meshes, tensor, training
 
 
 def startup(config, mesh, sizes, est) -> str:
@@ -48,7 +48,7 @@ def startup(config, mesh, sizes, est) -> str:
   if lora.settings(m) is not None:
     lines.append(_lora_line(config, sizes, est, n_total))
   if mesh.world_size > 1:
-    lines += ['layout:'] + ['  ' + line for line in tensor.describe_layout(config, mesh)]
+    lines += ['layout:'] + ['  ' + line for line in describe_layout(config, mesh)]
   return '\n'.join(lines)
 
 
@@ -140,3 +140,33 @@ def dry_run_report(config, world_size, check):
   text = '\n'.join(['resolved flatron config:', config.to_yaml().rstrip(), '', startup(config, mesh, sizes, est), fits,
                     'dry run: nothing was allocated and the workdir was not touched'])
   return text, refusal
+
+
+def describe_layout(config, mesh):
+  """One line per rank: its mesh coordinates and which heads / ffn columns / vocab rows it holds."""
+  m = config.model
+  specs = param_table.param_specs(m, mesh.tp)
+  d = transformer.head_dim(m)
+
+  def span(name, t, divisor=1):
+    rows = tensor.tp_box(specs[name], mesh.tp, t, mesh.kv_replicator)[0]
+    return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
+
+  def ffn(r):
+    if 'layers.0.mlp.up_proj.weight' in specs:
+      return f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}'
+    name = 'layers.0.mlp.experts.down_proj'       # MoE: the experts this rank holds
+    rows = experts.ep_box(name, param_init.full_box(specs[name].shape), specs[name], r)[0]
+    return f'experts {rows.start}-{rows.stop - 1}'
+
+  def heads(r):
+    if mla.enabled(m):               # latent attention: the heads of kv_b_proj's rows (keys and values alike)
+      per = m.num_attention_heads // mesh.tp
+      return f'heads {r.tp_rank * per}-{(r.tp_rank + 1) * per - 1}'
+    return (f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
+            f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}')
+
+  ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
+  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank}{f" cp {r.cp_rank}" if r.cp > 1 else ""} tp {r.tp_rank} | '
+          f'{heads(r)}, {ffn(r)}, vocab rows {span("embed_tokens.weight", r.tp_rank)}'
+          for r in ranks]

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from model import layers, mla, moe, param_init, param_table, transformer
+from model import layers, moe, param_init, param_table
 from numerics import fp8, precision
 from parallel import comm, context, experts, sequence
 
@@ -272,33 +272,3 @@ def config_ops(config, mesh):
     ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep),
                               expert_buffers=experts.expert_buffers(mesh.ep_group, mesh.ep))
   return ops
-
-
-def describe_layout(config, mesh):
-  """One line per rank: its mesh coordinates and which heads / ffn columns / vocab rows it holds."""
-  m = config.model
-  specs = param_table.param_specs(m, mesh.tp)
-  d = transformer.head_dim(m)
-
-  def span(name, t, divisor=1):
-    rows = tp_box(specs[name], mesh.tp, t, mesh.kv_replicator)[0]
-    return f'{rows.start // divisor}-{rows.stop // divisor - 1}'
-
-  def ffn(r):
-    if 'layers.0.mlp.up_proj.weight' in specs:
-      return f'ffn {span("layers.0.mlp.up_proj.weight", r.tp_rank)}'
-    name = 'layers.0.mlp.experts.down_proj'       # MoE: the experts this rank holds
-    rows = experts.ep_box(name, param_init.full_box(specs[name].shape), specs[name], r)[0]
-    return f'experts {rows.start}-{rows.stop - 1}'
-
-  def heads(r):
-    if mla.enabled(m):               # latent attention: the heads of kv_b_proj's rows (keys and values alike)
-      per = m.num_attention_heads // mesh.tp
-      return f'heads {r.tp_rank * per}-{(r.tp_rank + 1) * per - 1}'
-    return (f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
-            f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}')
-
-  ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
-  return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank}{f" cp {r.cp_rank}" if r.cp > 1 else ""} tp {r.tp_rank} | '
-          f'{heads(r)}, {ffn(r)}, vocab rows {span("embed_tokens.weight", r.tp_rank)}'
-          for r in ranks]
