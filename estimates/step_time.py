@@ -147,9 +147,10 @@ def predict(config, cluster, world_size, counts=None, slower_than=None):
   trainable = dense_trained + expert_trained
   stage = zero_stage(config, dp * cp)
   # dense gradients reduce over dp x cp (HSDP: ZeRO's shard group, then across the replicas),
-  # experts' over expert-DP; cp sits inside dp: the group's ranks average tp x pp apart
+  # experts' over expert-DP (then across cp: parallel/experts.py replicas; at ep 1 with the
+  # dense ones); cp sits inside dp: the group's ranks average tp x pp apart
   group = (d.get('data_parallel_shard_size', 0) or dp * cp) if stage else dp * cp
-  expert_group = dp // ep
+  expert_group = dp // ep if ep > 1 else dp * cp
   dp_bw, dp_lat = link(cluster, group, tp * pp)
   gsize, pbytes = recipe.grad_acc_dtype.itemsize, recipe.param_dtype.itemsize
   grads = trainable * gsize
@@ -182,6 +183,9 @@ def predict(config, cluster, world_size, counts=None, slower_than=None):
   replicas = dp * cp // group
   if replicas > 1:        # HSDP: the owned rows' all-reduce across the replica groups, after the backward
     exposed += collective(cluster, 'all_reduce', dense_trained / group * gsize, replicas, group * tp * pp)
+  if expert_trained and ep > 1 and cp > 1:    # the experts' owned rows across the cp ranks, after the backward
+    owned_experts = expert_trained / (expert_group if stage else 1)
+    exposed += collective(cluster, 'all_reduce', owned_experts * gsize, cp, tp)
   master = 4 if recipe.has_master(recipe.param_dtype) else 0
   state = 2 * recipe.state_dtype(recipe.param_dtype).itemsize
   per_param = 2 * (recipe.param_dtype.itemsize + master + state) + 2 * recipe.grad_acc_dtype.itemsize

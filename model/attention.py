@@ -77,7 +77,7 @@ def core_attention(q_bnsd, k_bnsd, v_bnsd, mask_b1ss, cfg, layer, drop_key, samp
   groups = q_bnsd.shape[1] // k_bnsd.shape[1]
   scale = attention_scale(cfg, q_bnsd.shape[-1])
   if isinstance(mask_b1ss, layers.Attend):
-    return mask_b1ss.fn(q_bnsd, k_bnsd, v_bnsd, scale)
+    return mask_b1ss.fn(q_bnsd, k_bnsd, v_bnsd, scale, sinks_n)
   if uses_sdpa(cfg, drop_key is not None):
     if mask_b1ss is None:
       return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, is_causal=True, scale=scale,

@@ -72,7 +72,7 @@ class Ops:
   reduce_over_tp: Callable = _identity  # partial sums -> output: all-reduce, or reduce-scatter under SP
   moe: object = None                   # the stage's router_losses.Collector (set by transformer.stage)
   moe_tally: object = None             # dict: the pass's MoE metric sums (set by the caller)
-  # Context parallelism (parallel/context.py): (batch, window) -> Attend, the attention of a
+  # Context parallelism (parallel/context.py): (batch, window, chunk) -> Attend, the attention of a
   # layer over the sequence whose slice this rank holds; None = attention over what is here.
   context_attention: Callable = None
   # Dropout at cp > 1: masks are drawn for the whole sequence (context_size times this rank's
@@ -80,6 +80,9 @@ class Ops:
   # applies the one-device mask's entries for its tokens.
   context_size: int = 1
   context_slice: Callable = None
+  # x [b, s, ...] -> [b, S, ...]: the whole rows this rank holds slices of, in sequence order
+  # (MoE capacity's queues over each row)
+  whole_rows: Callable = None
   # A sum over the features of a projection's heads (OLMo 2's q/k norms) where this process holds
   # some of its heads: (partial sums, whether of the KV heads) -> the sum over the TP group (each
   # KV head counted once where kv_replicator ranks hold it); its gradient summed back the same way.
@@ -94,8 +97,8 @@ LOCAL_OPS = Ops()
 
 @dataclasses.dataclass(frozen=True)
 class Attend:
-  """Attention done elsewhere, passed where the mask goes: fn(q, k, v, scale) -> out (the
-  ring of context parallelism, which builds its masks block by block)."""
+  """Attention done elsewhere, passed where the mask goes: fn(q, k, v, scale, sinks or None) ->
+  out (the ring of context parallelism, which builds its masks block by block)."""
   fn: Callable
 
 

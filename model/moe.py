@@ -123,11 +123,12 @@ def capacity(cfg, tokens) -> int:
   return min(tokens, math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts))
 
 
-def route(logits_bse, cfg, correction=None):
+def route(logits_bse, cfg, correction=None, ops=None):
   """(probs fp32 [b,s,E], top-k weights fp32 [b,s,k], top-k experts [b,s,k], kept [b,s,k] bool).
   `correction` [E] (DeepSeek-V3's load-balancing bias): added to the probabilities to choose the
   experts, not to their weights. With moe.num_groups > 1 (DeepSeek's n_group) the experts are
-  chosen within the moe.top_k_groups groups whose two best scores sum highest."""
+  chosen within the moe.top_k_groups groups whose two best scores sum highest. Under context
+  parallelism (`ops.context_size` > 1) the capacity's queues run over the whole rows."""
   moe = cfg.moe
   logits = logits_bse.float()
   probs = torch.sigmoid(logits) if moe.router_activation == 'sigmoid' else torch.softmax(logits, dim=-1)
@@ -147,14 +148,16 @@ def route(logits_bse, cfg, correction=None):
     weights = weights / weights.sum(dim=-1, keepdim=True)
   if moe.get('routed_scaling_factor', 1.0) != 1.0:
     weights = weights * moe.routed_scaling_factor
+  sliced = ops is not None and ops.context_size > 1
   b, s, k = experts.shape
-  cap = capacity(cfg, s)
-  if cap >= s:
+  cap = capacity(cfg, s * ops.context_size if sliced else s)
+  if cap >= s * (ops.context_size if sliced else 1):
     kept = torch.ones_like(experts, dtype=torch.bool)
   else:       # position of each (token, slot) in its expert's queue, in token order
-    onehot = F.one_hot(experts.reshape(b, s * k), moe.num_experts)
-    queue = (onehot.cumsum(dim=1) * onehot).sum(-1).view(b, s, k)
-    kept = queue <= cap
+    whole = ops.whole_rows(experts) if sliced else experts
+    onehot = F.one_hot(whole.reshape(b, -1), moe.num_experts)
+    kept = (onehot.cumsum(dim=1) * onehot).sum(-1).view(b, -1, k) <= cap
+    kept = ops.context_slice(kept) if sliced else kept
   return probs, weights, experts, kept
 
 
@@ -167,7 +170,7 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   own = (lambda t: _own_gradient(t, ops)) if sliced else (lambda t: t)
   logits = own(F.linear(x_bsh, params[prefix + '.gate.weight'], params[prefix + '.gate.bias'] if cfg.has_bias else None))
   correction = params[prefix + '.gate.e_score_correction_bias'] if moe.get('load_balance_bias') else None
-  probs, weights, experts, kept = route(logits, cfg, correction)
+  probs, weights, experts, kept = route(logits, cfg, correction, ops)
   if ops.moe is not None:
     ops.moe.record(logits, probs, experts, kept, prefix)
   # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP

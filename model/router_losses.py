@@ -10,6 +10,13 @@ alike: the router sees them all, as HF's with an all-ones attention_mask):
                                           P_e = sum of p_e over them, N = MoE layers x tokens
   router z-loss (ST-MoE):  z = mean over layers and tokens of logsumexp(logits)^2
   loss = LM loss + router_aux_loss_coef * aux (with output_router_logits) + router_z_loss_coef * z
+
+Under context parallelism a rank holds a slice of each row (`whole_row`, the sum over the cp
+ranks): the counts c_e and the row weights are summed over the slices, so every rank knows the
+whole row's; P_e and z stay the slice's own, and as aux is linear in P for given counts, each
+rank's loss share E sum_e (c_e / N)(P_e / N) adds up over the ranks to the whole row's, the
+gradient of each probability exact. The metrics from whole counts (load, dropped) are the same
+on every rank and weighted by the slice's own loss count, which adds up to the row's.
 """
 import torch
 import torch.nn.functional as F
@@ -45,10 +52,13 @@ class Collector:
   activations; the last stage computes the losses from the totals, and their gradient reaches
   every stage's probabilities and z through the carried sums, as the activations' does."""
 
-  def __init__(self, cfg, row_weights_b, tokens, carried=None, layers=None):
-    """`layers`: how many MoE layers this stage runs (known from its layer range, so nothing is
-    read back from the device); None: those recorded, counted on the device."""
+  def __init__(self, cfg, row_weights_b, tokens, carried=None, layers=None, whole_row=None):
+    """`tokens`: the whole row's; `layers`: how many MoE layers this stage runs (known from its
+    layer range, so nothing is read back from the device; None: those recorded, counted on the
+    device); `whole_row(x)`: x summed over the slices of the rows (context parallelism), None: one."""
     self.cfg, self.w, self.tokens, self.carried, self.layers_here = cfg, row_weights_b.float(), tokens, carried, layers
+    self.whole_row = whole_row or (lambda x: x)
+    self.w_row = self.whole_row(self.w)          # the whole rows' weights
     e, zeros = cfg.moe.num_experts, lambda *shape: torch.zeros(shape, device=self.w.device)
     b = self.w.shape[0]
     if carried is None:
@@ -68,12 +78,13 @@ class Collector:
     """One MoE layer's routing; `layer` (its prefix) also counts its load per expert where
     moe.load_balance_rate moves the correction biases by it (training passes only)."""
     e = self.cfg.moe.num_experts
-    chosen = F.one_hot(experts, e).sum(2)                          # [b, s, E] top-k assignments
-    kept_counts = (F.one_hot(experts, e) * kept[..., None]).sum((1, 2)).float()   # [b, E]
-    sums = (self.counts + chosen.sum(1).float().detach(), self.probs + probs.sum(1),
+    onehot = F.one_hot(experts, e)                                 # [b, s, k, E]
+    # the whole rows' top-k assignments and kept ones per expert [b, E]
+    chosen, kept_counts = self.whole_row(torch.stack([onehot.sum((1, 2)), (onehot * kept[..., None]).sum((1, 2))]).float())
+    sums = (self.counts + chosen, self.probs + probs.sum(1),
             self.z + torch.logsumexp(logits.float(), dim=-1).pow(2).sum(1),
-            self.load + (kept_counts.max(-1).values / kept_counts.mean(-1)).detach(),
-            self.dropped + (1 - kept.float().mean((1, 2))).detach(), self.layers + 1)
+            self.load + kept_counts.max(-1).values / kept_counts.mean(-1),
+            self.dropped + (1 - kept_counts.sum(-1) / (self.tokens * experts.shape[-1])), self.layers + 1)
     # a recompute pass in the backward runs the same operations (checkpoint checks it saves the
     # same tensors) but keeps nothing: its sums are never read
     if not self.finished:
@@ -108,7 +119,7 @@ class Collector:
     total = moe.router_z_loss_coef * z
     if moe.output_router_logits:
       total = total + moe.router_aux_loss_coef * aux
-    return (total * self.w).sum()
+    return (total * self.w_row).sum()
 
   def finish(self, tally, last, objective_adds):
     """After the stage's layers: the metric sums added into `tally` (a dict, or None), and, on
@@ -130,7 +141,9 @@ class Collector:
 
   def metric_sums(self, all_layers) -> dict:
     """Weighted per-row sums of METRICS; load and dropped are means over all MoE layers (this
-    stage's share), the losses only where `all_layers` were recorded here (else 0)."""
+    stage's share), the losses only where `all_layers` were recorded here (else 0). Under cp the
+    losses are this slice's share of the row's (weighted by the row's count), load and dropped
+    the whole row's (weighted by the slice's count)."""
     n_layers = len(moe.moe_layers(self.cfg))
     out = {name: torch.zeros((), device=self.w.device) for name in METRICS}
     if not self._recorded():
@@ -139,5 +152,5 @@ class Collector:
     out['moe_dropped_fraction'] = (self.dropped / n_layers * self.w).sum()
     if all_layers:
       aux, z = self.losses()
-      out['moe_aux_loss'], out['moe_z_loss'] = (aux.detach() * self.w).sum(), (z.detach() * self.w).sum()
+      out['moe_aux_loss'], out['moe_z_loss'] = (aux.detach() * self.w_row).sum(), (z.detach() * self.w_row).sum()
     return out

@@ -49,7 +49,7 @@ def _masks_by_type(cfg, batch, s, device, ops=layers.LOCAL_OPS):
     window = cfg.sliding_window if kind == 'sliding_attention' else 0
     chunk = cfg.attention_chunk_size if kind == 'chunked_attention' else 0
     if ops.context_attention is not None:
-      out[kind] = ops.context_attention(batch, window)
+      out[kind] = ops.context_attention(batch, window, chunk)
       continue
     out[kind] = (attention.causal_mask_after(past, s, device, window, chunk) if past is not None else
                  attention.attention_mask(batch.get('segment_ids'), s, window, device, chunk))
@@ -125,7 +125,10 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   if nope and cfg.get('attn_temperature_tuning'):
     kv_in = batch.get('kv_cache')
     past = kv_in[0].length if kv_in is not None and kv_in[0] is not None else 0
-    no_rope = attention.temperature(cfg, past + torch.arange(s, device=tokens_bs.device))
+    positions = past + torch.arange(s * ops.context_size, device=tokens_bs.device)
+    if ops.context_size > 1:              # the sequence indices of this rank's slice (HF's cache_position)
+      positions = ops.context_slice(positions[None])[0]
+    no_rope = attention.temperature(cfg, positions)
   masks = _masks_by_type(cfg, batch, s, tokens_bs.device, ops)
   kv = batch.get('kv_cache')
   layer_fn = layer_fn or (lambda fn, *args: fn(*args))
@@ -136,7 +139,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     count_rows = objective is not None and objective.row_count
     weights = objective.row_count(batch) if count_rows else torch.ones(b, device=tokens_bs.device)
     moe_here = sum(moe.is_moe_layer(cfg, i) for i in range(lo, hi))
-    collector = router_losses.Collector(cfg, weights, s, moe_carry, moe_here)
+    collector = router_losses.Collector(cfg, weights, s * ops.context_size, moe_carry, moe_here, ops.row_sum)
     ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)

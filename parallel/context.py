@@ -53,24 +53,29 @@ def with_ring(ops, mesh):
     return ops
   ring = ring_attention.GroupRing(mesh.cp_group)
 
-  def attend(batch, window):
+  def attend(batch, window, chunk):
     segments = batch.get('ring_segment_ids')
 
-    def fn(q, k, v, scale):
+    def fn(q, k, v, scale, sinks):
       s = q.shape[2]
       with host_values.host():      # the layout's positions: the ring decides its blocks on the host
         index = ring_attention.layout_indices(s * mesh.cp, mesh.cp)
       by_rank = segments.view(segments.shape[0], mesh.cp, s).transpose(0, 1) if segments is not None else None
       chunks = 2 * max(1, -(-s // (2 * PIECE)))     # whole pieces of each of the rank's two chunks
-      return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale, chunks)
+      return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale, chunks, sinks, chunk)
     return layers.Attend(fn)
 
   def own_positions(mask_bs_):
     index = ring_attention.layout_indices(mask_bs_.shape[1], mesh.cp)[mesh.cp_rank].to(mask_bs_.device)
     return mask_bs_[:, index]
 
+  def whole_rows(x_bs_):
+    parts = comm.all_gather(x_bs_, mesh.cp_group, 1, name='all_gather(whole rows over cp)')   # rank after rank
+    order = ring_attention.layout_indices(parts.shape[1], mesh.cp).flatten().to(x_bs_.device)
+    return torch.empty_like(parts).index_copy_(1, order, parts)
+
   return dataclasses.replace(ops, context_attention=attend, context_size=mesh.cp, context_slice=own_positions,
-                             row_sum=lambda x: comm.reduce_from_group(x, mesh.cp_group))
+                             whole_rows=whole_rows, row_sum=lambda x: comm.reduce_from_group(x, mesh.cp_group))
 
 
 def check(config) -> list:
@@ -101,24 +106,15 @@ def check(config) -> list:
     problems.append(f"model.rope_scaling.type={m.rope_scaling.type!r} with {why}: its frequencies depend on the "
                     "longest position, which a slice does not see; use 'linear', 'llama3' or 'yarn', or "
                     "context_parallel_size=1")
-  if m.get('mla') and m.mla.kv_lora_rank > 0:
-    problems.append(f'model.mla.kv_lora_rank={m.mla.kv_lora_rank} (latent attention) with {why}: the ring does not '
-                    'take values narrower than the keys yet; use context_parallel_size=1')
-  if 'chunked_attention' in tuple(m.get('layer_types', ())):
-    problems.append(f'model.layer_types has chunked_attention with {why}: the ring does not cut its blocks into '
-                    'chunks yet; use context_parallel_size=1')
-  if m.get('attn_temperature_tuning'):
-    problems.append(f'model.attn_temperature_tuning=True with {why}: the temperature is computed from a slice\'s own '
-                    'positions; use context_parallel_size=1')
-  if m.get('attention_sinks'):
-    problems.append(f'model.attention_sinks=True with {why}: the ring does not add the sink logits to its '
-                    'log-sum-exp yet; use context_parallel_size=1')
   if m.compile:
     problems.append(f'model.compile=True with {why}: the ring is not traced; set model.compile=False')
-  if m.moe.num_experts > 0:
-    problems.append(f'model.moe.num_experts={m.moe.num_experts} with {why}: expert capacity and the auxiliary '
-                    'losses are computed per whole sequence, which a cp slice does not see; use '
-                    'context_parallel_size=1 (MoE with context parallelism is not built yet)')
+  if m.moe.num_experts > 0 and not m.moe.dropless and m.moe.get('fixed_buffers'):
+    problems.append(f'model.moe.fixed_buffers=True with model.moe.dropless=False and {why}: the buffers\' rows are '
+                    'queue places in the slice, the capacity\'s are in the whole row; set fixed_buffers=False, '
+                    'dropless=True or context_parallel_size=1')
+  if m.moe.num_experts > 0 and m.get('objective', 'next_token') != 'next_token':
+    problems.append(f'model.objective={m.objective!r} with MoE and {why}: a preference loss is taken once per '
+                    'whole row, the auxiliary losses per slice; use context_parallel_size=1')
   if config.device == 'xla':
     problems.append(f"device='xla' with {why}: the ring's point-to-point sends are built for CPU/CUDA only")
   return problems

@@ -34,8 +34,8 @@ def ep_box(name, box, spec, mesh):
 def domain(mesh, name, zero1):
   """(group that sums the gradient of `name` over data parallel, ZeRO-1 parts, this rank's
   part): dense parameters over DP x CP (under HSDP, ZeRO's shard group: `replicas` sums across
-  the groups), expert tensors over the DP ranks holding the same experts (expert and context
-  parallelism together are refused: moe.check_layout)."""
+  the groups), expert tensors over the DP ranks holding the same experts (under context
+  parallelism then across the cp ranks too: `replicas`)."""
   if mesh.ep > 1 and moe.is_expert_param(name):
     return (mesh.expert_dp_group, mesh.expert_dp, mesh.expert_dp_rank) if zero1 and mesh.expert_dp > 1 else \
         (mesh.expert_dp_group, 1, 0)
@@ -45,9 +45,12 @@ def domain(mesh, name, zero1):
 
 
 def replicas(mesh, name, zero1):
-  """HSDP: the group across which the owned rows of `name` are replicas (their gradient is
-  summed over it after the shard group's reduction), else None."""
-  if zero1 and mesh.shard_size < mesh.dp_cp and not (mesh.ep > 1 and moe.is_expert_param(name)):
+  """The group across which the owned rows of `name` are replicas (their gradient is summed over
+  it after the domain's reduction), else None: HSDP's replicate group; for expert tensors under
+  EP the cp group (the slices of a row send their tokens to the same experts)."""
+  if mesh.ep > 1 and moe.is_expert_param(name):
+    return mesh.cp_group if mesh.cp > 1 else None
+  if zero1 and mesh.shard_size < mesh.dp_cp:
     return mesh.replicate_group if mesh.shard_size > 1 else None
   return None
 

@@ -8,7 +8,8 @@ backward sends the K/V blocks around again, each with the dK/dV accumulated for 
 after a full turn every block's gradient is back with its owner.
 
 Which query may see which key comes from the tokens' global sequence indices (causality, the
-sliding window: HF's i - window < j <= i) and, for packed rows, their document ids. Each
+sliding window: HF's i - window < j <= i; Llama 4's chunked attention: i and j in the same
+`chunk` of positions) and, for packed rows, their document ids. Each
 rank's slice is cut into `chunks` pieces (the load-balanced layout gives a rank two chunks
 of the sequence, `layout_indices`); a (query piece, key piece) pair that the mask excludes
 entirely is skipped, so a window skips the ring steps it excludes, and causal attention
@@ -17,9 +18,16 @@ skips the future chunks.
 The communication is a `ring` value (`size`, `rank`, `start(tensor, tag) -> handle` whose
 `wait()` returns the previous rank's tensor): `GroupRing` is point-to-point over a process
 group; tests/test_ring_attention.py runs the same function on threads (`ThreadRing`).
+Keys and values travel as one block, concatenated on the head dim, so values may be narrower
+than keys (latent attention's v_head_dim). Sinks (gpt-oss) are a key every query sees whose
+value is zero: each query's running log-sum-exp starts at its head's sink logit instead of
+-inf, and the sink's gradient is -sum p_sink rowsum(dO * O), its probability's share of the
+softmax Jacobian.
+
 Everything inside runs in fp32 (fp64 inputs: fp64); outputs and gradients come back in the inputs' dtypes.
 """
 import queue
+import typing
 
 import torch
 import torch.distributed as dist
@@ -27,6 +35,13 @@ import torch.distributed as dist
 import host_values
 
 KV, DKV = 0, 1      # message tags: blocks and their gradients travel at the same time
+
+
+class Reach(typing.NamedTuple):
+  """Which earlier keys a query sees besides causality: the last `window` positions (HF's sliding
+  window, 0: all) and those of its own `chunk` of positions (Llama 4's chunked attention, 0: all)."""
+  window: int = 0
+  chunk: int = 0
 
 
 def layout_indices(seq_length, cp):
@@ -103,32 +118,37 @@ def _span(piece):
   return (first, last) if last - first + 1 == len(piece) and bool((piece.diff() == 1).all()) else None
 
 
-def _visible(q_span, k_span, window):
+def _visible(q_span, k_span, reach):
   """(some, every): whether some or every query of a run of positions attends some or every key
-  of another run (causal, and within `window` when one is set); None for pieces not runs."""
-  if q_span is None or k_span is None:
+  of another run (causal, and within the window when one is set); None for pieces not runs, and
+  with chunks (their whole mask decides)."""
+  if q_span is None or k_span is None or reach.chunk:
     return None
-  (q0, q1), (k0, k1) = q_span, k_span
+  (q0, q1), (k0, k1), window = q_span, k_span, reach.window
   some = k0 <= q1 and (not window or k1 > q0 - window)
   every = k1 <= q0 and (not window or k0 > q1 - window)
   return some, every
 
 
-def _allowed(q_index, k_index, window):
+def _allowed(q_index, k_index, reach):
   """[sq, sk] on the host: which query position attends which key position."""
   with host_values.host():
     allowed = k_index[None, :] <= q_index[:, None]
-    return allowed & (k_index[None, :] > q_index[:, None] - window) if window else allowed
+    if reach.window:
+      allowed = allowed & (k_index[None, :] > q_index[:, None] - reach.window)
+    if reach.chunk:
+      allowed = allowed & (k_index[None, :] // reach.chunk == q_index[:, None] // reach.chunk)
+    return allowed
 
 
-def _mask(q_index, k_index, q_seg, k_seg, window, like, visible=None):
+def _mask(q_index, k_index, q_seg, k_seg, reach, like, visible=None):
   """[b or 1, 1, 1, sq, sk] (True = attend) on `like`'s device, None when every pair attends,
   False when none does. The positions are the layout's, on the host: which blocks are skipped
   or unmasked is decided there (from their runs, `visible`, where known) without a device sync
   and exactly in a trace; only the document ids of packed rows are read off the device."""
   allowed = None
   if visible is None:                  # pieces that are not runs: their whole mask decides
-    allowed = _allowed(q_index, k_index, window)
+    allowed = _allowed(q_index, k_index, reach)
     with host_values.host():
       visible = bool(allowed.any()), bool(allowed.all())
   some, every = visible
@@ -136,7 +156,7 @@ def _mask(q_index, k_index, q_seg, k_seg, window, like, visible=None):
     return False
   if every and q_seg is None:
     return None
-  allowed = host_values.on_device(allowed if allowed is not None else _allowed(q_index, k_index, window), like)
+  allowed = host_values.on_device(allowed if allowed is not None else _allowed(q_index, k_index, reach), like)
   if q_seg is None:
     return allowed[None, None, None]
   mask = allowed[None, None, None] & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
@@ -158,7 +178,7 @@ def _finite(lse):
   return torch.nan_to_num(lse, nan=float('nan'), posinf=0.0, neginf=0.0)   # one operation, not isinf, zeros, where
 
 
-def _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, like):
+def _pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, like):
   """(query piece, key piece, mask) for the block of rank `src`, without the excluded pairs."""
   with host_values.host():
     qi, ki = index_by_rank[ring.rank].chunk(chunks), index_by_rank[src].chunk(chunks)
@@ -167,7 +187,7 @@ def _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, like):
   ks = seg_by_rank[src].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
   for a in range(chunks):
     for c in range(chunks):
-      mask = _mask(qi[a], ki[c], qs[a], ks[c], window, like, _visible(q_spans[a], k_spans[c], window))
+      mask = _mask(qi[a], ki[c], qs[a], ks[c], reach, like, _visible(q_spans[a], k_spans[c], reach))
       if mask is not False:
         yield a, c, mask
 
@@ -178,18 +198,26 @@ def _grouped(q, g):
   return q.view(b, g, n // g, s, d)
 
 
-def _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):
-  g = k.shape[1]
+def _start_lse(sinks, g, like, dt):
+  """The running log-sum-exp before any key [b, g, n/g, s]: -inf, or each head's sink logit."""
+  shape = like.shape[:-1]
+  if sinks is None:
+    return torch.full(shape, float('-inf'), dtype=dt, device=like.device)
+  return sinks.to(dt).view(1, g, -1, 1).expand(shape).clone()
+
+
+def _forward(q, k, v, sinks, ring, index_by_rank, seg_by_rank, reach, scale, chunks):
+  g, dk = k.shape[1], k.shape[-1]
   dt = torch.promote_types(q.dtype, torch.float32)
   q5 = _grouped(q.to(dt), g).chunk(chunks, 3)
-  out = [torch.zeros_like(p) for p in q5]
-  lse = [torch.full(p.shape[:-1], float('-inf'), dtype=dt, device=q.device) for p in q5]
-  kv = torch.stack([k, v])
+  out = [p.new_zeros(*p.shape[:-1], v.shape[-1]) for p in q5]
+  lse = [_start_lse(sinks, g, p, dt) for p in q5]
+  kv = torch.cat([k, v], -1)
   for step in range(ring.size):
     src = (ring.rank - step) % ring.size
     pending = ring.start(kv, KV) if step < ring.size - 1 else None
-    k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
-    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, q):
+    k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv.split([dk, kv.shape[-1] - dk], -1))
+    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, q):
       probs = _scores(q5[a], k5[c], mask, scale)
       top = probs.amax(-1)                                  # -inf on rows this block hides entirely
       shift = _finite(top)
@@ -206,28 +234,32 @@ def _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):
   return torch.cat(out, 3), torch.cat(lse, 3)
 
 
-def _backward(grad_out, q, k, v, out, lse, ring, index_by_rank, seg_by_rank, window, scale, chunks):
-  g = k.shape[1]
+def _backward(grad_out, q, k, v, sinks, out, lse, ring, index_by_rank, seg_by_rank, reach, scale, chunks):
+  g, dk = k.shape[1], k.shape[-1]
   dt = torch.promote_types(q.dtype, torch.float32)
   q5 = _grouped(q.to(dt), g)
   do5 = _grouped(grad_out.to(dt), g)
-  delta = (do5 * _grouped(out.to(dt), g)).sum(-1).chunk(chunks, 3)   # rowsum(dO * O): the softmax's Jacobian term
-  q5, do5, lse = q5.chunk(chunks, 3), do5.chunk(chunks, 3), _finite(lse).chunk(chunks, 3)
+  delta = (do5 * _grouped(out.to(dt), g)).sum(-1)    # rowsum(dO * O): the softmax's Jacobian term
+  lse = _finite(lse)
+  dsinks = None
+  if sinks is not None:       # the sink's probability times its Jacobian term (its value is 0)
+    dsinks = -(torch.exp(sinks.to(dt).view(1, g, -1, 1) - lse) * delta).sum((0, 3)).reshape(-1)
+  q5, do5, lse, delta = q5.chunk(chunks, 3), do5.chunk(chunks, 3), lse.chunk(chunks, 3), delta.chunk(chunks, 3)
   dq = [torch.zeros_like(p) for p in q5]
-  kv, arriving = torch.stack([k, v]), None
+  kv, arriving = torch.cat([k, v], -1), None
   for step in range(ring.size):
     src = (ring.rank - step) % ring.size
     pending = ring.start(kv, KV) if step < ring.size - 1 else None
-    k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv)
-    dk = [torch.zeros_like(p[:, :, 0]) for p in k5]
+    k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv.split([dk, kv.shape[-1] - dk], -1))
+    dk_ = [torch.zeros_like(p[:, :, 0]) for p in k5]
     dv = [torch.zeros_like(p[:, :, 0]) for p in v5]
-    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, window, chunks, q):
+    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, q):
       probs = _scores(q5[a], k5[c], mask, scale).sub_(lse[a][..., None]).exp_()
       dv[c] = dv[c] + (probs.transpose(-1, -2) @ do5[a]).sum(2)
       dscores = (do5[a] @ v5[c].transpose(-1, -2)).sub_(delta[a][..., None]).mul_(probs)
       dq[a] = dq[a] + (dscores @ k5[c]) * scale
-      dk[c] = dk[c] + (dscores.transpose(-1, -2) @ q5[a]).sum(2) * scale
-    dkv = torch.stack([torch.cat(dk, 2), torch.cat(dv, 2)])
+      dk_[c] = dk_[c] + (dscores.transpose(-1, -2) @ q5[a]).sum(2) * scale
+    dkv = torch.cat([torch.cat(dk_, 2), torch.cat(dv, 2)], -1)
     if arriving is not None:                  # what the ranks before added for this block
       dkv = arriving.wait() + dkv
     arriving = ring.start(dkv, DKV)           # the last send hands each block's total to its owner
@@ -235,32 +267,37 @@ def _backward(grad_out, q, k, v, out, lse, ring, index_by_rank, seg_by_rank, win
       kv = pending.wait()
   dkv = arriving.wait()
   b, n, s, d = q.shape
-  return torch.cat(dq, 3).reshape(b, n, s, d), dkv[0], dkv[1]
+  return torch.cat(dq, 3).reshape(b, n, s, d), dkv[..., :dk], dkv[..., dk:], dsinks
 
 
 class _RingAttention(torch.autograd.Function):
 
   @staticmethod
-  def forward(ctx, q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks):  # pylint: disable=arguments-differ
-    out, lse = _forward(q, k, v, ring, index_by_rank, seg_by_rank, window, scale, chunks)
-    b, n, s, d = q.shape
-    out = out.reshape(b, n, s, d).to(q.dtype)
+  def forward(ctx, q, k, v, sinks, ring, index_by_rank, seg_by_rank, reach, scale, chunks):  # pylint: disable=arguments-differ
+    out, lse = _forward(q, k, v, sinks, ring, index_by_rank, seg_by_rank, reach, scale, chunks)
+    b, n, s, _ = q.shape
+    out = out.reshape(b, n, s, v.shape[-1]).to(q.dtype)
     # the output as returned (in the inputs' dtype, as flash attention keeps it): no fp32 copy
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = ring, index_by_rank, seg_by_rank, window, scale, chunks
+    ctx.save_for_backward(q, k, v, sinks, out, lse)
+    ctx.args = ring, index_by_rank, seg_by_rank, reach, scale, chunks
     return out
 
   @staticmethod
   def backward(ctx, grad_out):  # pylint: disable=arguments-differ
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward(grad_out, q, k, v, out, lse, *ctx.args)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+    q, k, v, sinks, out, lse = ctx.saved_tensors
+    dq, dk, dv, dsinks = _backward(grad_out, q, k, v, sinks, out, lse, *ctx.args)
+    dsinks = dsinks.to(sinks.dtype) if dsinks is not None else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None, None, None
 
 
-def ring_attention(q_bnsd, k_bgsd, v_bgsd, ring, index_by_rank, seg_by_rank=None, window=0, scale=None, chunks=2):
+def ring_attention(q_bnsd, k_bgsd, v_bgsd, ring, index_by_rank, seg_by_rank=None, window=0, scale=None, chunks=2,
+                   sinks_n=None, chunk=0):
   """softmax(q k^T scale) v for this rank's queries against every rank's keys (GQA: g KV heads
-  for n query heads). `index_by_rank` [cp, s]: each rank's global sequence indices;
-  `seg_by_rank` [cp, b, s]: their document ids (packed rows) or None; `window`: HF's sliding
-  window (0 = none); `chunks`: pieces of a slice that are skipped separately when masked out."""
+  for n query heads; v's head dim may differ from q's and k's). `index_by_rank` [cp, s]: each
+  rank's global sequence indices; `seg_by_rank` [cp, b, s]: their document ids (packed rows) or
+  None; `window`: HF's sliding window (0 = none); `chunks`: pieces of a slice that are skipped
+  separately when masked out; `sinks_n` [n]: each query head's sink logit (gpt-oss) or None;
+  `chunk`: Llama 4's attention chunk size (0 = none)."""
   scale = q_bnsd.shape[-1] ** -0.5 if scale is None else scale
-  return _RingAttention.apply(q_bnsd, k_bgsd, v_bgsd, ring, index_by_rank, seg_by_rank, window, scale, chunks)
+  return _RingAttention.apply(q_bnsd, k_bgsd, v_bgsd, sinks_n, ring, index_by_rank, seg_by_rank,
+                              Reach(window, chunk), scale, chunks)

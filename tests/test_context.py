@@ -17,6 +17,8 @@ LAYOUTS = {
     'cp2_pp2': (4, {'cp': 2, 'pp': 2}),
     'cp2_mistral_window': (2, {'cp': 2, 'family': 'mistral'}),   # window 5 of 16: ring steps skipped
     'cp2_lora': (2, {'cp': 2, 'lora': 4}),                         # adapters' gradients summed over cp too
+    # MoE dropping past capacity: each expert's queue runs over the whole row, across the slices
+    'cp2_moe_capacity': (2, {'cp': 2, 'moe': 4, 'capacity': 1.0}),
     # hidden and ffn dropout: each rank applies its positions of the whole row's keyed mask
     'cp2_dropout': (2, {'cp': 2, 'dropout': 0.1, 'attention_dropout': 0.0}),
     'cp2_lora_dropout': (2, {'cp': 2, 'lora': 4, 'lora_dropout': 0.1}),
@@ -105,6 +107,11 @@ def test_what_does_not_compose_is_refused_by_name():
   c.model.rope_scaling.type = 'yarn'              # fixed frequencies: exact under cp
   assert validate.check(c, 2) == []
   assert 'launch a multiple of 2' in '\n'.join(validate.check(c, 3))
+  # MoE's fixed-size buffers place tokens by their queue in the slice, capacity by the whole row's
+  c.model.moe.update(num_experts=4, top_k=2, dropless=False, fixed_buffers=True)
+  assert 'model.moe.fixed_buffers=True with model.moe.dropless=False and distributed_strategy.context_parallel_size=2' \
+      in '\n'.join(validate.check(c, 2))
+  c.model.moe.update(num_experts=0, fixed_buffers=False)
   c.model.hidden_dropout = c.model.ffn_dropout = 0.1          # exact under cp: accepted
   c.model_alignment_strategy.peft.lora_rank, c.model_alignment_strategy.peft.lora_dropout = 4, 0.1
   c.model.objective, c.data.train_dir = 'dpo', 'pairs'

@@ -34,13 +34,15 @@ def _rows(family):
   # micro batch are most of the file's time on 2 cores; both still accumulate
   # OLMo 2's single KV head is held by both tp ranks: its k-norm's sum over TP is halved
   tp = {'tp': 2, 'sp': True, 'kv_replicator': 2 if family == 'olmo2' else 1, 'micro': 4}
+  # cp2: the ring with gpt-oss's sinks and windows, latent attention's narrower values, Llama 4's
+  # chunks and temperature; the MoE losses' counts summed over the slices of each row
   rows = {'tp2_sp': (2, tp), 'pp2': (2, {'pp': 2}), 'pp2_vp2': (2, {'pp': 2, 'vp': 2}),
-          'dp2_zero1': (2, {'zero1': True})}
-  if family in MOE:                  # MoE under cp is refused (test below)
+          'dp2_zero1': (2, {'zero1': True}), 'cp2': (2, {'cp': 2, 'micro': 4})}
+  if family in MOE:
     rows['ep2'] = 2, {'ep': 2}
     rows['ep2_tp2_sp'] = 4, {'ep': 2, 'tp': 2, 'sp': True}   # experts over EP (dp 2), each split over TP
-  else:
-    rows['cp2'] = 2, {'cp': 2, 'micro': 4}
+  if family == 'deepseek_v3':        # experts over EP (dp 2) fed by both slices of each row: their gradients summed over cp
+    rows['ep2_cp2'] = 4, {'ep': 2, 'cp': 2, 'micro': 4}
   if family in ('gpt_oss', 'deepseek_v3', 'llama4'):   # the traced path's fixed-size expert buffers, exchanged over EP
     rows['ep2_fixed_buffers'] = 2, {'ep': 2, 'fixed_buffers': True}
   return {f'{family}_{name}': (size, dict(base, **kwargs)) for name, (size, kwargs) in rows.items()}
@@ -137,18 +139,9 @@ def _problems(world_size, **layout):
 
 
 def test_what_a_family_cannot_run_with_is_refused_by_name():
-  # Qwen3-MoE under context parallelism: capacity and the aux losses need the whole sequence
-  for family in MOE:
-    experts = parity.parity_config(family=family, layers=LAYERS.get(family, 4)).model.moe.num_experts
-    assert f'model.moe.num_experts={experts} with distributed_strategy.context_parallel_size=2' in \
-        _problems(2, family=family, layers=LAYERS.get(family, 4), cp=2)
-  # Llama 4's chunks and temperature: the ring sees neither
-  problems = _problems(2, family='llama4', cp=2)
-  assert 'model.layer_types has chunked_attention with distributed_strategy.context_parallel_size=2' in problems
-  assert 'model.attn_temperature_tuning=True with distributed_strategy.context_parallel_size=2' in problems
-  # gpt-oss's sinks under cp: the ring does not add them to its log-sum-exp
-  assert 'model.attention_sinks=True with distributed_strategy.context_parallel_size=2' in \
-      _problems(2, family='gpt_oss', cp=2)
+  # MoE under cp with a preference objective: its loss is per whole row, the aux losses per slice
+  assert "model.objective='dpo' with MoE and distributed_strategy.context_parallel_size=2" in \
+      _problems(2, family='deepseek_v3', cp=2, objective='dpo')
   # Phi-3's longrope (Phi-3-128k, Phi-4-mini) under cp: its factors depend on the longest
   # position, which a slice does not see; the cp2 row above has none
   c = parity.parity_config(family='phi3', layers=4, cp=2)

@@ -35,18 +35,34 @@ def _on_ring(cp, fn):
   return results
 
 
-def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, scale=None, dtype=torch.float32):
+def _reference(q, k, v, mask, scale, sinks):
+  """softmax over the allowed keys (and each head's sink, a key of value zero) times v, GQA."""
+  groups = q.shape[1] // k.shape[1]
+  k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+  scores = (q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)).masked_fill(~mask, float('-inf'))
+  if sinks is not None:
+    scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], -1)
+  probs = torch.softmax(scores, -1)
+  return probs[..., :k.shape[2]] @ v
+
+
+def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, scale=None, dtype=torch.float32,
+             dv=None, sinks=False, chunk=0):
   g = torch.Generator().manual_seed(cp * 100 + window)
   q = torch.randn(b, heads, s, d, generator=g, dtype=dtype, requires_grad=True)
   k = torch.randn(b, kv_heads, s, d, generator=g, dtype=dtype, requires_grad=True)
-  v = torch.randn(b, kv_heads, s, d, generator=g, dtype=dtype, requires_grad=True)
-  dout = torch.randn(b, heads, s, d, generator=g, dtype=dtype)
-  mask = attention.attention_mask(segments, s, window)
+  v = torch.randn(b, kv_heads, s, dv or d, generator=g, dtype=dtype, requires_grad=True)
+  inputs = [q, k, v] + ([torch.randn(heads, generator=g, dtype=dtype, requires_grad=True)] if sinks else [])
+  dout = torch.randn(b, heads, s, dv or d, generator=g, dtype=dtype)
+  mask = attention.attention_mask(segments, s, window, chunk=chunk)
   if mask is None:
     mask = attention.causal_mask_after(0, s)
   # the reference in fp64: fp32 SDPA's own rounding is of the order of the tolerance
-  wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
-  ref = F.scaled_dot_product_attention(*wide, attn_mask=mask, scale=scale, enable_gqa=True)
+  wide = [t.detach().double().requires_grad_() for t in inputs]
+  if sinks or dv:
+    ref = _reference(*wide[:3], mask, scale, wide[3] if sinks else None)
+  else:
+    ref = F.scaled_dot_product_attention(*wide, attn_mask=mask, scale=scale, enable_gqa=True)
   ref_grads = [x.to(dtype) for x in torch.autograd.grad(ref, wide, dout.double())]
   ref = ref.to(dtype)
   index = ra.layout_indices(s, cp)
@@ -54,21 +70,26 @@ def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, s
 
   def rank(r, ring):
     local = [t.detach()[:, :, index[r]].clone().requires_grad_() for t in (q, k, v)]
-    out = ra.ring_attention(*local, ring, index, seg_by_rank, window, scale)
-    return out.detach(), torch.autograd.grad(out, local, dout[:, :, index[r]])
+    sink = [inputs[3].detach().clone().requires_grad_()] if sinks else []
+    out = ra.ring_attention(*local, ring, index, seg_by_rank, window, scale, sinks_n=sink[0] if sinks else None,
+                            chunk=chunk)
+    return out.detach(), torch.autograd.grad(out, local + sink, dout[:, :, index[r]])
 
   results = _on_ring(cp, rank)
   out = torch.empty_like(ref)
-  grads = [torch.empty_like(t) for t in (q, k, v)]
+  grads = [torch.empty_like(t) for t in (q, k, v)] + ([torch.zeros_like(inputs[3])] if sinks else [])
   for r, (o, gs) in enumerate(results):
     out[:, :, index[r]] = o
     for whole, part in zip(grads, gs):
-      whole[:, :, index[r]] = part
+      if whole.dim() == 4:
+        whole[:, :, index[r]] = part
+      else:                    # the sinks' gradient: each rank's queries' share, summed
+        whole += part
   # fp32 round-off: scores add d products, the softmax and the output s keys, dk and dv s
-  # queries of each of the heads that share a kv head
-  terms = d + s + s * heads // kv_heads
+  # queries of each of the heads that share a kv head (a sink: b s queries)
+  terms = d + s + s * heads // kv_heads + (b * s if sinks else 0)
   parity.assert_close_roundoff(out, ref.detach(), terms)
-  for name, got, want in zip('qkv', grads, ref_grads):
+  for name, got, want in zip(['q', 'k', 'v', 'sinks'], grads, ref_grads):
     parity.assert_close_roundoff(got, want, terms, msg=lambda m, n=name: f'd{n}: {m}')
 
 
@@ -100,6 +121,30 @@ def test_sliding_window(window):
   _compare(4, window=window)
 
 
+@pytest.mark.parametrize('cp', [1, 2, 4])
+def test_values_narrower_than_keys(cp):
+  """Latent attention (DeepSeek-V3): q and k of nope + rope dims, v of v_head_dim."""
+  _compare(cp, heads=4, kv_heads=4, d=12, dv=8, scale=0.2)
+
+
+@pytest.mark.parametrize('cp', [1, 2, 4])
+def test_sinks_and_their_gradient(cp):
+  """gpt-oss: a sink logit per head in every query's softmax, with a sliding window too."""
+  _compare(cp, sinks=True)
+  _compare(cp, sinks=True, window=5)
+
+
+@pytest.mark.parametrize('chunk', [4, 6, 16])
+def test_chunked_attention(chunk):
+  """Llama 4: each query sees the keys of its own chunk of positions; chunks cross the ranks' slices."""
+  _compare(4, chunk=chunk)
+
+
+def test_chunks_with_documents():
+  segments = torch.repeat_interleave(torch.arange(3), torch.tensor([7, 13, 12]))[None].expand(2, -1)
+  _compare(2, segments=segments, chunk=10)
+
+
 def test_window_with_documents():
   segments = torch.repeat_interleave(torch.arange(3), torch.tensor([7, 13, 12]))[None].expand(2, -1)
   _compare(2, segments=segments, window=6)
@@ -117,7 +162,7 @@ def test_window_skips_the_blocks_it_excludes_in_a_trace_too(fake):
     assumed = stack.enter_context(host_values.recording())
     q = torch.zeros(1, 2, 8, 4)
     blocks = lambda w: [(src, a, c, mask is None) for src in range(4)
-                        for a, c, mask in ra._pairs(ring, src, index, None, w, 2, q)]  # pylint: disable=protected-access
+                        for a, c, mask in ra._pairs(ring, src, index, None, ra.Reach(w), 2, q)]  # pylint: disable=protected-access
     causal, window = blocks(0), blocks(3)
   assert host_values.is_fake(q) == fake and assumed == {}
   assert len(causal) == 3 + 2 + 2 + 2   # causal: 3 of the own 4 pairs, the earlier chunk of each other block
