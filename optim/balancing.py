@@ -9,8 +9,8 @@ gradient trains it (lora.UNTRAINED): after each optimizer step it moves toward b
 
 load_e being the tokens routed to expert e in the whole step (model/router_losses.py counts
 them as the layers route, training passes only): every micro batch, summed over the
-data-parallel ranks (expert parallelism's ranks among them), so every layout makes the same
-update. A step the non-finite check skips changes nothing. The bias is a parameter, so
+data- and context-parallel ranks (expert parallelism's among them), so every layout makes the
+same update. A step the non-finite check skips changes nothing. The bias is a parameter, so
 checkpoints keep it and a resumed run goes on bitwise. It composes with the auxiliary losses
 (moe.output_router_logits, router_z_loss_coef) or replaces them (coefficients 0).
 """
