@@ -198,7 +198,9 @@ def linear(params, name, x_bs_, cfg, ops, parallel, drop_key=None, sample_ids_b=
     if parallel == 'column':                 # the input is whole on every rank
       return dropout(x, p, key, sample_ids_b, ops=ops)
     # A row-parallel input is this rank's share of the features: draw the whole mask, apply its part.
-    width = cfg.ffn_hidden_size if name.endswith('down_proj') else cfg.num_attention_heads * head_dim(cfg)
+    latent = cfg.get('mla') is not None and cfg.mla.get('kv_lora_rank', 0) > 0    # o_proj reads v_head_dim a head
+    width = cfg.ffn_hidden_size if name.endswith('down_proj') else \
+        cfg.num_attention_heads * (cfg.mla.v_head_dim if latent else head_dim(cfg))
     return dropout(x, p, key, sample_ids_b, x.shape[1:-1] + (width,), lambda m: ops.mask_for_slice(m, 'ffn'), ops)
 
   first = ops.column_linear if parallel == 'column' else F.linear   # A reads what the base layer reads

@@ -57,7 +57,7 @@ def is_adapter(name) -> bool:
 # its weight and A replicated, a row layer's A like its weight and B replicated. A replicated
 # factor sees only this rank's shard of the layer: its gradient is partial over TP.
 FACTOR_LAYOUTS = {'column': ('tp_partial', 'column'), 'column_kv': ('tp_partial', 'column_kv'),
-                  'row': ('row', 'tp_partial')}
+                  'row': ('row', 'tp_partial'), 'tp_partial': ('tp_partial', 'tp_partial')}
 
 
 def adapter_specs(cfg, base_specs, spec_type) -> dict:

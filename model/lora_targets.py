@@ -18,6 +18,9 @@ from model import lora_fused
 TARGET_GROUPS = {'qkv_proj': ('q_proj', 'k_proj', 'v_proj'), 'gate_up_proj': ('gate_proj', 'up_proj'),
                  'all-linear': ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')}
 MODULES = TARGET_GROUPS['all-linear']
+# latent attention's own projections (DeepSeek-V3, model/mla.py), under their HF names
+LATENT = ('q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj')
+PROJECTIONS = MODULES + LATENT         # every name a target may end in
 BIASES = ('none', 'all', 'lora_only')
 # What an unset (None) setting means when no loaded adapter supplies it.
 DEFAULTS = {'lora_alpha': 16.0, 'use_rslora': False, 'lora_dropout': 0.0, 'lora_bias': 'none',
@@ -44,11 +47,11 @@ def _target_entries(peft) -> tuple:
 def is_regex(peft) -> bool:
   """peft reads a target_modules string that names no module as a regular expression."""
   t = option(peft, 'target_modules')
-  return isinstance(t, str) and t not in TARGET_GROUPS and t not in MODULES
+  return isinstance(t, str) and t not in TARGET_GROUPS and t not in PROJECTIONS
 
 
 def target_modules(peft) -> tuple:
-  """The projections (q_proj, ..., down_proj) the adapters may target, in model order;
+  """The projections (q_proj, ..., down_proj, latent attention's) the adapters may target, in model order;
   unknown names raise. Entries may be NxD's fused names, peft's names, or module paths
   ending in one; a regular expression may target any."""
   if is_regex(peft):
@@ -66,13 +69,13 @@ def target_modules(peft) -> tuple:
     last = name.rsplit('.', 1)[-1]
     expanded = TARGET_GROUPS.get(name, TARGET_GROUPS.get(last, (last,)))
     for module in expanded:
-      if module not in MODULES:
-        valid = ', '.join(list(TARGET_GROUPS) + list(MODULES))
+      if module not in PROJECTIONS:
+        valid = ', '.join(list(TARGET_GROUPS) + list(PROJECTIONS))
         raise ValueError(f'model_alignment_strategy.peft.target_modules: {name!r} is unknown; valid: {valid} '
                          '(or a module path ending in one, or a regular expression)')
       if module not in out:
         out.append(module)
-  return tuple(m for m in MODULES if m in out)
+  return tuple(m for m in PROJECTIONS if m in out)
 
 
 def check(peft, model=None) -> list:
@@ -114,18 +117,18 @@ def check(peft, model=None) -> list:
 
 
 def latent_problems(peft, model) -> list:
-  """Latent attention (DeepSeek-V3) has no q/k/v projections to adapt, and its own are not
-  targets yet: a target naming q, k or v (all-linear among them) would leave them untouched,
-  where peft adapts them."""
+  """Latent attention (DeepSeek-V3) has no k or v projection (nor q with a q bottleneck): a
+  target naming one would adapt nothing; its own projections (LATENT) are targets."""
   mla = model.get('mla')
-  if mla is None or mla.get('kv_lora_rank', 0) <= 0:
+  if mla is None or mla.get('kv_lora_rank', 0) <= 0 or is_regex(peft):
     return []
   entries = _target_entries(peft)
-  attention = {'all-linear', 'qkv_proj', 'q_proj', 'k_proj', 'v_proj'}
-  if is_regex(peft) or attention & {str(t).split('.')[-1] for t in entries}:
+  absent = {'qkv_proj', 'k_proj', 'v_proj'} | ({'q_proj'} if mla.get('q_lora_rank') else set())
+  named = sorted(absent & {str(t).split('.')[-1] for t in entries})
+  if named:
     return [f'model_alignment_strategy.peft.target_modules={tuple(entries)!r} with latent attention '
-            '(model.mla): its q_a/q_b/kv_a/kv_b projections are not LoRA targets yet; name the ones that are, '
-            "e.g. ('o_proj', 'gate_proj', 'up_proj', 'down_proj')"]
+            f'(model.mla): it has no {", ".join(named)}; its projections are '
+            f'{", ".join(LATENT if mla.get("q_lora_rank") else ("q_proj",) + LATENT[2:])} and o_proj']
   return []
 
 
@@ -149,7 +152,7 @@ def is_target(peft, module) -> bool:
   """Whether module `module` ('layers.3.self_attn.q_proj', or Phi-3's fused 'layers.3.self_attn.qkv_proj')
   gets an adapter, by peft's rules."""
   path, proj = module_path(module), module.rsplit('.', 1)[-1]
-  if proj not in MODULES + lora_fused.ALL_LINEAR or '.mlp.shared_expert.' in module + '.':
+  if proj not in PROJECTIONS + lora_fused.ALL_LINEAR or '.mlp.shared_expert.' in module + '.':
     return False      # MoE layers (model/moe.py) take no adapters: their experts stay frozen
   if is_regex(peft):        # peft applies layers_to_transform to listed names only, not to a regex
     return re.fullmatch(option(peft, 'target_modules'), path) is not None

@@ -1,5 +1,5 @@
-"""LoRA on Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3 and Llama 4 (tests/test_hf_families.py's small models, every
-feature of the family on) with peft as the oracle: our adapter, saved as a peft directory, loads
+"""LoRA on Qwen3, Qwen3-MoE, OLMo 2, SmolLM3, Phi-3, Llama 4, gpt-oss and DeepSeek-V3 (the HF tests' small
+models, every feature of the family on) with peft as the oracle: our adapter, saved as a peft directory, loads
 with PeftModel.from_pretrained and gives our logits, and peft's own adapter loads here and gives
 its logits. Phi-3's fused qkv_proj / gate_up_proj share one A (model/lora_fused.py): its gradient
 equals peft's, one dropout mask serves the module, tp2 + SP trains like one device, what peft
@@ -42,10 +42,11 @@ def randomized(named, seed, scale=0.1):
         p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
-def base_of(family, tmp_path):
-  """(HF directory, our model section with LoRA off, our base params) of the family's small model."""
+def base_of(family, tmp_path, model=None):
+  """(HF directory, our model section with LoRA off, our base params) of the family's small model
+  (or of `model`, a transformers model)."""
   path = str(tmp_path / 'base')
-  hf_model(family).save_pretrained(path)
+  (model or hf_model(family)).save_pretrained(path)
   cfg, params = hf.load_hf(path, BASE_MODEL)
   return path, cfg, params
 
@@ -67,11 +68,11 @@ def logits(params, cfg, tokens):
     return transformer.forward(params, tokens, cfg)[..., :VOCAB]
 
 
-@pytest.mark.parametrize('family', FAMILIES)
-def test_adapters_go_both_ways_with_peft_logits(family, tmp_path):
-  base_dir, cfg0, base = base_of(family, tmp_path)
+def both_ways(family, base_dir, cfg0, base, targets, tmp_path):
+  """Our adapter on `targets` loads in peft with our logits, peft's loads here with its logits, and
+  the merged weights load in transformers with them too; the files hold the same tensors and
+  targets. Returns (our model section with LoRA, our base params, the adapter file's tensors)."""
   tokens = random_tokens(5, s=24)
-  targets = TARGETS.get(family, 'all-linear')
   cfg = with_lora(cfg0, targets)
   adapted = lora.trainable(cfg, param_table.param_specs(cfg))
   params = dict(base, **transformer.init(cfg, 3, boxes={n: None for n in adapted}))
@@ -104,6 +105,13 @@ def test_adapters_go_both_ways_with_peft_logits(family, tmp_path):
   assert sorted(written['ours']['target_modules']) == sorted(theirs_targets)
   again = adapters.load_peft(str(tmp_path / 'ours'), cfg0, base)[1]                 # and back, exactly
   assert all(torch.equal(again[n], params[n]) for n in params if lora.is_adapter(n))
+  return ours_file
+
+
+@pytest.mark.parametrize('family', FAMILIES)
+def test_adapters_go_both_ways_with_peft_logits(family, tmp_path):
+  base_dir, cfg0, base = base_of(family, tmp_path)
+  ours_file = both_ways(family, base_dir, cfg0, base, TARGETS.get(family, 'all-linear'), tmp_path)
   if family == 'qwen3_moe':                 # adapters on its MLPs: peft cannot hold them, either way
     trained = with_lora(cfg0)
     adapted = lora_targets.plan(trained, base)
@@ -115,6 +123,21 @@ def test_adapters_go_both_ways_with_peft_logits(family, tmp_path):
       adapters.load_peft(str(tmp_path / 'all'), cfg0, base)
   if family == 'phi3':
     assert sorted({k.split('.')[-3] for k in ours_file}) == ['down_proj', 'gate_up_proj', 'o_proj', 'qkv_proj']
+
+
+# gpt-oss's biased q/k/v/o (its sinks beside them), and latent attention's own projections: the
+# down projections whole on every TP rank, their factors too (model/lora.py FACTOR_LAYOUTS)
+OWN_ATTENTION = {'gpt_oss': ['q_proj', 'k_proj', 'v_proj', 'o_proj'],
+                 'deepseek_v3': ['q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj']}
+
+
+@pytest.mark.parametrize('family', sorted(OWN_ATTENTION))
+def test_gpt_oss_and_latent_attention_adapters_go_both_ways_with_peft(family, tmp_path):
+  from tests import test_hf_gpt_oss, test_mla  # pylint: disable=import-outside-toplevel
+  model = {'gpt_oss': test_hf_gpt_oss, 'deepseek_v3': test_mla}[family].hf_model()
+  base_dir, cfg0, base = base_of(family, tmp_path, model)
+  ours_file = both_ways(family, base_dir, cfg0, base, OWN_ATTENTION[family], tmp_path)
+  assert sorted({k.split('.')[-3] for k in ours_file}) == sorted(OWN_ATTENTION[family])
 
 
 def test_phi3_shared_a_gets_peft_gradient(tmp_path):
@@ -191,6 +214,18 @@ def test_phi3_lora_at_tp2_sp_with_dropout_trains_like_one_device(tmp_path, tmp_p
   config = parity.parity_config(**layout)
   start = transformer.init(config.model, config.seed)['layers.1.mlp.gate_up_proj.lora_A.weight'].detach().numpy()
   assert np.abs(params['layers.1.mlp.gate_up_proj.lora_A.weight'] - start).max() > 1e-3
+
+
+def test_latent_attention_lora_at_tp2_sp_with_dropout_trains_like_one_device(tmp_path, tmp_path_factory):
+  """DeepSeek-V3 with adapters on every linear LoRA takes (all-linear): the whole down projections'
+  factors whole on each rank, their gradients from the rank's heads summed over TP, q_b / kv_b's
+  B split by heads."""
+  layout = {'tp': 2, 'sp': True, 'family': 'deepseek_v3', 'lora': 4, 'lora_dropout': 0.1}
+  trained = parity.check_layouts({'deepseek_v3_lora_tp2_sp_dropout': (2, layout)}, tmp_path, tmp_path_factory)
+  config = parity.parity_config(**layout)
+  start = transformer.init(config.model, config.seed)
+  for name in ('layers.1.self_attn.q_a_proj.lora_A.weight', 'layers.1.self_attn.kv_a_proj_with_mqa.lora_B.weight'):
+    assert np.abs(trained['deepseek_v3_lora_tp2_sp_dropout'][name] - start[name].detach().numpy()).max() > 1e-3, name
 
 
 def test_dpo_from_a_peft_phi3_adapter_gives_trls_loss(tmp_path):

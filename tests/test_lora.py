@@ -347,12 +347,16 @@ def test_load_lora_from_ckpt_starts_from_those_adapters(runs, tmp_path, source):
     assert torch.equal(start[name].detach(), p.detach()), name    # adapters loaded, base from init_from
 
 
-def test_latent_attention_refuses_targets_it_cannot_adapt_naming_those_it_can():
-  """DeepSeek-V3's latent attention has no q/k/v projections: all-linear would silently leave its
-  q_a/q_b/kv_a/kv_b projections alone (peft adapts them), so it is refused; o_proj and the MLP are fine."""
+def test_latent_attention_adapts_its_own_projections_and_refuses_names_it_lacks():
+  """DeepSeek-V3's latent attention: all-linear adapts its q_a/q_b/kv_a/kv_b projections and o_proj
+  (peft's all-linear takes every nn.Linear); q/k/v_proj name modules it has not: refused by name."""
   from configs import validate  # pylint: disable=import-outside-toplevel
+  from model import lora_targets, param_table  # pylint: disable=import-outside-toplevel
   c = parity.parity_config(family='deepseek_v3', layers=4, lora=4)
-  assert "with latent attention (model.mla): its q_a/q_b/kv_a/kv_b projections are not LoRA targets yet" in \
-      '\n'.join(validate.check(c, 1))
-  c.model_alignment_strategy.peft.target_modules = ('o_proj', 'gate_proj', 'up_proj', 'down_proj')
   assert validate.check(c, 1) == []
+  planned = lora_targets.plan(c.model, param_table.param_specs(c.model))
+  assert {n.rsplit('.', 1)[-1] for n in planned if n.startswith('layers.1.self_attn.')} == \
+      {'q_a_proj', 'q_b_proj', 'kv_a_proj_with_mqa', 'kv_b_proj', 'o_proj'}
+  c.model_alignment_strategy.peft.target_modules = ('q_proj', 'k_proj', 'v_proj', 'o_proj')
+  assert "(model.mla): it has no k_proj, q_proj, v_proj; its projections are q_a_proj, q_b_proj, " \
+      "kv_a_proj_with_mqa, kv_b_proj and o_proj" in '\n'.join(validate.check(c, 1))
