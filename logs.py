@@ -1,5 +1,5 @@
 """What a run reports: the console (which ranks print, [rank N] prefixes), metrics.jsonl and
-TensorBoard, and the training steps' lines, read one step late.
+TensorBoard (and W&B, MLflow: monitor/trackers.py), and the training steps' lines, read one step late.
 
     <workdir>/metrics.jsonl   one JSON object per record; non-finite numbers are written as null
     <workdir>/tensorboard/<name>/  event files of run `name` (exp_manager.create_tensorboard_logger),
@@ -69,8 +69,9 @@ class MetricsLog:
   `resumed_at`: the step a resumed run continues from (later records of the earlier run are
   dropped)."""
 
-  def __init__(self, workdir, lead, tensorboard, resumed_at=None, name='flatron'):
+  def __init__(self, workdir, lead, tensorboard, resumed_at=None, name='flatron', trackers=()):
     self.file = self.writer = None
+    self.trackers = list(trackers)     # monitor/trackers.py's (W&B, MLflow): each record goes to them too
     if not lead:
       return
     self.path = path = os.path.join(workdir, 'metrics.jsonl')
@@ -99,6 +100,14 @@ class MetricsLog:
       for key, value in record.items():
         if key != 'step' and isinstance(value, (int, float)) and not isinstance(value, bool):
           self._tensorboard(self.writer.add_scalar, key, value, record['step'])
+    for tracker in self.trackers:
+      tracker.log(record)
+
+  def destinations(self) -> str:
+    """Where the records went, for the run's last line."""
+    where = [f'metrics {self.path}'] if self.file is not None else []
+    where += [f'TensorBoard {self.tensorboard}'] if self.writer else []
+    return ' | '.join(where + [t.name for t in self.trackers if t.tracker is not None])
 
   def _append(self, line: bytes):
     """One whole record, or none: a write the disk refuses part way (full, read-only) is cut back
@@ -125,6 +134,8 @@ class MetricsLog:
       raise OSError(e.errno, e.strerror, self.tensorboard) from e
 
   def close(self):
+    for tracker in self.trackers:
+      tracker.close()
     if self.file is not None:
       self.file.close()
     if self.writer:

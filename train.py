@@ -29,6 +29,7 @@ from data import tokenizer
 from data.loader import Loader
 from estimates import memory, memory_check, summary as summaries
 from model import flop_count, lora, objectives
+from monitor import trackers
 from optim import update
 from parallel import comm, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, training, xla
@@ -180,7 +181,8 @@ def run(config, workdir=None):
     if lead:
       workdirs.write_config(workdir, config)
     log = logs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
-                              resumed_at=start_step if start_step > 0 else None, name=config.name)
+                          resumed_at=start_step if start_step > 0 else None, name=config.name,
+                          trackers=trackers.start(config, workdir, start_step > 0) if lead else ())
     record = _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data,
                    start_step, consumed_samples, frozen_ref)
     logging.info('%s', memory_check.peak_report(mesh, est['total'], before))   # every rank's peak against its estimate
@@ -252,8 +254,7 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   if t.limit_test_batches:                  # after training, not after a stop
     record.update(evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh, ops,
                                    reference, log, max(total, start_step), consumed_samples))
-  logging.info('done: %d steps | metrics %s | TensorBoard %s', total, os.path.join(workdir, 'metrics.jsonl'),
-               logs.tensorboard_dir(workdir, config.name))
+  logging.info('done: %d steps | %s', total, log.destinations())
   return record
 
 

@@ -59,6 +59,23 @@ def get_config(arg=None):
   exp_manager.log_local_rank_0_only = True       # True: only global rank 0 prints; False: each host's local rank 0 too, as [rank N]
   exp_manager.create_tensorboard_logger = True   # TensorBoard events under <workdir>/tensorboard/<name>
   exp_manager.log_parameter_norm = True          # add param_norm to every logged step
+  exp_manager.log_layer_stats = False            # logged steps also get grad / param norms per layer and group, MoE load per layer (monitor/layer_stats.py)
+  # Experiment trackers beside TensorBoard (monitor/trackers.py; NxD's / NeMo's keys): each gets
+  # every record metrics.jsonl gets, and the config once. Optional packages: pip install wandb / mlflow
+  exp_manager.create_wandb_logger = False
+  exp_manager.wandb_logger_kwargs = config_dict.ConfigDict(dict(
+      project=placeholder(str), name=placeholder(str), entity=placeholder(str), group=placeholder(str),
+      tags=placeholder(tuple), notes=placeholder(str), job_type=placeholder(str),
+      id=placeholder(str),                      # continue this W&B run (a resumed run continues its own)
+      offline=placeholder(bool),                # None: offline when WANDB_MODE=offline or the server does not answer
+      save_dir=placeholder(str)))               # where wandb/ goes; None: the workdir
+  exp_manager.create_mlflow_logger = False
+  exp_manager.mlflow_logger_kwargs = config_dict.ConfigDict(dict(
+      experiment_name=placeholder(str),         # None: the run's name
+      run_name=placeholder(str), tags=placeholder(dict), artifact_location=placeholder(str),
+      run_id=placeholder(str),                  # continue this MLflow run (a resumed run continues its own)
+      tracking_uri=placeholder(str),            # None: MLFLOW_TRACKING_URI, else a file store in save_dir
+      save_dir=placeholder(str)))               # the file store; None: <workdir>/mlruns
   exp_manager.create_checkpoint_callback = False  # save checkpoints (every_n_train_steps, at the end, on SIGTERM)
   exp_manager.checkpoint_dir = placeholder(str)   # where steps go; default <workdir>/checkpoints; s3://, gs:// work
   exp_manager.init_from = placeholder(str)        # weights only, when not resuming: a flatron checkpoint step or an HF Llama dir

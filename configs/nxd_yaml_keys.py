@@ -88,6 +88,11 @@ RULES = {
     'exp_manager.load_xser': _na(XSER, True, False),
     'exp_manager.save_bf16': _na('every array is stored in its training dtype', False),
     'exp_manager.ckpt_ptl_version': _na('no PyTorch Lightning: checkpoints are flatron steps'),
+    # NeMo's WandbLogger / MLFlowLogger kwargs with no flatron setting of their own
+    'exp_manager.wandb_logger_kwargs.resume': _na('a resumed run continues its own W&B run (<workdir>/trackers.json)'),
+    'exp_manager.wandb_logger_kwargs.log_model': _na('checkpoints are not uploaded as W&B artifacts', False),
+    'exp_manager.wandb_logger_kwargs.version': Rule('exp_manager.wandb_logger_kwargs.id', exported=False),
+    'exp_manager.mlflow_logger_kwargs.log_model': _na('checkpoints are not logged as MLflow artifacts', False),
     'data.data_impl': _na('Megatron .bin/.idx are memory-mapped (the only implementation)', 'mmap'),
     'data.skip_warmup': _na('the index is memory-mapped lazily: nothing to warm up', True, False),
     'data.num_workers': _na('batches are built in the training process, keyed by sample index'),

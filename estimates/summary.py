@@ -122,10 +122,13 @@ def dry_run_report(config, world_size, check):
   mesh = meshes.Mesh(dp=world_size // (tp * pp * cp), pp=pp, tp=tp, cp=cp, kv_replicator=d.kv_replicator,
                      ep=d.get('expert_model_parallel_size', 1), device=torch.device(devices.kind(config.device)))
   sizes = training.local_sizes(config, mesh)
-  est = memory.estimate(config, sizes, mesh.dp)
   target, refusal = memory_check.target_bytes(config), None
-  if target is not None:
-    est = memory.on_another_device(est)
+  if target is None:
+    est = memory.estimate(config, sizes, mesh.dp)
+  else:                  # as the named cluster's devices run it (its attention kernels), no CPU heap
+    there = config.copy_and_resolve_references()
+    there.device = plan_cluster(config, mesh.device).device
+    est = memory.on_another_device(memory.estimate(there, sizes, mesh.dp))
   try:
     memory_check.check_fits(config, mesh, est, check, target)
     if target is None:

@@ -46,3 +46,20 @@ def test_a_dry_run_judges_the_device_of_the_cluster_plan_cluster_names():
   c.trainer.plan_cluster = 'none'        # no target: this machine is reported on, never a refusal
   text, refusal = summary.dry_run_report(c, 4, validate.check)
   assert refusal is None and 'memory: would be refused here: ' in text
+
+
+def test_a_dry_run_for_a_gpu_cluster_estimates_its_attention_kernels():
+  """Latent attention keeps its s x s probabilities only where torch runs it on the math path (the
+  CPU): a dry run judged on H100s estimates the fused kernel, what those devices run."""
+  from configs import deepseek_v3, validate  # pylint: disable=import-outside-toplevel
+  from estimates import memory  # pylint: disable=import-outside-toplevel
+  from parallel import mesh as meshes, training  # pylint: disable=import-outside-toplevel
+  c = deepseek_v3.get_config('smoke')
+  c.data.seq_length, c.trainer.plan_cluster, c.model.activations_checkpoint_granularity = 512, 'h100', None
+  text, _ = summary.dry_run_report(c, 1, validate.check)
+  sizes = training.local_sizes(c, meshes.Mesh(device=torch.device('cpu')))
+  here, there = memory.estimate(c, sizes, 1), c.copy_and_resolve_references()
+  there.device = 'cuda'
+  gpu = memory.on_another_device(memory.estimate(there, sizes, 1))
+  assert gpu['activations'] < here['activations']                    # no kept probabilities
+  assert f'activations {memory.human_bytes(gpu["activations"])}' in text
