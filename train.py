@@ -29,7 +29,7 @@ from data import tokenizer
 from data.loader import Loader
 from estimates import memory, memory_check, summary as summaries
 from model import flop_count, lora, objectives
-from monitor import trackers
+from monitor import profiling, trackers
 from optim import update
 from parallel import comm, mesh as meshes, passes, reference as references, tensor
 from parallel import compiled, device as devices, training, xla
@@ -211,7 +211,9 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   total = last_step(t, train_data)
   reporter = logs.StepReporter(config, mesh, log, peak, total, start_step, flops_per_token)
   val = None
+  window = profiling.Window(config, workdir, mesh.rank, mesh.device)
   for step in range(start_step, total):
+    window.before(step + 1)
     # ZeRO-1's parameter gathers stay in flight into the next step's forward (overlap_param_gather):
     # whatever reads the parameters in between waits for them first (updater.wait_params).
     last = step + 1 == total
@@ -222,6 +224,7 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     if last:
       updater.wait_params()
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
+    window.after(step + 1)
     if step == start_step:
       logging.info('optimizer state + master weights on rank 0 (measured): %s',
                    memory.human_bytes(updater.state_bytes()))
@@ -246,10 +249,12 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
       reporter.flush()                      # the log is whole up to a committed step
     checkpoints.maybe_save(step + 1, consumed_samples, last=last, stopping=stopped is not None, metrics=val)
     if stopped:
+      window.close()                        # stopped inside the window: what it recorded
       checkpoints.close()                   # the save is committed before we say so
       logging.warning('stopped at step %d by %s; resume with --config.exp_manager.resume_if_exists=True',
                       step + 1, stopped)
       return {**reporter.flush(), **(val or {})}
+  window.close()                            # a window past the last step: what it recorded
   record = {**reporter.flush(), **(val or {})}
   if t.limit_test_batches:                  # after training, not after a stop
     record.update(evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh, ops,

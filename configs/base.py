@@ -187,4 +187,15 @@ def get_config(arg=None):
   precision.stochastic_rounding = False        # manual: round parameter updates stochastically
   precision.parallel_layers_reduce_dtype = placeholder(str)  # TP reductions: fp32 | bf16; None = the activations' dtype
   precision.fp8 = placeholder(str)             # tensorwise | rowwise: the transformer's linears in float8 (None: off)
+
+  c.profiling = config_dict.ConfigDict()      # torch.profiler over a window of steps (monitor/profiling.py)
+  profiling = c.profiling
+  profiling.start_step = 0                     # the window's first step (counted from 1); 0 = off
+  profiling.num_steps = 2                      # steps in the window
+  profiling.ranks = (0,)                       # global ranks that record; () = every rank
+  profiling.record_shapes = False              # operator input shapes
+  profiling.profile_memory = False             # tensor allocations and frees
+  profiling.with_stack = False                 # Python stacks of each operator
+  profiling.cuda_memory_snapshot = False       # CUDA: the allocator's history over the window, its snapshot at the end
+  profiling.snapshot_entries = 100000          # allocator events the snapshot keeps
   return c
