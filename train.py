@@ -217,10 +217,12 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     # ZeRO-1's parameter gathers stay in flight into the next step's forward (overlap_param_gather):
     # whatever reads the parameters in between waits for them first (updater.wait_params).
     last = step + 1 == total
-    norm = config.exp_manager.log_parameter_norm and (logs.every(step + 1, t.log_every_n_steps) or last)
+    logged = logs.every(step + 1, t.log_every_n_steps) or last
+    norm = config.exp_manager.log_parameter_norm and logged
     # the parameter norm of a ZeRO-1 step from the rows each rank owns: no wait for the gathers
     out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
-                              reference, defer_param_gather=True, param_norm=norm)
+                              reference, defer_param_gather=True, param_norm=norm,
+                              layer_stats=config.exp_manager.log_layer_stats and logged)
     if last:
       updater.wait_params()
     devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once

@@ -10,7 +10,7 @@ from config_checks import one_of, positive
 from data import loader
 from estimates import clusters
 from model import checks as model_checks, layers, lora_targets, moe, moe_checks, objectives
-from monitor import profiling, trackers
+from monitor import layer_stats, profiling, trackers
 from numerics import precision
 from optim import optimizers, schedules
 from parallel import compiled, context, device as devices, grad_reduce, mesh as meshes, param_shards, pipeline, remat, tensor
@@ -41,7 +41,7 @@ def check(config, world_size=1) -> list:
     problems += loader.check(config, dp)
   problems += lora_targets.check(config.model_alignment_strategy.peft, config.model) + objectives.check(config)
   return problems + precision.check(config.precision) + _check_fp8(config) + checkpoint_steps.check(config) + \
-      trackers.check(config) + profiling.check(config)
+      trackers.check(config) + profiling.check(config) + layer_stats.check(config)
 
 
 def _check_fp8(config) -> list:

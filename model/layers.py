@@ -71,6 +71,7 @@ class Ops:
   copy_to_tp: Callable = _identity     # x, its gradient summed over TP (Megatron's f; MoE's partial sums)
   reduce_over_tp: Callable = _identity  # partial sums -> output: all-reduce, or reduce-scatter under SP
   moe: object = None                   # the stage's router_losses.Collector (set by transformer.stage)
+  expert_loads: bool = False           # training passes count each MoE layer's kept tokens per expert (per-layer stats)
   moe_tally: object = None             # dict: the pass's MoE metric sums (set by the caller)
   # Context parallelism (parallel/context.py): (batch, window, chunk) -> Attend, the attention of a
   # layer over the sequence whose slice this rank holds; None = attention over what is here.

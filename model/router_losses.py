@@ -52,12 +52,14 @@ class Collector:
   activations; the last stage computes the losses from the totals, and their gradient reaches
   every stage's probabilities and z through the carried sums, as the activations' does."""
 
-  def __init__(self, cfg, row_weights_b, tokens, carried=None, layers=None, whole_row=None):
+  def __init__(self, cfg, row_weights_b, tokens, carried=None, layers=None, whole_row=None, count_loads=False):
     """`tokens`: the whole row's; `layers`: how many MoE layers this stage runs (known from its
     layer range, so nothing is read back from the device; None: those recorded, counted on the
-    device); `whole_row(x)`: x summed over the slices of the rows (context parallelism), None: one."""
+    device); `whole_row(x)`: x summed over the slices of the rows (context parallelism), None: one;
+    `count_loads`: count each layer's load in training passes (as moe.load_balance_rate does)."""
     self.cfg, self.w, self.tokens, self.carried, self.layers_here = cfg, row_weights_b.float(), tokens, carried, layers
     self.whole_row = whole_row or (lambda x: x)
+    self.count_loads = count_loads or bool(cfg.moe.get('load_balance_rate', 0.0))
     self.w_row = self.whole_row(self.w)          # the whole rows' weights
     e, zeros = cfg.moe.num_experts, lambda *shape: torch.zeros(shape, device=self.w.device)
     b = self.w.shape[0]
@@ -76,7 +78,8 @@ class Collector:
 
   def record(self, logits, probs, experts, kept, layer=None):
     """One MoE layer's routing; `layer` (its prefix) also counts its load per expert where
-    moe.load_balance_rate moves the correction biases by it (training passes only)."""
+    moe.load_balance_rate moves the correction biases by it, or the per-layer statistics read it
+    (training passes only)."""
     e = self.cfg.moe.num_experts
     onehot = F.one_hot(experts, e)                                 # [b, s, k, E]
     # the whole rows' top-k assignments and kept ones per expert [b, E]
@@ -89,7 +92,7 @@ class Collector:
     # same tensors) but keeps nothing: its sums are never read
     if not self.finished:
       self.counts, self.probs, self.z, self.load, self.dropped, self.layers = sums
-      if layer is not None and self.cfg.moe.get('load_balance_rate', 0.0) and torch.is_grad_enabled():
+      if layer is not None and self.count_loads and torch.is_grad_enabled():
         counts = torch.zeros(e, device=experts.device).index_add_(0, experts.reshape(-1), kept.reshape(-1).float())
         _add(self.expert_loads, layer, counts)
 

@@ -139,7 +139,8 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     count_rows = objective is not None and objective.row_count
     weights = objective.row_count(batch) if count_rows else torch.ones(b, device=tokens_bs.device)
     moe_here = sum(moe.is_moe_layer(cfg, i) for i in range(lo, hi))
-    collector = router_losses.Collector(cfg, weights, s * ops.context_size, moe_carry, moe_here, ops.row_sum)
+    collector = router_losses.Collector(cfg, weights, s * ops.context_size, moe_carry, moe_here, ops.row_sum,
+                                        ops.expert_loads)
     ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)

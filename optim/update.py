@@ -185,9 +185,9 @@ class Updater(CheckpointedState):
     squares, self.param_squares = self.param_squares, None
     if self.shards is not None:        # every parameter's owned rows, the frozen ones' too
       return self._norm_by_group(self.shards.shard, zero1=True)
-    if squares is None:
+    if squares is None:              # whole parameters; under EP each rank's experts are its own
       self.wait_params()
-      return grad_ops.global_norm(params, self.mesh, self.layouts)
+      return self._norm_by_group(params, zero1=False)
     return grad_ops.sharded_norm(squares, {n: t for n, t in params.items() if n not in self.master}, self.mesh,
                                  self.layouts, self.group)
 

@@ -105,11 +105,11 @@ def global_norm(tensors_by_name, mesh, layouts, extra_group=None, squares_of=squ
   """L2 norm of the global model's tensors, each element counted once (`extra_group`: a
   group over which the tensors are disjoint shards too, e.g. ZeRO-1's DP; `squares_of`: how a
   tensor's fp32 sum of squares is taken, but on CUDA: square_sums)."""
-  total = _over_tp_pp(squares_total(tensors_by_name, mesh, layouts, squares_of), mesh)
+  total = over_tp_pp(squares_total(tensors_by_name, mesh, layouts, squares_of), mesh)
   return comm.all_reduce_(total, extra_group, name='all_reduce(norm over dp shards)').sqrt()
 
 
-def _over_tp_pp(total, mesh):
+def over_tp_pp(total, mesh):
   total = comm.all_reduce_(total, mesh.tp_group, name='all_reduce(norm over tp)')
   return comm.all_reduce_(total, mesh.pp_group, name='all_reduce(norm over pp)')
 
@@ -126,7 +126,7 @@ def sharded_norm(owned_squares, whole, mesh, layouts, group):
   total = comm.all_reduce_(owned_squares, group, name='all_reduce(norm over dp shards)')
   if whole:
     total = total + squares_total(whole, mesh, layouts)
-  return _over_tp_pp(total, mesh).sqrt()
+  return over_tp_pp(total, mesh).sqrt()
 
 
 def clip_coefficient(norm, max_norm):

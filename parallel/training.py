@@ -10,18 +10,19 @@ import math
 import torch
 
 from model import param_table, router_losses, transformer
+from monitor import layer_stats as stats
 from numerics import precision
 from parallel import grads, param_shards, passes, pipeline, tensor
 
 
 def train_step(params, updater, micro_batches, config, step, mesh, ops, reference=None, defer_param_gather=False,
-               param_norm=False):
+               param_norm=False, layer_stats=False):
   """One optimizer step. Returns metrics as tensors (the finite check is the one host sync).
   `defer_param_gather`: ZeRO-1's gathers of the updated parameters are left in flight
   (distributed_strategy.overlap_param_gather) for the next step's forward to wait on layer by
   layer; the caller calls updater.wait_params() before it reads the parameters otherwise.
   `param_norm`: the step's parameter norm, read without waiting for those gathers
-  (updater.param_norm)."""
+  (updater.param_norm); `layer_stats`: monitor/layer_stats.py's per-layer norms and loads."""
   updater.start(len(micro_batches))
   loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
                                                   reference=reference, wait_params=updater.wait_params)
@@ -32,6 +33,7 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
   lr = updater.lr(step)
   expert_loads = metric_sums.pop(router_losses.EXPERT_LOADS, None)
   loss, metrics = passes.global_loss(loss_sum, count, mesh, metric_sums)
+  before_step = stats.gradient_norms(gradients, updater, config.model) if layer_stats else None   # before clipping
   grad_norm, updated = updater.step(gradients, lr, step, loss, defer_gather=defer_param_gather,
                                     param_squares=param_norm)
   updater.balance(expert_loads, updated)
@@ -42,6 +44,8 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
          'metrics': metrics}
   if param_norm:
     out['param_norm'] = updater.param_norm(params)
+  if layer_stats:
+    out['layer_stats'] = {**before_step, **stats.after_step(params, updater, expert_loads, config.model)}
   return out
 
 
