@@ -200,7 +200,7 @@ class StepReporter:
       values.update(loss=out['loss'], grad_norm=out['grad_norm'], **out['metrics'])
       if out.get('param_norm') is not None:
         values['param_norm'] = out['param_norm']
-      values.update(out.get('layer_stats') or {})      # monitor/layer_stats.py's, in the same one read
+      values.update(out.get('layer_stats') or {})      # parallel/layer_stats.py's, in the same one read
     host = devices.to_host({k: v for k, v in values.items() if torch.is_tensor(v)})   # one transfer
     scalars = {k: host.get(k, v) for k, v in values.items()}
     skipped = bool(scalars.pop('skipped'))

@@ -59,7 +59,7 @@ def get_config(arg=None):
   exp_manager.log_local_rank_0_only = True       # True: only global rank 0 prints; False: each host's local rank 0 too, as [rank N]
   exp_manager.create_tensorboard_logger = True   # TensorBoard events under <workdir>/tensorboard/<name>
   exp_manager.log_parameter_norm = True          # add param_norm to every logged step
-  exp_manager.log_layer_stats = False            # logged steps also get grad / param norms per layer and group, MoE load per layer (monitor/layer_stats.py)
+  exp_manager.log_layer_stats = False            # logged steps also get grad / param norms per layer and group, MoE load per layer (parallel/layer_stats.py)
   # Experiment trackers beside TensorBoard (monitor/trackers.py; NxD's / NeMo's keys): each gets
   # every record metrics.jsonl gets, and the config once. Optional packages: pip install wandb / mlflow
   exp_manager.create_wandb_logger = False

@@ -10,10 +10,10 @@ from config_checks import one_of, positive
 from data import loader
 from estimates import clusters
 from model import checks as model_checks, layers, lora_targets, moe, moe_checks, objectives
-from monitor import layer_stats, profiling, trackers
+from monitor import profiling, trackers
 from numerics import precision
 from optim import optimizers, schedules
-from parallel import compiled, context, device as devices, grad_reduce, mesh as meshes, param_shards, pipeline, remat, tensor
+from parallel import compiled, context, device as devices, grad_reduce, layer_stats, mesh as meshes, param_shards, pipeline, remat, tensor
 from user_errors import UserError
 
 MODEL_SOURCES = ('megatron', 'hf')

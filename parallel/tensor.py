@@ -268,7 +268,7 @@ def config_ops(config, mesh):
                  precision.parallel_layers_reduce_dtype(config.precision))
   if config.precision.get('fp8'):
     ops = dataclasses.replace(ops, fp8_gemms=fp8_gemms(config.precision.fp8, mesh))
-  if config.exp_manager.get('log_layer_stats'):       # monitor/layer_stats.py's per-layer MoE loads
+  if config.exp_manager.get('log_layer_stats'):       # parallel/layer_stats.py's per-layer MoE loads
     ops = dataclasses.replace(ops, expert_loads=True)
   if mesh.ep > 1:
     ops = dataclasses.replace(ops, expert_ffn=experts.expert_ffn(mesh.ep_group, mesh.ep),

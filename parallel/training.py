@@ -10,7 +10,7 @@ import math
 import torch
 
 from model import param_table, router_losses, transformer
-from monitor import layer_stats as stats
+from parallel import layer_stats as stats
 from numerics import precision
 from parallel import grads, param_shards, passes, pipeline, tensor
 
@@ -22,7 +22,7 @@ def train_step(params, updater, micro_batches, config, step, mesh, ops, referenc
   (distributed_strategy.overlap_param_gather) for the next step's forward to wait on layer by
   layer; the caller calls updater.wait_params() before it reads the parameters otherwise.
   `param_norm`: the step's parameter norm, read without waiting for those gathers
-  (updater.param_norm); `layer_stats`: monitor/layer_stats.py's per-layer norms and loads."""
+  (updater.param_norm); `layer_stats`: parallel/layer_stats.py's per-layer norms and loads."""
   updater.start(len(micro_batches))
   loss_sum, count, metric_sums = passes.forward_backward(params, micro_batches, config, mesh, ops, updater.recipe,
                                                   reference=reference, wait_params=updater.wait_params)

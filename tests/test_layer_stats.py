@@ -1,4 +1,4 @@
-"""monitor/layer_stats.py: per-layer and per-group gradient and parameter norms and MoE loads on
+"""parallel/layer_stats.py: per-layer and per-group gradient and parameter norms and MoE loads on
 logged steps add up to the global norms and equal one device's at tp2 + SP, pp2, dp2 + ZeRO-1,
 ZeRO-3 and ep2 (fp32, the parity models)."""
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import validate
-from monitor import layer_stats
+from parallel import layer_stats
 from tests import parity, world
 
 STEPS = 4

@@ -13,7 +13,8 @@ LAYERS = (
     ('numerics', 'data'),                  # precision recipes and stochastic rounding; datasets
     ('model',),                            # the single-device model: it knows no parallelism
     ('parallel',),                         # the runtime on a mesh: collectives, TP/SP/PP/CP/EP, ZeRO-1, the step
-    ('estimates', 'optim', 'checkpoint', 'logs'),   # what a run costs; the update; checkpoints; reports
+    ('estimates', 'optim', 'checkpoint', 'logs', 'monitor'),   # what a run costs; the update; checkpoints;
+                                                             # reports; trackers and the profiler
     ('configs', 'step_trace'),             # config files, their validation, NxD YAML; one rank's step traced
     ('train', 'tools'),                    # the loop and the command-line tools
 )

@@ -29,3 +29,12 @@ def test_one_line_per_run_smoothed_with_its_last_mean_in_the_legend(tmp_path):
 def test_a_run_without_metrics_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match='metrics.jsonl: no such file'):
     plot_loss.losses(str(tmp_path))
+
+
+def test_any_metric_of_a_run_and_a_missing_one_named(tmp_path):
+  run = _run(tmp_path / 'a', [4.0, 3.0])
+  assert plot_loss.losses(run, 'val_loss') == [(2, 1.0)]
+  root = ET.fromstring(plot_loss.svg([('val_loss', plot_loss.losses(run, 'val_loss'))], 't', 1, 'val_loss'))
+  assert any(t.text == 'val_loss (1-step mean)' for t in root.iter('{http://www.w3.org/2000/svg}text'))
+  with pytest.raises(ValueError, match="no record holds 'grad_norm/layers.0'"):
+    plot_loss.losses(run, 'grad_norm/layers.0')

@@ -1,9 +1,11 @@
 """Training loss of several runs as one SVG picture (no plotting library: the docs' figures).
 
     python -m tools.plot_loss --runs=runs/a,runs/b --labels=bf16,fp8 --out=docs/loss.svg
+    python -m tools.plot_loss --runs=runs/a --metrics=grad_norm/layers.0,grad_norm/layers.7 --out=grads.svg
 
-Each run's `metrics.jsonl` gives one line (its records with a `loss`), smoothed over `--window`
-steps; the title line says each run's mean loss over the last `--window` steps.
+Each run's `metrics.jsonl` gives one line per metric (`--metrics`, default the loss: its records
+holding it), smoothed over `--window` steps; the legend says each line's mean over the last
+`--window` steps.
 """
 import json
 import os
@@ -17,8 +19,8 @@ COLORS = ('#1f77b4', '#d62728', '#2ca02c', '#9467bd')
 W, H, PAD = 640, 360, 56
 
 
-def losses(run) -> list:
-  """[(step, loss)] of a run directory's metrics.jsonl (the last record of a step wins)."""
+def losses(run, metric='loss') -> list:
+  """[(step, value)] of `metric` in a run directory's metrics.jsonl (the last record of a step wins)."""
   path = os.path.join(run, 'metrics.jsonl')
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path}: no such file; --runs takes run directories (a workdir)')
@@ -26,8 +28,10 @@ def losses(run) -> list:
   with open(path, encoding='utf-8') as f:
     for line in f:
       record = json.loads(line)
-      if record.get('loss') is not None:
-        by_step[record['step']] = record['loss']
+      if record.get(metric) is not None:
+        by_step[record['step']] = record[metric]
+  if not by_step:
+    raise ValueError(f'{path}: no record holds {metric!r}')
   return sorted(by_step.items())
 
 
@@ -39,8 +43,8 @@ def smooth(points, window):
   return out
 
 
-def svg(series, title, window=10) -> str:
-  """`series`: [(label, [(step, loss)])] as an SVG line chart."""
+def svg(series, title, window=10, quantity='loss') -> str:
+  """`series`: [(label, [(step, value)])] as an SVG line chart of `quantity`."""
   curves = [(label, smooth(points, window)) for label, points in series]
   xs = [s for _, pts in curves for s, _ in pts]
   ys = [v for _, pts in curves for _, v in pts]
@@ -60,7 +64,7 @@ def svg(series, title, window=10) -> str:
            f'<line x1="{PAD}" y1="{PAD}" x2="{PAD}" y2="{H - PAD}" stroke="black"/>',
            f'<text x="{W / 2}" y="{H - 16}" text-anchor="middle">step</text>',
            f'<text x="14" y="{H / 2}" transform="rotate(-90 14 {H / 2})" text-anchor="middle">'
-           f'loss ({window}-step mean)</text>']
+           f'{saxutils.escape(quantity)} ({window}-step mean)</text>']
   for k in range(5):
     v, s = y0 + (y1 - y0) * k / 4, x0 + (x1 - x0) * k / 4
     parts.append(f'<text x="{PAD - 6}" y="{sy(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
@@ -80,6 +84,7 @@ def define_flags():
   flags.DEFINE_string('out', None, 'The SVG file to write.')
   flags.DEFINE_string('title', 'training loss', 'The picture\'s title.')
   flags.DEFINE_integer('window', 10, 'Steps each point averages.')
+  flags.DEFINE_list('metrics', ['loss'], 'The records\' keys to draw, a line each per run.')
   flags.mark_flags_as_required(['runs', 'out'])
 
 
@@ -89,7 +94,9 @@ def main(argv):
   labels = f.labels or [os.path.basename(os.path.normpath(r)) for r in f.runs]
   if len(labels) != len(f.runs):
     tools.fail(f'--labels has {len(labels)} names for {len(f.runs)} runs')
-  text = svg([(label, losses(run)) for label, run in zip(labels, f.runs)], f.title, f.window)
+  series = [(label if len(f.metrics) == 1 else (metric if len(f.runs) == 1 else f'{label} {metric}'),
+             losses(run, metric)) for label, run in zip(labels, f.runs) for metric in f.metrics]
+  text = svg(series, f.title, f.window, f.metrics[0] if len(f.metrics) == 1 else 'value')
   with open(f.out, 'w', encoding='utf-8') as out:
     out.write(text)
   print(f.out)
