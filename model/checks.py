@@ -35,6 +35,10 @@ def check(model, seq_length) -> list:
   if heads > 0 and kv > 0 and heads % kv:
     problems.append(f'model.num_kv_heads={model.num_kv_heads} must divide model.num_attention_heads={heads} '
                     '(0 means num_attention_heads)')
+  if model.get('mla') is not None and model.mla.kv_lora_rank > 0 and kv != heads:
+    problems.append(f'model.num_kv_heads={model.num_kv_heads} with latent attention (model.mla): every head expands '
+                    f'its own key and value from the latent (transformers repeats them otherwise); set num_kv_heads='
+                    f'{heads} or 0')
   problems += _check_positions(model) + moe_checks.check(model)
   if (model.rmsnorm_unit_offset or model.qk_norm or model.sandwich_norm) and model.normalization != 'rmsnorm':
     problems.append(f'model.rmsnorm_unit_offset / qk_norm / sandwich_norm need model.normalization=rmsnorm '

@@ -180,7 +180,7 @@ def apply_family(model, family):
     # narrower than keys), YaRN with DeepSeek's mscale; layer 0 dense, then 8 sigmoid-scored
     # experts in 4 groups (top 2 of the best 2 groups) with the correction bias, the weights x 2.5,
     # and one ungated shared expert
-    model.sliding_window = 0
+    model.sliding_window, model.num_kv_heads = 0, model.num_attention_heads    # a key and value per head
     model.mla.update(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                      rope_interleave=True)
     model.head_dim = 12

@@ -3,7 +3,8 @@ models, every feature of the family on) with peft as the oracle: our adapter, sa
 with PeftModel.from_pretrained and gives our logits, and peft's own adapter loads here and gives
 its logits. Phi-3's fused qkv_proj / gate_up_proj share one A (model/lora_fused.py): its gradient
 equals peft's, one dropout mask serves the module, tp2 + SP trains like one device, what peft
-cannot hold is refused, and DPO from a peft Phi-3 adapter gives trl's loss on peft's logits."""
+cannot hold is refused, and DPO from a peft adapter (Phi-3, gpt-oss, DeepSeek-V3) gives trl's loss
+on peft's logits."""
 import json
 import os
 
@@ -228,13 +229,17 @@ def test_latent_attention_lora_at_tp2_sp_with_dropout_trains_like_one_device(tmp
     assert np.abs(trained['deepseek_v3_lora_tp2_sp_dropout'][name] - start[name].detach().numpy()).max() > 1e-3, name
 
 
-def test_dpo_from_a_peft_phi3_adapter_gives_trls_loss(tmp_path):
-  """Two DPO steps from a peft-made Phi-3 adapter (reference: the base, peft's adapters disabled):
-  step 1's loss is trl's sigmoid loss on peft's log-probs."""
-  c = parity.parity_config(family='phi3', lora=4, objective='dpo')
+@pytest.mark.parametrize('family', ['phi3', 'gpt_oss', 'deepseek_v3'])
+def test_dpo_from_a_peft_adapter_gives_trls_loss(family, tmp_path):
+  """Two DPO steps from a peft-made adapter (reference: the base, peft's adapters disabled):
+  step 1's loss is trl's sigmoid loss on peft's log-probs. Phi-3's fused modules, gpt-oss's
+  sinks and biased attention, DeepSeek-V3's latent attention (MoE's auxiliary losses off: trl's
+  formula has none)."""
+  c = parity.parity_config(family=family, lora=4, objective='dpo')
+  c.model.moe.update(output_router_logits=False, router_z_loss_coef=0.0)
   base_dir, adapter_dir = str(tmp_path / 'base'), str(tmp_path / 'adapter')
-  hf.save_hf(base_dir, c.model, transformer.init(parity.parity_config(family='phi3').model, 7))
-  model = peft_adapter(base_dir, adapter_dir, **SETTINGS)
+  hf.save_hf(base_dir, c.model, transformer.init(parity.parity_config(family=family).model, 7))
+  model = peft_adapter(base_dir, adapter_dir, **dict(SETTINGS, target_modules=OWN_ATTENTION.get(family, 'all-linear')))
   rows = parity.write_pairs(tmp_path / 'pairs.jsonl', 8, seed=3, chosen_ids=(0, 256), rejected_ids=(0, 256),
                             prompt_ids=(0, 256))
   c.exp_manager.init_from = base_dir
@@ -254,6 +259,6 @@ def test_dpo_from_a_peft_phi3_adapter_gives_trls_loss(tmp_path):
   h = (policy[:, 0] - policy[:, 1]) - (ref[:, 0] - ref[:, 1])
   beta = c.model_alignment_strategy.dpo.kl_beta
   expected = float(np.mean(np.logaddexp(0.0, -beta * h)))         # -log sigmoid(beta h)
-  print(f'phi3 DPO: losses {[r["loss"] for r in records]}, trl\'s formula at step 1 {expected:.6f}')
+  print(f'{family} DPO: losses {[r["loss"] for r in records]}, trl\'s formula at step 1 {expected:.6f}')
   assert records[0]['loss'] == pytest.approx(expected, rel=1e-5) and abs(expected - np.log(2)) > 1e-4
   assert len(records) == 2 and records[1]['loss'] < records[0]['loss']
