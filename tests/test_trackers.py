@@ -13,9 +13,10 @@ import sys
 import pytest
 
 import train
-from configs import llama_tiny, nxd_yaml, validate
+from configs import nxd_yaml, validate
 from monitor import trackers
 from tests import procs
+from tests.test_train import read_metrics, tiny_config
 
 wandb = pytest.importorskip('wandb')
 mlflow = pytest.importorskip('mlflow')
@@ -74,22 +75,15 @@ def mlflow_metrics(uri, experiment):
 
 
 def _config(steps=6, **exp_manager):
-  c = llama_tiny.get_config('test')
-  c.trainer.max_steps, c.trainer.val_check_interval, c.trainer.num_sanity_val_steps = steps, 3, 1
-  c.exp_manager.create_tensorboard_logger = False
+  c = tiny_config(max_steps=steps, val_check_interval=3, num_sanity_val_steps=1)
   c.exp_manager.create_wandb_logger = c.exp_manager.create_mlflow_logger = True
   c.exp_manager.update(exp_manager)
   return c
 
 
-def _records(workdir):
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    return [json.loads(line) for line in f]
-
-
 def test_wandb_and_mlflow_hold_what_metrics_jsonl_holds(tmp_path):
   train.run(_config(), str(tmp_path))
-  records = _records(tmp_path)
+  records = read_metrics(tmp_path)
   assert {'sanity_val_loss', 'loss', 'val_loss', 'grad_norm', 'lr'} <= {k for r in records for k in r}
   [(config, rows)] = wandb_runs(str(tmp_path)).values()
   run, metrics = mlflow_metrics('file:' + str(tmp_path / 'mlruns'), 'llama_tiny')
@@ -136,7 +130,7 @@ def test_an_nxd_yaml_with_create_wandb_logger_logs_to_wandb(tmp_path):
                    f'--workdir={tmp_path / "run"}'], timeout=300, env=dict(os.environ, WANDB_MODE='offline'))
   assert out.returncode == 0, out.stderr[-3000:]
   [(config, rows)] = wandb_runs(str(tmp_path / 'run')).values()
-  losses = {r['step']: r['loss'] for r in _records(tmp_path / 'run') if 'loss' in r}
+  losses = {r['step']: r['loss'] for r in read_metrics(tmp_path / 'run') if 'loss' in r}
   assert {s: rows[s]['loss'] for s in losses} == losses and config['name'] == 'tracked'
 
 
