@@ -139,13 +139,18 @@ def get_config(arg=None):
 
   model.optim = config_dict.ConfigDict()
   optim = model.optim
-  optim.name = 'adamw'                     # adamw | adamw_fp32OptState | adam | sgd | adadelta | adamax | adagrad | rmsprop | rprop | adafactor | novograd
+  optim.name = 'adamw'                     # adamw | adamw_fp32OptState | adam | sgd | adadelta | adamax | adagrad | rmsprop | rprop | adafactor | novograd | muon | lion
   optim.lr = 3e-4                          # peak learning rate
   optim.weight_decay = 0.01                # decoupled (adamw) or L2 (others) decay; skips norms and biases
   optim.do_layer_norm_weight_decay = False  # also decay norm weights and biases
   optim.betas = (0.9, 0.95)                # Adam-family betas
   optim.eps = 1e-8                         # Adam-family epsilon
   optim.momentum = 0.0                     # sgd / rmsprop momentum
+  optim.muon = config_dict.ConfigDict(dict(  # name=muon: the layers' matrices (AdamW for the rest: optim/muon.py)
+      momentum=0.95, nesterov=True,
+      ns_steps=5,                          # Newton-Schulz iterations
+      ns_dtype='bfloat16',                 # bfloat16 (torch.optim.Muon's) | float32
+      adjust_lr='match_rms_adamw'))        # the lr scale by shape: match_rms_adamw (Moonlight: 0.2 sqrt(max(A, B))) | original
   optim.sched = config_dict.ConfigDict()
   sched = optim.sched
   sched.name = 'CosineAnnealing'           # see optim/schedules.py for the list

@@ -5,7 +5,7 @@ import math
 
 from estimates import activations, grad_memory, param_memory, update_memory
 from estimates.host_heap import heap_holes_bytes
-from estimates.update_memory import ADAM_STATES, fused_fp32_names, fused_sr, update_temporaries
+from estimates.update_memory import fused_fp32_names, fused_sr, states, update_temporaries
 from model import lora, moe, objectives, param_table, transformer
 from numerics import precision
 from parallel import device as devices
@@ -70,8 +70,8 @@ def estimate(config, sizes=None, dp=1, pp_rank=0) -> dict:
       'params': param_memory.param_bytes(config, sizes, dp)[0],
       'grads': grads,
       'master': owned['base'] * 4 if recipe.has_master(recipe.param_dtype) else 0,
-      'optimizer': ((owned['base'] * recipe.state_dtype(recipe.param_dtype).itemsize + owned['adapters'] * 4)
-                    * ADAM_STATES.get(m.optim.name, 2)),
+      'optimizer': int((owned['base'] * recipe.state_dtype(recipe.param_dtype).itemsize + owned['adapters'] * 4)
+                       * states(config, sizes)),
       'activations': layers_in_flight * per_layer + in_flight * mask,
       'logits': logits_bytes(config, tp) if _holds_head(config, sizes) else 0,
       'grad_transient': grad_transient + fp8_transient_bytes(config, tp) + working,
@@ -247,8 +247,8 @@ def checkpoint_copy_bytes(config, sizes, dp=1) -> int:
   recipe = precision.recipe(config.precision)
   n = param_counts(config, sizes)
   shards = dp if config.distributed_strategy.zero1 and dp > 1 else 1
-  state = n['trainable'] * (recipe.state_dtype(recipe.param_dtype).itemsize * ADAM_STATES.get(config.model.optim.name, 2)
-                            + (4 if recipe.has_master(recipe.param_dtype) else 0)) // shards
+  state = int(n['trainable'] * (recipe.state_dtype(recipe.param_dtype).itemsize * states(config, sizes)
+                                + (4 if recipe.has_master(recipe.param_dtype) else 0))) // shards
   params = n['params'] * recipe.param_dtype.itemsize
   return (params // shards if param_memory.sharded_params(config, dp) else params) + state
 

@@ -9,13 +9,28 @@ import math
 
 import torch
 
-from model import lora, moe
+from model import lora, moe, param_table
 from numerics import precision
 from parallel import comm, device as devices, grad_reduce, zero
 
-# Optimizer state tensors shaped like the parameter, per optimizer (estimate()'s 'optimizer').
+# Optimizer state tensors shaped like the parameter, per optimizer (estimate()'s 'optimizer'):
+# Muon keeps one (its momentum) on the layers' matrices and AdamW's two elsewhere (`states`)
 ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
-               'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1}
+               'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1, 'lion': 1}
+
+
+def states(config, sizes=None) -> float:
+  """State tensors per trained element: the optimizer's count, or under Muon the mean over the
+  elements of `sizes` (name -> elements; default the whole model) of 1 (matrices) or 2."""
+  name = config.model.optim.name
+  if name != 'muon':
+    return ADAM_STATES.get(name, 2)
+  specs = param_table.param_specs(config.model)
+  sizes = sizes or {n: math.prod(s.shape) for n, s in specs.items()}
+  trained = [n for n in lora.trainable(config.model, sizes)]
+  total = sum(sizes[n] for n in trained)
+  ones = sum(sizes[n] for n in trained if param_table.is_hidden_matrix(n, len(specs[n].shape)))
+  return (ones + 2 * (total - ones)) / max(total, 1)
 
 
 def bucket_bytes(config):
@@ -79,18 +94,32 @@ def update_temporaries(config, sizes, dp=1) -> int:
   if fused_sr(config):       # it reads the 16-bit gradients
     temporaries = 0 if cuda else 2 * 4 * small
   elif recipe.param_dtype != torch.float32 and not recipe.has_master(recipe.param_dtype):
-    moments = ADAM_STATES.get(config.model.optim.name, 2)
-    items = [4 * v for v in owned] * (1 + moments)             # rows, then each moment, as rounded
+    moments = states(config, sizes)
+    items = [4 * v for v in owned] * (1 + math.ceil(moments))   # rows, then each moment, as rounded
     bucket = largest_bucket(items, bucket_bytes(config)) // 4
     widened = 4 * (1 + moments) * sum(owned) - 2 * moments * sum(owned)
     rounded = 2 * (1 + moments) * sum(owned)
     temporaries = max(widened + temporaries, widened + grads32 + rounded + 24 * bucket)
+  temporaries += muon_matrix_bytes(config, sizes)
   backend = devices.collective_backend(config)
   if shards > 1 and not zero.in_place_on(grad_reduce.resolved(config.distributed_strategy.zero1_collectives),
                                          backend):
     full = [v * recipe.param_dtype.itemsize for n, v in sizes.items() if n in trained]
     temporaries += largest_bucket(full, bucket_bytes(config))
-  return temporaries
+  return int(temporaries)
+
+
+def muon_matrix_bytes(config, sizes) -> int:
+  """Muon's largest whole matrix and its iteration (optim/muon.py): the assembled fp32 momentum
+  (the global matrix; a rank's experts whole over TP) and four of its size in the iteration's
+  dtype (the iterate, the next one, the Gram matrix's product)."""
+  if config.model.optim.name != 'muon':
+    return 0
+  specs, tp = param_table.param_specs(config.model), config.distributed_strategy.tensor_model_parallel_size
+  wide = 2 if config.model.optim.muon.ns_dtype == 'bfloat16' else 4
+  whole = [sizes[n] * tp if moe.is_expert_param(n) else math.prod(specs[n].shape)
+           for n in lora.trainable(config.model, sizes) if param_table.is_hidden_matrix(n, len(specs[n].shape))]
+  return (4 + 4 * wide) * max(whole, default=0)
 
 
 def fused_sr(config) -> bool:

@@ -146,3 +146,10 @@ def count_params(cfg, embedding=True, trainable_only=False) -> int:
       shape = spec.shape
     total += math.prod(shape)
   return total
+
+
+def is_hidden_matrix(name, ndim) -> bool:
+  """Whether parameter `name` (of global rank `ndim`) is one of the layers' matrices, what matrix
+  optimizers (Muon: optim/muon.py) step: every 2-D weight of a layer, each expert's matrix of a
+  stack, LoRA's factors; not embeddings, the head, norms, biases or sinks."""
+  return name.startswith('layers.') and ndim >= 2 and not name.endswith('.bias')

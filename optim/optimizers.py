@@ -8,8 +8,11 @@ import inspect
 
 import torch
 
+from model import param_table
+from optim import muon
+
 OPTIMIZERS = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adadelta', 'adamax', 'adagrad', 'rmsprop',
-              'rprop', 'adafactor', 'novograd')
+              'rprop', 'adafactor', 'novograd', 'muon', 'lion')
 
 
 class Novograd(torch.optim.Optimizer):
@@ -132,9 +135,12 @@ def _chunked(groups, chunk_bytes):
   return out
 
 
-def make_optimizer(params: dict, optim_cfg, chunk_bytes=CHUNK_BYTES) -> torch.optim.Optimizer:
+def make_optimizer(params: dict, optim_cfg, chunk_bytes=CHUNK_BYTES, matrices=None) -> torch.optim.Optimizer:
   """The optimizer `optim_cfg.name` over `params` (name -> leaf tensor), grouped for weight decay,
-  each group split into runs of at most `chunk_bytes` of fp32 (see `chunks`)."""
+  each group split into runs of at most `chunk_bytes` of fp32 (see `chunks`). `matrices`: what
+  Muon assembles its whole matrices with (optim/matrices.py; None: `params` are whole)."""
+  if optim_cfg.name in ('muon', 'lion'):
+    return _matrix_or_sign(params, optim_cfg, matrices)
   if optim_cfg.name not in _BUILDERS:
     raise ValueError(_unknown_name(optim_cfg.name))
   cls, keys = _BUILDERS[optim_cfg.name]
@@ -150,6 +156,38 @@ def make_optimizer(params: dict, optim_cfg, chunk_bytes=CHUNK_BYTES) -> torch.op
     # a time, and Adam(W)'s large fp32 rows take optim/sr_update.py's one pass (Updater.fused).
     kwargs['fused'] = True
   return cls(_chunked(param_groups(params, optim_cfg, 'weight_decay' in keys), chunk_bytes), **kwargs)
+
+
+class _Whole:
+  """Matrices of a single device: every parameter is its whole self."""
+
+  def __init__(self, params):
+    self.params = params
+
+  def whole(self, name, t):  # pylint: disable=unused-argument
+    return t
+
+  def part(self, name, t):  # pylint: disable=unused-argument
+    return t
+
+  def matrix_shape(self, name):
+    return tuple(self.params[name].shape[-2:])
+
+
+def _matrix_or_sign(params, optim_cfg, matrices):
+  """Muon (hidden matrices; AdamW for the rest) or Lion, grouped by decay (and by rule)."""
+  betas = tuple(optim_cfg.betas)
+  if optim_cfg.name == 'lion':
+    return muon.Lion(param_groups(params, optim_cfg), float(optim_cfg.lr), betas)
+  groups = []
+  for g in param_groups(params, optim_cfg):
+    for rule in (True, False):
+      pairs = [(n, p) for n, p in g['params'] if param_table.is_hidden_matrix(n, p.dim()) == rule]
+      if pairs:
+        groups.append({**g, 'params': pairs, 'muon': rule})
+  m = optim_cfg.muon
+  return muon.Muon(groups, matrices or _Whole(params), float(optim_cfg.lr), betas, float(optim_cfg.eps),
+                   float(m.momentum), bool(m.nesterov), int(m.ns_steps), m.ns_dtype, m.adjust_lr)
 
 
 def _unknown_name(name):
@@ -173,6 +211,16 @@ def check(optim_cfg) -> list[str]:
     problems.append(f'{p}weight_decay={optim_cfg.weight_decay!r} must be >= 0')
   if not optim_cfg.momentum >= 0:
     problems.append(f'{p}momentum={optim_cfg.momentum!r} must be >= 0')
+  if optim_cfg.name == 'muon':
+    m = optim_cfg.muon
+    if not 0.0 <= m.momentum < 1.0:
+      problems.append(f'{p}muon.momentum={m.momentum!r} must be in [0, 1)')
+    if m.ns_steps < 1:
+      problems.append(f'{p}muon.ns_steps={m.ns_steps!r} must be >= 1')
+    if m.ns_dtype not in muon.NS_DTYPES:
+      problems.append(f'{p}muon.ns_dtype={m.ns_dtype!r}; valid: {", ".join(muon.NS_DTYPES)}')
+    if m.adjust_lr not in muon.ADJUST_LR:
+      problems.append(f'{p}muon.adjust_lr={m.adjust_lr!r}; valid: {", ".join(muon.ADJUST_LR)}')
   if optim_cfg.name == 'rprop' and optim_cfg.weight_decay > 0:
     problems.append(f'{p}weight_decay={optim_cfg.weight_decay!r} would be ignored: rprop has no weight '
                     f'decay; set it to 0')

@@ -24,7 +24,7 @@ import torch
 
 import host_values
 from numerics import precision
-from optim import balancing, optimizers, rounding, schedules, sr_update
+from optim import balancing, matrices, optimizers, rounding, schedules, sr_update
 from optim.update_state import CheckpointedState
 from parallel import comm, experts, grad_buffer, grad_shards, grads as grad_ops, param_shards, tensor, zero
 
@@ -82,7 +82,8 @@ class Updater(CheckpointedState):
     # Without a master copy the shard is a view of the parameter's rows.
     self.master = {n: self._owned(n).float() if self.has_master_copy(n) else self._owned(n)
                    for n in self.trainable}
-    self.optimizer = optimizers.make_optimizer(self.master, config.model.optim, self.bucket_bytes)
+    self.optimizer = optimizers.make_optimizer(self.master, config.model.optim, self.bucket_bytes,
+                                               matrices.Matrices(self))
     self.fused = rounding.fusable(self)      # fixed by the optimizer, recipe, device and sizes: once
     self.narrowed_in_pass = rounding.narrowed_in_pass(self)
 

@@ -11,7 +11,7 @@ class CheckpointedState:
   def state_keys(self):
     """Optimizer state tensors shaped like their parameter (Adam moments, momentum buffers);
     factored state (Adafactor's row/column moments) is not checkpointed and restarts on resume."""
-    return sorted(self._shaped_state(next(iter(self.optimizer.state), None)))
+    return sorted({k for master in self.optimizer.state for k in self._shaped_state(master)})
 
   def _shaped_state(self, master):
     """Keys of `master`'s optimizer state tensors shaped like it (moments, momentum buffers)."""

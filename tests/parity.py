@@ -45,7 +45,7 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
                   family=None, moe=0, ep=1, capacity=1.0, aux=True, cp=1, attention_dropout=None,
                   nll_reduction='pair', fixed_buffers=False, fp8=None, steps=STEPS, compile_blocks=False,
                   lr=None, zero_stage=1, shard=0, recompute=None, reshard=True, per_micro_batch=True,
-                  reshard_backward=True, balance_rate=0.0):
+                  reshard_backward=True, balance_rate=0.0, optim=None):
   c = llama_tiny.get_config('test')
   c.data.train_dir = c.data.val_dir = sft     # SFT records (packed rows, masked prompts)
   c.trainer.max_steps = steps
@@ -79,6 +79,8 @@ def parity_config(tp=1, sp=False, kv_replicator=1, dropout=0.0, pp=1, vp=1, cuts
   if family:                                 # model/hf.py's families' blocks (tests/test_hf.py checks them vs HF)
     apply_family(c.model, family)
   c.model.moe.load_balance_rate = balance_rate   # DeepSeek-V3's correction biases moved by the loads (optim/balancing.py)
+  if optim:                                  # another optimizer (Muon's iteration in fp32: layouts agree to its round-off)
+    c.model.optim.name, c.model.optim.muon.ns_dtype = optim, 'float32'
   d.collective_timeout_s = 120
   d.expert_model_parallel_size = ep          # over `moe`'s experts, or a family's own (qwen3_moe)
   if moe:          # MoE (model/moe.py): `moe` experts, top-2, dropping at `capacity` (0: dropless), aux losses
@@ -264,7 +266,7 @@ def reference(tmp_path_factory, **model_layout):
 
 # what the reference run depends on
 MODEL_KEYS = ('dropout', 'attention_dropout', 'nll_reduction', 'layers', 'tied', 'precision', 'sft', 'lora', 'lora_dropout', 'objective', 'precompute',
-              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux', 'fp8', 'steps', 'lr', 'balance_rate')
+              'qkv_bias', 'rope_llama3', 'family', 'moe', 'capacity', 'aux', 'fp8', 'steps', 'lr', 'balance_rate', 'optim')
 
 
 def train_layouts_on_rank(workdirs, layouts):

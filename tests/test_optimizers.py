@@ -63,6 +63,15 @@ def test_weight_decay_groups(name, decay_norms):
   for group in opt.param_groups:
     assert all(p is params[n] for n, p in zip(group['param_names'], group['params']))
   takes_decay = name != 'rprop'
+  if name == 'muon':      # each decay group in two: the layers' matrices (Muon's rule) and the rest (AdamW's)
+    assert all(g['muon'] == all(n.startswith('layers.') and params[n].dim() == 2 for n in g['param_names'])
+               for g in opt.param_groups)
+    merged = {}
+    for names, decay in groups:
+      merged.setdefault(decay, set()).update(names)
+    want = [(list(SHAPES), 0.1)] if decay_norms else [(DECAYED, 0.1), (EXEMPT, 0.0)]
+    assert merged == {decay: set(names) for names, decay in want}
+    return
   if decay_norms:
     assert groups == [(list(SHAPES), 0.1 if takes_decay else None)]
   else:
