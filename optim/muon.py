@@ -63,14 +63,15 @@ class Muon(torch.optim.Optimizer):
           continue
         state = self.state[p]
         state['step'] = state.get('step', 0) + 1
+        g = p.grad.to(p.dtype)             # 16-bit gradients (bf16SR) against widened fp32 rows
         if group['muon']:
-          self._muon(group, name, p, state)
+          self._muon(group, name, p, g, state)
         else:
-          _adamw(group, p, state)
+          _adamw(group, p, g, state)
     return None
 
-  def _muon(self, group, name, p, state):
-    mu, g = group['momentum'], p.grad
+  def _muon(self, group, name, p, g, state):
+    mu = group['momentum']
     buf = state.setdefault('momentum_buffer', torch.zeros_like(p))
     buf.lerp_(g, 1 - mu)
     u = g.lerp(buf, mu) if group['nesterov'] else buf
@@ -80,9 +81,9 @@ class Muon(torch.optim.Optimizer):
     p.add_(o.to(p.dtype), alpha=-adjusted_lr(group['lr'], group['adjust_lr'], self.matrices.matrix_shape(name)))
 
 
-def _adamw(group, p, state):
+def _adamw(group, p, g, state):
   """torch's AdamW, one tensor."""
-  (b1, b2), g, t = group['betas'], p.grad, state['step']
+  (b1, b2), t = group['betas'], state['step']
   m = state.setdefault('exp_avg', torch.zeros_like(p))
   v = state.setdefault('exp_avg_sq', torch.zeros_like(p))
   m.lerp_(g, 1 - b1)
@@ -107,8 +108,8 @@ class Lion(torch.optim.Optimizer):
           continue
         state = self.state[p]
         state['step'] = state.get('step', 0) + 1
-        m = state.setdefault('exp_avg', torch.zeros_like(p))
+        m, g = state.setdefault('exp_avg', torch.zeros_like(p)), p.grad.to(p.dtype)
         p.mul_(1 - group['lr'] * group['weight_decay'])
-        p.add_(torch.sign(m.lerp(p.grad, 1 - b1)), alpha=-group['lr'])
-        m.lerp_(p.grad, 1 - b2)
+        p.add_(torch.sign(m.lerp(g, 1 - b1)), alpha=-group['lr'])
+        m.lerp_(g, 1 - b2)
     return None

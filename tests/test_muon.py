@@ -111,3 +111,18 @@ def test_muon_resumes_bitwise_and_at_another_layout(tmp_path):
   saved = str(tmp_path / 'saved' / 'checkpoints' / 'step_00000010')
   world.run(_resume_from, 2, str(tmp_path / 'tp2'), {'tp': 2, 'sp': True, 'optim': 'muon'}, saved)
   np.testing.assert_allclose(losses(tmp_path / 'tp2'), losses(tmp_path / 'straight')[10:], rtol=1e-5)
+
+
+@pytest.mark.parametrize('precision', ['bf16SR', 'mixed_precision'])
+def test_muon_and_lion_train_under_the_16_bit_recipes(precision, tmp_path):
+  """bf16SR widens the bf16 rows and their momentum for the step and rounds them back; mixed
+  precision steps fp32 masters: each run's loss falls."""
+  import train  # pylint: disable=import-outside-toplevel
+  from tests.test_train import read_metrics, tiny_config  # pylint: disable=import-outside-toplevel
+  for optim in ('muon', 'lion'):
+    c = tiny_config(max_steps=10, val_check_interval=0)
+    c.precision.type, c.model.optim.name = precision, optim
+    c.model.optim.lr = 3e-3 if optim == 'lion' else 1e-2
+    train.run(c, str(tmp_path / optim))
+    losses = [r['loss'] for r in read_metrics(tmp_path / optim) if 'loss' in r]
+    assert losses[-1] < losses[0] - 0.3, (optim, losses)
