@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import logs
 import train
 from configs import nxd_yaml, validate
 from monitor import trackers
@@ -135,17 +136,20 @@ def test_an_nxd_yaml_with_create_wandb_logger_logs_to_wandb(tmp_path):
 
 
 def test_a_tracker_whose_files_vanish_mid_run_is_reported_once_and_dropped(tmp_path, caplog):
+  """The run's log (logs.MetricsLog, as train.py holds it) with MLflow's real file store, removed
+  between two records: one warning, and metrics.jsonl gets every record."""
   c = _config()
   tracker = trackers.Guarded('MLflow', trackers.MlflowTracker(c, str(tmp_path), {'a': 1}))
-  tracker.log({'step': 1, 'loss': 2.0})
+  log = logs.MetricsLog(str(tmp_path), True, False, trackers=[tracker])
+  log.write({'step': 1, 'loss': 2.0})
   shutil.rmtree(tmp_path / 'mlruns')          # what a user's cleanup does under a running job
   with caplog.at_level(logging.WARNING):
     for step in (2, 3):
-      tracker.log({'step': step, 'loss': 1.0})
-    tracker.close()
+      log.write({'step': step, 'loss': 1.0})
+    log.close()
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warnings) == 1 and warnings[0].startswith('MLflow failed (') and 'the run goes on without it' in warnings[0]
-  assert tracker.tracker is None
+  assert tracker.tracker is None and [r['step'] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
 def test_a_missing_package_is_refused_with_its_install_line(monkeypatch):
