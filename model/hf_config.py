@@ -213,6 +213,9 @@ def _moe_from_hf(hf, family, m):
     moe.dense_layers = tuple(i for i in range(m.num_layers) if i not in set(moe_layers))
   moe.top_k = hf.get('num_experts_per_tok', {'mixtral': 2, 'qwen2_moe': 4, 'qwen3_moe': 8, 'gpt_oss': 4,
                                               'deepseek_v3': 8, 'llama4_text': 1}[family])
+  if gpt_oss and hf.get('experts_per_token', moe.top_k) != moe.top_k:      # OpenAI's name beside transformers'
+    raise ValueError(f"experts_per_token={hf['experts_per_token']} (OpenAI's key) but the experts a token runs are "
+                     f'num_experts_per_tok={moe.top_k} (what transformers reads); make them agree')
   moe.frequency = 1 if mixtral or gpt_oss or llama4 else hf.get('decoder_sparse_step', 1)
   # gpt-oss: softmax over the top-k logits, which is the softmax's top k renormalized
   moe.normalize_top_k_affinities = True if mixtral or gpt_oss else bool(hf.get('norm_topk_prob', False))

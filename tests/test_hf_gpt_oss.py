@@ -149,6 +149,9 @@ def test_an_mxfp4_checkpoint_imports_as_its_dequantized_weights(tmp_path):
 def test_what_gpt_oss_cannot_be_is_refused_by_name():
   with pytest.raises(ValueError, match='attention_bias=False: gpt-oss\'s router and experts keep their biases'):
     hf.config_from_hf(transformers.GptOssConfig(**dict(CONFIG, attention_bias=False)).to_dict(), BASE_MODEL)
+  with pytest.raises(ValueError, match=r"experts_per_token=3 \(OpenAI's key\) but the experts a token runs are "
+                                       r'num_experts_per_tok=2'):
+    hf.config_from_hf(dict(transformers.GptOssConfig(**CONFIG).to_dict(), experts_per_token=3), BASE_MODEL)
   m = hf.config_from_hf(transformers.GptOssConfig(**CONFIG).to_dict(), BASE_MODEL)
   m.attention_sinks = False
   with pytest.raises(ValueError, match='are HF gpt-oss together'):
