@@ -97,12 +97,15 @@ def start(config, workdir, resumed):
       ids = json.load(f)
   params = flat(config.to_dict())
   out = []
-  for key, name, make in (('create_wandb_logger', 'wandb', WandbTracker), ('create_mlflow_logger', 'mlflow', MlflowTracker)):
+  kinds = (('create_wandb_logger', 'wandb', WandbTracker), ('create_mlflow_logger', 'mlflow', MlflowTracker))
+  for key, name, make in kinds:
     if not config.exp_manager[key]:
       continue
     try:
       tracker = make(config, workdir, params, ids.get(name))
     except Exception as e:  # pylint: disable=broad-except    # whatever the library raises, at start-up
+      for started in out:
+        started.close()
       raise TrackerError(f'exp_manager.{key}: {name} could not start a run ({type(e).__name__}: '
                          f'{str(e).strip().splitlines()[0] if str(e).strip() else ""}); fix exp_manager.'
                          f'{name}_logger_kwargs or set {key}=False') from e
