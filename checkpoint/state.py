@@ -103,7 +103,9 @@ class StateLayout:
     """(array name, param name, kind) for every array of the checkpoint."""
     out = [(n, n, self.params_kind) for n in self.names]
     out += [(f'master.{n}', n, 'shard') for n in self.trained if self.updater.recipe.has_master(self._param_dtype(n))]
-    out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in self.trained]
+    optim = self.config.model.optim.name
+    out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in self.trained
+            if param_table.holds_state(optim, k, n, len(self.specs[n].shape))]
     return out
 
   def _box(self, param, kind, rank):

@@ -62,7 +62,7 @@ class Muon(torch.optim.Optimizer):
         if p.grad is None:
           continue
         state = self.state[p]
-        state['step'] = state.get('step', 0) + 1
+        state['step'] = _count(state) + 1
         g = p.grad.to(p.dtype)             # 16-bit gradients (bf16SR) against widened fp32 rows
         if group['muon']:
           self._muon(group, name, p, g, state)
@@ -79,6 +79,13 @@ class Muon(torch.optim.Optimizer):
     o = self.matrices.part(name, newton_schulz(whole, group['ns_steps'], NS_DTYPES[group['ns_dtype']]))
     p.mul_(1 - group['lr'] * group['weight_decay'])
     p.add_(o.to(p.dtype), alpha=-adjusted_lr(group['lr'], group['adjust_lr'], self.matrices.matrix_shape(name)))
+
+
+def _count(state) -> int:
+  """The steps taken, a Python int (a checkpoint loads it as a tensor: the bias corrections would
+  then round in fp32, not as an uninterrupted run's)."""
+  step = state.get('step', 0)
+  return int(step.item()) if torch.is_tensor(step) else step
 
 
 def _adamw(group, p, g, state):
@@ -107,7 +114,7 @@ class Lion(torch.optim.Optimizer):
         if p.grad is None:
           continue
         state = self.state[p]
-        state['step'] = state.get('step', 0) + 1
+        state['step'] = _count(state) + 1
         m, g = state.setdefault('exp_avg', torch.zeros_like(p)), p.grad.to(p.dtype)
         p.mul_(1 - group['lr'] * group['weight_decay'])
         p.add_(torch.sign(m.lerp(g, 1 - b1)), alpha=-group['lr'])
