@@ -113,6 +113,9 @@ def warnings(config) -> list:
   if m.position_embedding_type == 'rope' and a.seq_length > m.max_position_embeddings:
     out.append(f'data.seq_length={a.seq_length} exceeds model.max_position_embeddings='
                f'{m.max_position_embeddings}: RoPE extrapolates beyond the trained length')
+  if m.optim.name == 'muon' and m.optim.muon.ns_dtype == 'bfloat16' and devices.kind(config.device) == 'cpu':
+    out.append('model.optim.muon.ns_dtype=bfloat16 on the CPU: bf16 matmuls there are many times slower than fp32 '
+               '(llama_50m: over 70 s a step, against 7-8 s in fp32); set ns_dtype=float32')
   return out
 
 

@@ -126,3 +126,11 @@ def test_muon_and_lion_train_under_the_16_bit_recipes(precision, tmp_path):
     train.run(c, str(tmp_path / optim))
     losses = [r['loss'] for r in read_metrics(tmp_path / optim) if 'loss' in r]
     assert losses[-1] < losses[0] - 0.3, (optim, losses)
+
+
+def test_a_bf16_iteration_on_the_cpu_is_warned_about():
+  c = parity.parity_config(optim='muon')
+  c.device = 'cpu'
+  assert not any('ns_dtype' in w for w in validate.warnings(c))           # parity's: float32
+  c.model.optim.muon.ns_dtype = 'bfloat16'
+  assert any(w.startswith('model.optim.muon.ns_dtype=bfloat16 on the CPU') for w in validate.warnings(c))
