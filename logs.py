@@ -156,6 +156,9 @@ def fmt_eta(seconds):
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
 
 
+STEP_KEYS = ('loss', 'grad_norm', 'lr', 'skipped', 'metrics')   # what every step returns, read by name
+
+
 class StepReporter:
   """Each training step's values read one step late: `add` keeps step s's device tensors and
   reads step s-1's in one transfer, after step s is dispatched, so the host never waits on the
@@ -198,9 +201,11 @@ class StepReporter:
     values = {'skipped': out['skipped']}          # every step: the skip count needs it
     if logged:
       values.update(loss=out['loss'], grad_norm=out['grad_norm'], **out['metrics'])
-      if out.get('param_norm') is not None:
-        values['param_norm'] = out['param_norm']
-      values.update(out.get('layer_stats') or {})      # parallel/layer_stats.py's, in the same one read
+      # whatever else the step returned (param_norm, parallel/layer_stats.py's dict, a fork's
+      # own): scalars, or dicts of them, into the record, in the same one read
+      for key, value in out.items():
+        if key not in STEP_KEYS and value is not None:
+          values.update(value if isinstance(value, dict) else {key: value})
     host = devices.to_host({k: v for k, v in values.items() if torch.is_tensor(v)})   # one transfer
     scalars = {k: host.get(k, v) for k, v in values.items()}
     skipped = bool(scalars.pop('skipped'))

@@ -108,3 +108,16 @@ def test_each_line_times_its_own_steps_the_last_included(monkeypatch, every, exp
   # every line's time is its steps' own, with the pauses between them (none before the first)
   pauses = {1: {1: 0.0, 2: 0.5, 3: 0.5, 4: 0.5}, 2: {2: 0.25, 4: 0.5}, 3: {3: 1.0 / 3, 4: 0.5}}[every]
   assert got == pytest.approx({k: v + pauses[k] for k, v in expected.items()})
+
+
+def test_whatever_else_a_step_returns_joins_the_record():
+  """A step's extra scalars (param_norm, a fork's own) and dicts of them (the per-layer
+  statistics) reach the record on logged steps, read with the rest; None is left out."""
+  reporter, log = _reporter(max_steps=2, log_every_n_steps=1)
+  for step in (0, 1):
+    reporter.add(step, dict(_out(step), param_norm=torch.tensor(3.0), my_metric=torch.tensor(step + 0.5),
+                            layer_stats={'grad_norm/layers.0': torch.tensor(0.25)}, unused=None), 8 * (step + 1))
+  reporter.flush()
+  assert [(r['param_norm'], r['my_metric'], r['grad_norm/layers.0']) for r in log.records] == [(3.0, 0.5, 0.25),
+                                                                                              (3.0, 1.5, 0.25)]
+  assert 'unused' not in log.records[0]
