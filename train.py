@@ -6,9 +6,9 @@
     python train.py --config=configs/nxd_yaml.py:their.yaml --dry_run          # check, print, touch nothing
     python train.py --config=configs/nxd_yaml.py:their.yaml --dry_run=trace    # ... and trace one rank's real step
 
-Sections: validation / setup / loop (validate, save, stop); the step itself is
-parallel/training.py and its log lines logs.py. State the loop owns is plain data: `params`
-(flat dict of tensors), the updater (optimizer, master weights, ZeRO-1 shards, the lr schedule;
+Sections: setup / loop (validate, save, stop); the step itself is parallel/training.py, its
+log lines logs.py, when and how a run evaluates validation.py. State the loop owns is plain
+data: `params` (flat dict of tensors), the updater (optimizer, master weights, ZeRO-1 shards, the lr schedule;
 optim/update.py), and `consumed_samples` (the whole data position). Every random draw is keyed,
 so nothing else needs saving.
 """
@@ -22,6 +22,7 @@ from ml_collections import config_flags
 import logs
 import step_trace as traces
 import user_errors
+import validation
 
 from checkpoint import session, workdir as workdirs
 from configs import cli, from_files, validate as config_validation
@@ -43,39 +44,6 @@ _DRY_RUN = cli.define_dry_run('Resolve and validate the config (files, overrides
                               'and memory estimate, and exit; nothing is allocated or written. --dry_run=trace also '
                               'runs the real training step of the layout\'s first and last stage on fake tensors '
                               '(step_trace.py) and reports its peak beside the estimate.')
-
-
-# ======================================================================================
-# validation (the step itself: parallel/training.py; its log lines: logs.py)
-# ======================================================================================
-
-
-def evaluate_and_log(prefix, params, loader, num_batches, config, mesh, ops, reference, log, step, consumed_samples):
-  """Evaluate `num_batches` global batches of `loader` (validation, test); print and record
-  them as {prefix}_loss and {prefix}_<metric>, which are returned."""
-  loss, metrics = passes.evaluate(params, loader, config, mesh, ops, num_batches, reference)
-  values = {f'{prefix}_loss': loss, **{f'{prefix}_{k}': v for k, v in metrics.items()}}
-  logging.info('step %d | %s', step, ' | '.join(f'{k} {v:.4f}' for k, v in values.items()))
-  log.write({'step': step, f'{prefix}_loss': loss, 'consumed_samples': consumed_samples, **values})
-  return values
-
-
-def validates(config) -> bool:
-  """Whether the run reads the validation split at all (NxD's limit_val_batches: 0.0 = never):
-  sanity steps, periodic validation, or saves ranked by a validation metric."""
-  t = config.trainer
-  ranked = config.exp_manager.checkpoint_callback_params.monitor != 'step'
-  return bool(t.num_sanity_val_steps or (t.limit_val_batches and (t.val_check_interval or t.check_val_every_n_epoch
-                                                                  or ranked)))
-
-
-def validation_due(t, train_data, step, last, before, after):
-  """Whether to validate after `step` (consumed samples went from `before` to `after`): every
-  val_check_interval steps and at the end, and on the step completing every
-  check_val_every_n_epoch-th epoch."""
-  periodic = t.val_check_interval and (logs.every(step, t.val_check_interval) or last)
-  epochs = t.check_val_every_n_epoch and train_data.crosses_epochs(before, after, t.check_val_every_n_epoch)
-  return bool(t.limit_val_batches and (periodic or epochs))
 
 
 def last_step(t, train_data):
@@ -159,7 +127,7 @@ def run(config, workdir=None):
 
     # --- data: each DP rank reads its slice of every global batch
     # (an empty test split fails here, naming data.splits_string or data.test_dir)
-    splits = (('train',) + (('valid',) if validates(config) else ())
+    splits = (('train',) + (('valid',) if validation.validates(config) else ())
               + (('test',) if config.trainer.limit_test_batches else ()))
     data = {split: Loader(config, split, mesh.dp_rank, mesh.dp) for split in splits}
     for loader in data.values():
@@ -241,11 +209,11 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
     val = None                              # a validation metric as monitor: every save is validated
     if saving or stopped:
       updater.wait_params()
-    if validation_due(t, train_data, step + 1, last, before, consumed_samples) or (saving and checkpoints.needs_metrics):
+    if validation.due(t, train_data, step + 1, last, before, consumed_samples) or (saving and checkpoints.needs_metrics):
       updater.wait_params()
       reporter.flush()
-      val = evaluate_and_log('val', params, data['valid'], t.limit_val_batches, config, mesh, ops, reference, log,
-                             step + 1, consumed_samples)
+      val = validation.evaluate_and_log('val', params, data['valid'], t.limit_val_batches, config, mesh, ops,
+                                        reference, log, step + 1, consumed_samples)
       reporter.restart_window()
     if saving or stopped:
       reporter.flush()                      # the log is whole up to a committed step
@@ -259,8 +227,8 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   window.close()                            # a window past the last step: what it recorded
   record = {**reporter.flush(), **(val or {})}
   if t.limit_test_batches:                  # after training, not after a stop
-    record.update(evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh, ops,
-                                   reference, log, max(total, start_step), consumed_samples))
+    record.update(validation.evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh,
+                                              ops, reference, log, max(total, start_step), consumed_samples))
   logging.info('done: %d steps | %s', total, log.destinations())
   return record
 

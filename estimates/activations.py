@@ -5,7 +5,7 @@ import copy
 import torch
 
 from data import preference, sft
-from model import attention as attention_fn, layers, lora, mla, moe, moe_kernels, param_table, transformer
+from model import attention as attention_fn, layers, lora, mla, moe, moe_dispatch, moe_kernels, param_table, transformer
 from numerics import precision
 from parallel import context, device as devices, mesh as meshes, remat, tensor
 
@@ -178,17 +178,17 @@ def moe_bytes(config, w, tp, b, n) -> int:
     slot's expert 8 T and its down bias w N k h); under SP the router's own-gradient mask w s (and the
     shared gate's); Qwen2-MoE's shared expert 4 w N f_s' + w N h + w N (inner, output, gate).
   In fixed-size buffers (fixed_buffers: XLA, model.compile) of R rows per expert
-  (moe.buffer_rows): the slots' kept flags, rows and weights 9 N k + w N k, their inputs and
+  (moe_dispatch.buffer_rows): the slots' kept flags, rows and weights 9 N k + w N k, their inputs and
   weighted outputs 2 w N k h, the buffers w (E R + 1) h and the experts' inner 4 w E R f'.
   The estimate counts every layer as a MoE layer when the model has any."""
   m = config.model
   h, e, k = m.hidden_size, m.moe.num_experts, m.moe.top_k
-  slots = min(n * k, b * e * moe.capacity(m, n // b))
+  slots = min(n * k, b * e * moe_dispatch.capacity(m, n // b))
   f = moe.expert_ffn_size(m) // tp
   routing = w * n * h + 8 * n * e + 4 * n + 12 * n * k + 4 * n
   inner = 7 if m.moe.get('expert_activation') == 'clamped_swiglu' else 4   # gpt-oss's clamps: 3 more
   if fixed_buffers(config):
-    rows = moe.buffer_rows(m, b, n // b)
+    rows = moe_dispatch.buffer_rows(m, b, n // b)
     experts = 9 * n * k + w * n * k * (2 * h + 1) + w * (e * rows + 1) * h + inner * w * e * rows * f
   else:
     dtype = torch.float32 if w == 4 else torch.bfloat16

@@ -6,7 +6,7 @@ import math
 from estimates import activations, grad_memory, param_memory, update_memory
 from estimates.host_heap import heap_holes_bytes
 from estimates.update_memory import fused_fp32_names, fused_sr, states, update_temporaries
-from model import lora, moe, objectives, param_table, transformer
+from model import lora, moe, moe_dispatch, objectives, param_table, transformer
 from numerics import precision
 from parallel import device as devices
 
@@ -189,7 +189,7 @@ def backward_working_bytes(config, tp) -> int:
     # the MoE's backward right after the whole layer is recomputed: its fp32 copies of the slots'
     # gradients, 3 x 4 T h (seen tracing Mixtral at tp 8 x ep 8)
     n = b * s
-    slots = min(n * m.moe.top_k, b * m.moe.num_experts * moe.capacity(m, s))
+    slots = min(n * m.moe.top_k, b * m.moe.num_experts * moe_dispatch.capacity(m, s))
     recomputed += 12 * slots * m.hidden_size
   # recompute rebuilds the attention core the softmax backward then replaces, and under full
   # recompute the rest of the layer is freed by then: the larger of the two is live (NxD's

@@ -30,7 +30,7 @@ p / sum(top-k p) with normalize_top_k_affinities (Mixtral; Qwen2-MoE's norm_topk
 off). Tokens are sorted by expert and each expert runs one matmul over its tokens
 (`Ops.expert_ffn`: local here, all-to-all dispatched under expert parallelism).
 
-Capacity (dropless=False): the unit is one sequence (a row of the batch), so which tokens drop
+Capacity (dropless=False; model/moe_dispatch.py): the unit is one sequence (a row of the batch), so which tokens drop
 depends on the data alone, never on micro batch size, DP, EP, TP or PP:
   capacity C = ceil(capacity_factor * s * top_k / E)   tokens per expert per sequence of s tokens
 an expert keeps the first C tokens of the row routed to it (by position; a token's top-k slots
@@ -39,13 +39,11 @@ residual and its other experts).
 
 Auxiliary losses (load balancing, router z-loss) and routing metrics: model/router_losses.py.
 """
-import math
 
 import torch
 import torch.nn.functional as F
 
-import host_values
-from model import moe_kernels
+from model import moe_dispatch, moe_kernels
 
 # experts.down_proj_bias is whole on every rank: added after the TP reduction, at the token's own rank
 WHOLE_EXPERT_TENSORS = ('.experts.down_proj_bias',)
@@ -115,14 +113,6 @@ def inactive_params(cfg) -> int:
   return len(moe_layers(cfg)) * (cfg.moe.num_experts - cfg.moe.top_k) * per_expert
 
 
-def capacity(cfg, tokens) -> int:
-  """Tokens each expert keeps per sequence of `tokens` tokens (dropless: all of them)."""
-  moe = cfg.moe
-  if moe.dropless:
-    return tokens
-  return min(tokens, math.ceil(moe.capacity_factor * tokens * moe.top_k / moe.num_experts))
-
-
 def route(logits_bse, cfg, correction=None, ops=None):
   """(probs fp32 [b,s,E], top-k weights fp32 [b,s,k], top-k experts [b,s,k], kept [b,s,k] bool).
   `correction` [E] (DeepSeek-V3's load-balancing bias): added to the probabilities to choose the
@@ -150,7 +140,7 @@ def route(logits_bse, cfg, correction=None, ops=None):
     weights = weights * moe.routed_scaling_factor
   sliced = ops is not None and ops.context_size > 1
   b, s, k = experts.shape
-  cap = capacity(cfg, s * ops.context_size if sliced else s)
+  cap = moe_dispatch.capacity(cfg, s * ops.context_size if sliced else s)
   if cap >= s * (ops.context_size if sliced else 1):
     kept = torch.ones_like(experts, dtype=torch.bool)
   else:       # position of each (token, slot) in its expert's queue, in token order
@@ -176,10 +166,10 @@ def mlp(params, prefix, x_bsh, cfg, ops):
   # the experts' input: under TP without SP its gradient (partial per rank) is summed over TP
   flat_x = (x_bsh if sliced else ops.copy_to_tp(x_bsh)).reshape(b * s, h)
   stacks = experts_of(params, prefix, cfg)
-  if fixed_buffers(cfg, x_bsh):
-    combined = _static_experts(flat_x, experts, ops.copy_to_tp(weights * kept), cfg, stacks, ops)
+  if moe_dispatch.fixed_buffers(cfg, x_bsh):
+    combined = moe_dispatch.static_experts(flat_x, experts, ops.copy_to_tp(weights * kept), cfg, stacks, ops)
   else:
-    combined = _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops)
+    combined = moe_dispatch.sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops)
   if moe.shared_expert_intermediate_size:
     sp = prefix + '.shared_expert'
     shared = F.linear(F.silu(F.linear(flat_x, params[sp + '.gate_proj.weight'])) *
@@ -203,93 +193,6 @@ def experts_of(params, prefix, cfg) -> moe_kernels.Experts:
   clamp = (cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) if cfg.moe.get('expert_activation') == 'clamped_swiglu' else ()
   biases = (params[e + 'gate_proj_bias'], params[e + 'up_proj_bias']) if cfg.has_bias else (None, None)
   return moe_kernels.Experts(params[e + 'gate_proj'], params[e + 'up_proj'], params[e + 'down_proj'], *biases, clamp)
-
-
-def fixed_buffers(cfg, x) -> bool:
-  """Whether the experts run in fixed-size buffers: inside a traced graph (model.compile, or
-  torch-xla, which compiles the whole step), where a data-dependent size would be a graph per
-  batch, or with model.moe.fixed_buffers; eager runs otherwise sort the tokens and compute only
-  the kept ones."""
-  return bool(cfg.moe.get('fixed_buffers')) or x.device.type == 'xla' or torch.compiler.is_compiling()
-
-
-def _sorted_experts(flat_x, experts, weights, kept, cfg, stacks, ops):
-  """Eager: the kept (token, expert) slots sorted by expert, each expert one matmul triple on
-  exactly its tokens (the counts go to the host), weighted back onto their tokens."""
-  n = flat_x.shape[0]
-  if host_values.is_fake(kept):     # a traced step: how many slots are kept, and where, is the routing's
-    host_values.note('MoE: every (token, expert) slot kept, the tokens spread evenly over the experts')
-    slot = torch.arange(kept.numel(), device=kept.device)
-  else:
-    slot = kept.reshape(-1).nonzero().squeeze(-1)        # kept slots (token t's j-th: t k + j)
-  expert = experts.reshape(-1)[slot]
-  slot = slot[torch.sort(expert, stable=True).indices]    # ... sorted by expert
-  counts = host_values.read(expert, lambda e: torch.bincount(e, minlength=cfg.moe.num_experts).tolist(),
-                            'MoE: the tokens per expert (spread evenly)',
-                            lambda: host_values.balanced(slot.shape[0], cfg.moe.num_experts))
-  token = slot // cfg.moe.top_k
-  weight = ops.copy_to_tp(weights.reshape(-1).index_select(0, slot))   # scales partial outputs: gradient partial
-  x = flat_x.index_select(0, token)
-  if cfg.moe.get('scale_expert_input'):      # Llama 4: the weight scales the expert's input, not its output
-    x, weight = (x * weight[:, None]).to(x.dtype), torch.ones_like(weight)
-  out = (ops.expert_ffn or moe_kernels.local_expert_ffn)(x, counts, stacks, ops.fp8_gemms)
-  return _Combine.apply(out, weight, token, n)
-
-
-def buffer_rows(cfg, b, s) -> int:
-  """Rows of each expert's fixed-size buffer: b C with capacity (each sequence keeps at most C
-  tokens per expert), b s dropless (a static upper bound: every token could pick one expert,
-  so E / top_k times the kept slots' compute)."""
-  return b * s if cfg.moe.dropless else b * capacity(cfg, s)
-
-
-def _static_experts(flat_x, experts_bsk, weights_bsk, cfg, stacks, ops):
-  """Traced: every (token, expert) slot gets a row of its expert's buffer [E, R, h], the
-  experts run as batched matmuls over the buffers (Ops.expert_buffers: exchanged over EP), and
-  each slot's row comes back weighted (weight 0: dropped). No host sync, no data-dependent
-  shape; the rows a slot takes are the eager path's queue positions, so the same tokens drop."""
-  e = cfg.moe.num_experts
-  b, s, k = experts_bsk.shape
-  rows = buffer_rows(cfg, b, s)
-  onehot = F.one_hot(experts_bsk.reshape(b, s * k), e)              # [b, s k, E]
-  if cfg.moe.dropless:       # the slot's place in its expert's queue over the micro batch
-    place = (onehot.reshape(b * s * k, e).cumsum(0) * onehot.reshape(b * s * k, e)).sum(-1) - 1
-  else:                      # in its sequence's queue, after the earlier sequences' C rows each
-    queue = (onehot.cumsum(1) * onehot).sum(-1) - 1                  # [b, s k]
-    cap = rows // b
-    place = torch.where(queue < cap, queue + cap * torch.arange(b, device=queue.device)[:, None], rows)
-    place = place.reshape(-1)
-  expert = experts_bsk.reshape(-1)
-  dest = torch.where(place < rows, expert * rows + place, e * rows)  # e * rows: a spare row for the dropped
-  h = flat_x.shape[1]
-  slots_x = flat_x[:, None, :].expand(b * s, k, h).reshape(b * s * k, h)
-  if cfg.moe.get('scale_expert_input'):      # Llama 4: the weight scales the expert's input; the output is kept or dropped
-    slots_x = (slots_x * weights_bsk.reshape(-1, 1)).to(slots_x.dtype)
-    weights_bsk = (weights_bsk != 0).to(weights_bsk.dtype)
-  buffers = flat_x.new_zeros(e * rows + 1, h).index_copy(0, dest, slots_x)[:-1].view(e, rows, h)
-  out = (ops.expert_buffers or moe_kernels.grouped_expert_ffn)(buffers, stacks, ops.fp8_gemms).reshape(e * rows, h)
-  picked = torch.cat([out, out.new_zeros(1, h)])[dest].view(b * s, k, h)
-  return (picked * weights_bsk.reshape(b * s, k, 1).to(picked.dtype)).sum(1)
-
-
-class _Combine(torch.autograd.Function):
-  """Each token's sum of its experts' outputs times their weights: out [T, h] (sorted slots),
-  weight [T] fp32, token [T] -> [n, h] in out's dtype. Saves out once (index_add_ on the
-  weighted product would save that product too: a second T h)."""
-
-  @staticmethod
-  def forward(ctx, out, weight, token, n):  # pylint: disable=arguments-differ
-    ctx.save_for_backward(out, weight, token)
-    weighted = (out * weight[:, None]).to(out.dtype)
-    return out.new_zeros(n, out.shape[1]).index_add_(0, token, weighted)
-
-  @staticmethod
-  def backward(ctx, grad):  # pylint: disable=arguments-differ
-    out, weight, token = ctx.saved_tensors
-    picked = grad.index_select(0, token)
-    grad_out = (picked * weight[:, None]).to(out.dtype) if ctx.needs_input_grad[0] else None
-    grad_weight = (picked.float() * out.float()).sum(-1) if ctx.needs_input_grad[1] else None
-    return grad_out, grad_weight, None, None
 
 
 def _own_gradient(x_bse, ops):

@@ -17,7 +17,7 @@ import torch
 
 import host_values
 from model import layers
-from parallel import comm, ring_attention
+from parallel import comm, ring_attention, ring_blocks
 
 ROW_KEYS = ('tokens', 'labels', 'loss_mask', 'position_ids', 'segment_ids', 'chosen_mask', 'rejected_mask')
 # The ring computes blocks of at most this many queries x keys: its transient scores stay
@@ -36,7 +36,7 @@ def slice_batch(batch, cp, cp_rank):
   out = dict(batch)
   if out.get('position_ids') is None:     # the model's default, made explicit before slicing
     out['position_ids'] = torch.arange(s, device=tokens.device).expand(b, s)
-  order = ring_attention.layout_indices(s, cp).to(tokens.device)
+  order = ring_blocks.layout_indices(s, cp).to(tokens.device)
   mine = order[cp_rank]
   for key in ROW_KEYS:
     if out.get(key) is not None:
@@ -59,19 +59,19 @@ def with_ring(ops, mesh):
     def fn(q, k, v, scale, sinks):
       s = q.shape[2]
       with host_values.host():      # the layout's positions: the ring decides its blocks on the host
-        index = ring_attention.layout_indices(s * mesh.cp, mesh.cp)
+        index = ring_blocks.layout_indices(s * mesh.cp, mesh.cp)
       by_rank = segments.view(segments.shape[0], mesh.cp, s).transpose(0, 1) if segments is not None else None
       chunks = 2 * max(1, -(-s // (2 * PIECE)))     # whole pieces of each of the rank's two chunks
       return ring_attention.ring_attention(q, k, v, ring, index, by_rank, window, scale, chunks, sinks, chunk)
     return layers.Attend(fn)
 
   def own_positions(mask_bs_):
-    index = ring_attention.layout_indices(mask_bs_.shape[1], mesh.cp)[mesh.cp_rank].to(mask_bs_.device)
+    index = ring_blocks.layout_indices(mask_bs_.shape[1], mesh.cp)[mesh.cp_rank].to(mask_bs_.device)
     return mask_bs_[:, index]
 
   def whole_rows(x_bs_):
     parts = comm.all_gather(x_bs_, mesh.cp_group, 1, name='all_gather(whole rows over cp)')   # rank after rank
-    order = ring_attention.layout_indices(parts.shape[1], mesh.cp).flatten().to(x_bs_.device)
+    order = ring_blocks.layout_indices(parts.shape[1], mesh.cp).flatten().to(x_bs_.device)
     return torch.empty_like(parts).index_copy_(1, order, parts)
 
   return dataclasses.replace(ops, context_attention=attend, context_size=mesh.cp, context_slice=own_positions,

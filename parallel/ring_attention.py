@@ -7,13 +7,7 @@ their log-sum-exp (the online softmax), so the output is exact, not approximated
 backward sends the K/V blocks around again, each with the dK/dV accumulated for it so far;
 after a full turn every block's gradient is back with its owner.
 
-Which query may see which key comes from the tokens' global sequence indices (causality, the
-sliding window: HF's i - window < j <= i; Llama 4's chunked attention: i and j in the same
-`chunk` of positions) and, for packed rows, their document ids. Each
-rank's slice is cut into `chunks` pieces (the load-balanced layout gives a rank two chunks
-of the sequence, `layout_indices`); a (query piece, key piece) pair that the mask excludes
-entirely is skipped, so a window skips the ring steps it excludes, and causal attention
-skips the future chunks.
+Which (query piece, key piece) blocks run, and with which mask: parallel/ring_blocks.py.
 
 The communication is a `ring` value (`size`, `rank`, `start(tensor, tag) -> handle` whose
 `wait()` returns the previous rank's tensor): `GroupRing` is point-to-point over a process
@@ -27,29 +21,13 @@ softmax Jacobian.
 Everything inside runs in fp32 (fp64 inputs: fp64); outputs and gradients come back in the inputs' dtypes.
 """
 import queue
-import typing
 
 import torch
 import torch.distributed as dist
 
-import host_values
+from parallel import ring_blocks
 
 KV, DKV = 0, 1      # message tags: blocks and their gradients travel at the same time
-
-
-class Reach(typing.NamedTuple):
-  """Which earlier keys a query sees besides causality: the last `window` positions (HF's sliding
-  window, 0: all) and those of its own `chunk` of positions (Llama 4's chunked attention, 0: all)."""
-  window: int = 0
-  chunk: int = 0
-
-
-def layout_indices(seq_length, cp):
-  """[cp, seq_length / cp]: the global sequence indices of each rank's tokens. The sequence
-  is cut in 2 cp chunks and rank i holds chunks i and 2cp-1-i (Megatron's and torchtitan's
-  load balance: every rank gets an early and a late chunk, so equal causal work)."""
-  chunks = torch.arange(seq_length).view(2 * cp, -1)
-  return torch.stack([torch.cat([chunks[i], chunks[2 * cp - 1 - i]]) for i in range(cp)])
 
 
 class GroupRing:
@@ -112,60 +90,6 @@ class _Mailbox:
     return self.box.get(timeout=60)
 
 
-def _span(piece):
-  """(first, last) of a piece of positions that is one run of consecutive ones, else None."""
-  first, last = int(piece[0]), int(piece[-1])
-  return (first, last) if last - first + 1 == len(piece) and bool((piece.diff() == 1).all()) else None
-
-
-def _visible(q_span, k_span, reach):
-  """(some, every): whether some or every query of a run of positions attends some or every key
-  of another run (causal, and within the window when one is set); None for pieces not runs, and
-  with chunks (their whole mask decides)."""
-  if q_span is None or k_span is None or reach.chunk:
-    return None
-  (q0, q1), (k0, k1), window = q_span, k_span, reach.window
-  some = k0 <= q1 and (not window or k1 > q0 - window)
-  every = k1 <= q0 and (not window or k0 > q1 - window)
-  return some, every
-
-
-def _allowed(q_index, k_index, reach):
-  """[sq, sk] on the host: which query position attends which key position."""
-  with host_values.host():
-    allowed = k_index[None, :] <= q_index[:, None]
-    if reach.window:
-      allowed = allowed & (k_index[None, :] > q_index[:, None] - reach.window)
-    if reach.chunk:
-      allowed = allowed & (k_index[None, :] // reach.chunk == q_index[:, None] // reach.chunk)
-    return allowed
-
-
-def _mask(q_index, k_index, q_seg, k_seg, reach, like, visible=None):
-  """[b or 1, 1, 1, sq, sk] (True = attend) on `like`'s device, None when every pair attends,
-  False when none does. The positions are the layout's, on the host: which blocks are skipped
-  or unmasked is decided there (from their runs, `visible`, where known) without a device sync
-  and exactly in a trace; only the document ids of packed rows are read off the device."""
-  allowed = None
-  if visible is None:                  # pieces that are not runs: their whole mask decides
-    allowed = _allowed(q_index, k_index, reach)
-    with host_values.host():
-      visible = bool(allowed.any()), bool(allowed.all())
-  some, every = visible
-  if not some:
-    return False
-  if every and q_seg is None:
-    return None
-  allowed = host_values.on_device(allowed if allowed is not None else _allowed(q_index, k_index, reach), like)
-  if q_seg is None:
-    return allowed[None, None, None]
-  mask = allowed[None, None, None] & (q_seg[:, :, None] == k_seg[:, None, :])[:, None, None]
-  partly = 'ring attention: the blocks of packed rows that positions allow are partly masked (their mask kept)'
-  if not host_values.read(mask, lambda m: bool(m.any()), partly, True):
-    return False
-  return None if host_values.read(mask, lambda m: bool(m.all()), partly, False) else mask
-
-
 def _scores(q, k, mask, scale):
   # in place: a block's scores are the one temporary of its size (the allocator's churn, and
   # with it CPU time and peak RSS, follows the count of such temporaries)
@@ -176,20 +100,6 @@ def _scores(q, k, mask, scale):
 def _finite(lse):
   """lse with -inf (a row that saw no key yet) as 0, so exp(s - lse) is 0 there, not nan."""
   return torch.nan_to_num(lse, nan=float('nan'), posinf=0.0, neginf=0.0)   # one operation, not isinf, zeros, where
-
-
-def _pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, like):
-  """(query piece, key piece, mask) for the block of rank `src`, without the excluded pairs."""
-  with host_values.host():
-    qi, ki = index_by_rank[ring.rank].chunk(chunks), index_by_rank[src].chunk(chunks)
-    q_spans, k_spans = [_span(p) for p in qi], [_span(p) for p in ki]
-  qs = seg_by_rank[ring.rank].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
-  ks = seg_by_rank[src].chunk(chunks, 1) if seg_by_rank is not None else [None] * chunks
-  for a in range(chunks):
-    for c in range(chunks):
-      mask = _mask(qi[a], ki[c], qs[a], ks[c], reach, like, _visible(q_spans[a], k_spans[c], reach))
-      if mask is not False:
-        yield a, c, mask
 
 
 def _grouped(q, g):
@@ -217,7 +127,7 @@ def _forward(q, k, v, sinks, ring, index_by_rank, seg_by_rank, reach, scale, chu
     src = (ring.rank - step) % ring.size
     pending = ring.start(kv, KV) if step < ring.size - 1 else None
     k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv.split([dk, kv.shape[-1] - dk], -1))
-    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, q):
+    for a, c, mask in ring_blocks.pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, q):
       probs = _scores(q5[a], k5[c], mask, scale)
       top = probs.amax(-1)                                  # -inf on rows this block hides entirely
       shift = _finite(top)
@@ -253,7 +163,7 @@ def _backward(grad_out, q, k, v, sinks, out, lse, ring, index_by_rank, seg_by_ra
     k5, v5 = (t.to(dt)[:, :, None].chunk(chunks, 3) for t in kv.split([dk, kv.shape[-1] - dk], -1))
     dk_ = [torch.zeros_like(p[:, :, 0]) for p in k5]
     dv = [torch.zeros_like(p[:, :, 0]) for p in v5]
-    for a, c, mask in _pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, q):
+    for a, c, mask in ring_blocks.pairs(ring, src, index_by_rank, seg_by_rank, reach, chunks, q):
       probs = _scores(q5[a], k5[c], mask, scale).sub_(lse[a][..., None]).exp_()
       dv[c] = dv[c] + (probs.transpose(-1, -2) @ do5[a]).sum(2)
       dscores = (do5[a] @ v5[c].transpose(-1, -2)).sub_(delta[a][..., None]).mul_(probs)
@@ -300,4 +210,4 @@ def ring_attention(q_bnsd, k_bgsd, v_bgsd, ring, index_by_rank, seg_by_rank=None
   `chunk`: Llama 4's attention chunk size (0 = none)."""
   scale = q_bnsd.shape[-1] ** -0.5 if scale is None else scale
   return _RingAttention.apply(q_bnsd, k_bgsd, v_bgsd, sinks_n, ring, index_by_rank, seg_by_rank,
-                              Reach(window, chunk), scale, chunks)
+                              ring_blocks.Reach(window, chunk), scale, chunks)

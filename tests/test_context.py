@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from configs import llama_tiny, validate
-from parallel import context, ring_attention
+from parallel import context, ring_blocks
 from tests import parity, world
 
 LAYOUTS = {
@@ -136,7 +136,7 @@ def test_a_cp_rank_applies_its_positions_of_the_whole_rows_dropout_mask():
   whole = layers.dropout(torch.ones(2, 16, 3), 0.5, (0, 'dropout', 'site'), torch.tensor([3, 7]))
   ranks = world.run(_dropout_masks_at_cp2, 2)
   for r, part in enumerate(ranks):
-    assert torch.equal(part, whole[:, ring_attention.layout_indices(16, 2)[r]])
+    assert torch.equal(part, whole[:, ring_blocks.layout_indices(16, 2)[r]])
 
 
 def _activation_bytes_at_cp2():

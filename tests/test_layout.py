@@ -15,7 +15,8 @@ LAYERS = (
     ('parallel',),                         # the runtime on a mesh: collectives, TP/SP/PP/CP/EP, ZeRO-1, the step
     ('estimates', 'optim', 'checkpoint', 'logs', 'monitor'),   # what a run costs; the update; checkpoints;
                                                              # reports; trackers and the profiler
-    ('configs', 'step_trace'),             # config files, their validation, NxD YAML; one rank's step traced
+    ('configs', 'step_trace', 'validation'),   # config files, their validation, NxD YAML; one rank's step
+                                             # traced; when and how a run evaluates
     ('train', 'tools'),                    # the loop and the command-line tools
 )
 LAYER = {room: i for i, rooms in enumerate(LAYERS) for room in rooms}

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 transformers = pytest.importorskip('transformers')
 
 from configs import base as base_config
-from model import hf, layers, moe, moe_checks, moe_kernels, router_losses, transformer
+from model import hf, layers, moe, moe_checks, moe_dispatch, moe_kernels, router_losses, transformer
 from tests import parity
 from tests.test_hf import SEQ, TOL, VOCAB, _randomize, random_tokens
 
@@ -163,7 +163,7 @@ def test_capacity_drops_the_latest_tokens_of_each_sequence_like_a_per_token_refe
             'l.experts.down_proj': torch.randn(e, h, f, generator=g)}
   got = moe.mlp(params, 'l', x, cfg, layers.LOCAL_OPS)
   cap = math.ceil(0.5 * s * 2 / e)
-  assert moe.capacity(cfg, s) == cap == 3
+  assert moe_dispatch.capacity(cfg, s) == cap == 3
   expected = torch.zeros_like(x)
   for b in range(3):
     used = [0] * e

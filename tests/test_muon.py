@@ -49,8 +49,11 @@ def test_muon_steps_the_matrices_as_torch_muon_and_the_rest_as_adamw():
       for r in reference:
         r.step()
   _steps(Both(), list(theirs.values()))
-  for name in ours:
-    torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=0 if name == MATRIX else 1e-7, msg=name)
+  # the matrix: torch's own ops in its order, so bit for bit; AdamW's rows: torch may fuse or
+  # reorder its arithmetic, so within fp32's round-off of 3 steps
+  torch.testing.assert_close(ours[MATRIX], theirs[MATRIX], rtol=0, atol=0)
+  for name in (NORM, EMBED):
+    parity.assert_close_roundoff(ours[name].detach(), theirs[name].detach(), 3, msg=lambda m, n=name: f'{n}: {m}')
 
 
 def test_the_iteration_orthogonalizes_each_expert_on_its_own():
@@ -72,7 +75,7 @@ def test_lion_is_the_papers_rule():
     grad = torch.randn(p0.shape, generator=g)
     want = want * (1 - lr * wd) - lr * torch.sign(b1 * m + (1 - b1) * grad)
     m = b2 * m + (1 - b2) * grad
-  torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-7)
+  parity.assert_close_roundoff(p.detach(), want, 3)      # 3 steps' round-off, summed in another order
 
 
 def test_bad_settings_are_refused_by_name():

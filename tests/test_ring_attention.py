@@ -1,17 +1,14 @@
 """Ring attention on one process (the ring emulated by threads) against SDPA over the whole
 sequence: outputs and gradients of q, k, v in fp32, within fp32's round-off of SDPA in fp64."""
-import contextlib
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-import host_values
 
 from model import attention
-from parallel import ring_attention as ra
+from parallel import ring_attention as ra, ring_blocks as rb
 from tests import parity
 
 
@@ -65,7 +62,7 @@ def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, s
     ref = F.scaled_dot_product_attention(*wide, attn_mask=mask, scale=scale, enable_gqa=True)
   ref_grads = [x.to(dtype) for x in torch.autograd.grad(ref, wide, dout.double())]
   ref = ref.to(dtype)
-  index = ra.layout_indices(s, cp)
+  index = rb.layout_indices(s, cp)
   seg_by_rank = segments[:, index].transpose(0, 1) if segments is not None else None
 
   def rank(r, ring):
@@ -91,11 +88,6 @@ def _compare(cp, segments=None, window=0, heads=4, kv_heads=2, s=32, b=2, d=8, s
   parity.assert_close_roundoff(out, ref.detach(), terms)
   for name, got, want in zip(['q', 'k', 'v', 'sinks'], grads, ref_grads):
     parity.assert_close_roundoff(got, want, terms, msg=lambda m, n=name: f'd{n}: {m}')
-
-
-def test_layout_gives_rank_i_chunks_i_and_2cp_minus_1_minus_i():
-  assert ra.layout_indices(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
-  assert sorted(ra.layout_indices(24, 3).flatten().tolist()) == list(range(24))
 
 
 @pytest.mark.parametrize('cp', [1, 2, 4])
@@ -150,28 +142,8 @@ def test_window_with_documents():
   _compare(2, segments=segments, window=6)
 
 
-@pytest.mark.parametrize('fake', [False, True])
-def test_window_skips_the_blocks_it_excludes_in_a_trace_too(fake):
-  """The positions decide on the host which blocks run and which need a mask: a traced step
-  (fake q) skips exactly the real step's blocks and assumes nothing for them."""
-  index = ra.layout_indices(32, 4)   # chunks of 4 tokens
-  ring = ra.ThreadRing(4).member(3)  # chunks 3 and 4
-  with contextlib.ExitStack() as stack:
-    if fake:
-      stack.enter_context(FakeTensorMode())
-    assumed = stack.enter_context(host_values.recording())
-    q = torch.zeros(1, 2, 8, 4)
-    blocks = lambda w: [(src, a, c, mask is None) for src in range(4)
-                        for a, c, mask in ra._pairs(ring, src, index, None, ra.Reach(w), 2, q)]  # pylint: disable=protected-access
-    causal, window = blocks(0), blocks(3)
-  assert host_values.is_fake(q) == fake and assumed == {}
-  assert len(causal) == 3 + 2 + 2 + 2   # causal: 3 of the own 4 pairs, the earlier chunk of each other block
-  assert [b[:3] for b in causal if not b[3]] == [(3, 0, 0), (3, 1, 1)]     # the diagonals: the others unmasked
-  assert sorted(b[:3] for b in window) == [(2, 0, 0), (3, 0, 0), (3, 1, 0), (3, 1, 1)]   # only neighbouring chunks
-
-
 def test_bf16_inputs_come_back_in_bf16():
-  index = ra.layout_indices(8, 1)
+  index = rb.layout_indices(8, 1)
   q, k, v = (torch.randn(1, 2, 8, 4).bfloat16().requires_grad_() for _ in range(3))
   out = ra.ring_attention(q, k, v, ra.ThreadRing(1).member(0), index)
   out.sum().backward()
@@ -186,7 +158,7 @@ def _group_ring_rank(s, window):
   cp, rank = dist.get_world_size(), dist.get_rank()
   g = torch.Generator().manual_seed(7)
   q, k, v = (torch.randn(1, 2, s, 4, generator=g) for _ in range(3))
-  index = ra.layout_indices(s, cp)
+  index = rb.layout_indices(s, cp)
   local = [t[:, :, index[rank]].clone().requires_grad_() for t in (q, k, v)]
   out = ra.ring_attention(*local, ra.GroupRing(dist.group.WORLD), index, None, window)
   return out.detach(), torch.autograd.grad(out.sum(), local)
@@ -196,7 +168,7 @@ def test_group_ring_over_processes_matches_threads():
   from tests import world  # pylint: disable=import-outside-toplevel
   s, window = 16, 6
   got = world.run(_group_ring_rank, 2, s, window)
-  index = ra.layout_indices(s, 2)
+  index = rb.layout_indices(s, 2)
   g = torch.Generator().manual_seed(7)
   q, k, v = (torch.randn(1, 2, s, 4, generator=g) for _ in range(3))
 
