@@ -36,8 +36,12 @@ class TrackerError(user_errors.UserError):
 
 
 def check(config) -> list:
-  """Trackers asked for whose package is missing."""
+  """Trackers asked for whose package is missing, and MLflow given two stores."""
   e, problems = config.exp_manager, []
+  kw = e.mlflow_logger_kwargs
+  if e.create_mlflow_logger and kw.tracking_uri and kw.save_dir:
+    problems.append(f'exp_manager.mlflow_logger_kwargs.tracking_uri={kw.tracking_uri!r} and save_dir={kw.save_dir!r}: '
+                    'the run logs to one store; keep tracking_uri (a server or database) or save_dir (a file store)')
   for key, (module, install) in PACKAGES.items():
     if e.get(key) and importlib.util.find_spec(module) is None:
       problems.append(f'exp_manager.{key}=True needs the {module} package, which is not installed here: {install}, '

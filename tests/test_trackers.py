@@ -155,6 +155,10 @@ def test_a_tracker_whose_files_vanish_mid_run_is_reported_once_and_dropped(tmp_p
 def test_a_missing_package_is_refused_with_its_install_line(monkeypatch):
   c = _config()
   assert trackers.check(c) == []
+  c.exp_manager.mlflow_logger_kwargs.update(tracking_uri='http://mlflow:5000', save_dir='/tmp/mlruns')
+  assert "tracking_uri='http://mlflow:5000' and save_dir='/tmp/mlruns': the run logs to one store" in \
+      '\n'.join(trackers.check(c))
+  c.exp_manager.mlflow_logger_kwargs.update(tracking_uri=None, save_dir=None)
   real = trackers.importlib.util.find_spec
   monkeypatch.setattr(trackers.importlib.util, 'find_spec', lambda name: None if name == 'wandb' else real(name))
   problems = '\n'.join(validate.check(c))
