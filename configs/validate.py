@@ -41,7 +41,7 @@ def check(config, world_size=1) -> list:
     problems += loader.check(config, dp)
   problems += lora_targets.check(config.model_alignment_strategy.peft, config.model) + objectives.check(config)
   return problems + precision.check(config.precision) + _check_fp8(config) + checkpoint_steps.check(config) + \
-      trackers.check(config) + profiling.check(config) + layer_stats.check(config)
+      trackers.check(config) + profiling.check(config, world_size) + layer_stats.check(config)
 
 
 def _check_fp8(config) -> list:

@@ -20,13 +20,17 @@ from absl import logging
 from config_checks import positive
 
 
-def check(config) -> list:
+def check(config, world_size=1) -> list:
   p, problems = config.profiling, []
   if p.start_step < 0:
     problems.append(f'profiling.start_step={p.start_step}: give the first step to record (counted from 1), or 0 (off)')
   if not p.start_step:
     return problems
   positive(problems, 'profiling.num_steps', p.num_steps)
+  outside = [r for r in tuple(p.ranks) if not 0 <= r < world_size]
+  if outside:
+    problems.append(f'profiling.ranks={tuple(p.ranks)}: {outside} not among the run\'s {world_size} rank(s) '
+                    f'(0..{world_size - 1}); () records every rank')
   if p.start_step > config.trainer.max_steps:
     problems.append(f'profiling.start_step={p.start_step} is after the run\'s last step (trainer.max_steps='
                     f'{config.trainer.max_steps}): nothing would be recorded')

@@ -73,6 +73,7 @@ def test_a_run_that_ends_inside_the_window_writes_what_it_recorded(tmp_path):
     ({'start_step': -1}, 'cpu', 'profiling.start_step=-1: give the first step to record'),
     ({}, 'xla', "profiling.start_step > 0 with device='xla'"),
     ({'cuda_memory_snapshot': True}, 'cpu', "profiling.cuda_memory_snapshot=True with device='cpu'"),
+    ({'ranks': (0, 3)}, 'cpu', "profiling.ranks=(0, 3): [3] not among the run's 1 rank(s) (0..0)"),
 ])
 def test_what_would_record_nothing_is_refused_by_name(settings, device, message):
   c = _config(**settings)
