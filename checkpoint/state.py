@@ -17,6 +17,7 @@ import torch
 
 from checkpoint import steps as checkpoint_steps, storage, store
 from model import hf, lora, param_table
+from optim import optimizers
 from parallel import device as devices, experts, param_shards, pipeline, tensor, zero
 
 
@@ -105,7 +106,7 @@ class StateLayout:
     out += [(f'master.{n}', n, 'shard') for n in self.trained if self.updater.recipe.has_master(self._param_dtype(n))]
     optim = self.config.model.optim.name
     out += [(f'optim.{k}.{n}', n, 'shard') for k in self.state_keys for n in self.trained
-            if param_table.holds_state(optim, k, n, len(self.specs[n].shape))]
+            if optimizers.holds_state(optim, k, n, len(self.specs[n].shape))]
     return out
 
   def _box(self, param, kind, rank):

@@ -11,26 +11,22 @@ import torch
 
 from model import lora, moe, param_table
 from numerics import precision
+from optim import optimizers
 from parallel import comm, device as devices, grad_reduce, zero
-
-# Optimizer state tensors shaped like the parameter, per optimizer (estimate()'s 'optimizer'):
-# Muon keeps one (its momentum) on the layers' matrices and AdamW's two elsewhere (`states`)
-ADAM_STATES = {'adamw': 2, 'adamw_fp32OptState': 2, 'adam': 2, 'adamax': 2, 'novograd': 1,
-               'adadelta': 2, 'adagrad': 1, 'rmsprop': 1, 'rprop': 2, 'sgd': 0, 'adafactor': 1, 'lion': 1}
 
 
 def states(config, sizes=None) -> float:
-  """State tensors per trained element: the optimizer's count, or under Muon the mean over the
-  elements of `sizes` (name -> elements; default the whole model) of 1 (matrices) or 2."""
-  name = config.model.optim.name
-  if name != 'muon':
-    return ADAM_STATES.get(name, 2)
+  """State tensors per trained element: the mean over the trained elements of `sizes` (name ->
+  elements; default the whole model) of what the optimizer keeps for each (optim/optimizers.py:
+  Adam 2, Lion 1, Muon 1 on the layers' matrices and 2 elsewhere)."""
+  counts = optimizers.entry(config.model.optim.name).states
+  if not callable(counts):
+    return counts
   specs = param_table.param_specs(config.model)
   sizes = sizes or {n: math.prod(s.shape) for n, s in specs.items()}
-  trained = [n for n in lora.trainable(config.model, sizes)]
+  trained = list(lora.trainable(config.model, sizes))
   total = sum(sizes[n] for n in trained)
-  ones = sum(sizes[n] for n in trained if param_table.is_hidden_matrix(n, len(specs[n].shape)))
-  return (ones + 2 * (total - ones)) / max(total, 1)
+  return sum(sizes[n] * counts(n, len(specs[n].shape)) for n in trained) / max(total, 1)
 
 
 def bucket_bytes(config):
@@ -154,10 +150,5 @@ def fused_fp32_names(config, sizes) -> set:
 
 
 def largest_run(elements, limit) -> int:
-  """fp32 bytes of the largest run optim/optimizers.chunks cuts from `elements` (consecutive
-  tensors up to `limit` bytes, a larger one alone), without importing optim (which sits above)."""
-  largest, size = 0, None
-  for n in elements:
-    size = size + 4 * n if size is not None and size + 4 * n <= limit else 4 * n
-    largest = max(largest, size)
-  return largest
+  """fp32 bytes of the largest run optim/optimizers.chunks cuts from `elements` (tensors' sizes)."""
+  return max((4 * sum(elements[i] for i in run) for run in optimizers.chunks(list(elements), limit)), default=0)

@@ -153,12 +153,3 @@ def is_hidden_matrix(name, ndim) -> bool:
   optimizers (Muon: optim/muon.py) step: every 2-D weight of a layer, each expert's matrix of a
   stack, LoRA's factors; not embeddings, the head, norms, biases or sinks."""
   return name.startswith('layers.') and ndim >= 2 and not name.endswith('.bias')
-
-
-def holds_state(optim_name, key, name, ndim) -> bool:
-  """Whether optimizer `optim_name` keeps state tensor `key` for parameter `name` (of global rank
-  `ndim`): Muon its momentum on the layers' matrices and AdamW's moments elsewhere; the others
-  every key on every parameter (what a checkpoint's layout declares, the same on every rank)."""
-  if optim_name != 'muon':
-    return True
-  return (key == 'momentum_buffer') == is_hidden_matrix(name, ndim)

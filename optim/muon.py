@@ -41,6 +41,20 @@ def newton_schulz(g, steps, dtype, eps=1e-7):
   return x.transpose(-2, -1) if tall else x
 
 
+def check(optim_cfg) -> list:
+  """Problems with model.optim.muon (name=muon)."""
+  p, m, problems = 'model.optim.muon.', optim_cfg.muon, []
+  if not 0.0 <= m.momentum < 1.0:
+    problems.append(f'{p}momentum={m.momentum!r} must be in [0, 1)')
+  if m.ns_steps < 1:
+    problems.append(f'{p}ns_steps={m.ns_steps!r} must be >= 1')
+  if m.ns_dtype not in NS_DTYPES:
+    problems.append(f'{p}ns_dtype={m.ns_dtype!r}; valid: {", ".join(NS_DTYPES)}')
+  if m.adjust_lr not in ADJUST_LR:
+    problems.append(f'{p}adjust_lr={m.adjust_lr!r}; valid: {", ".join(ADJUST_LR)}')
+  return problems
+
+
 def adjusted_lr(lr, rule, shape):
   rows, cols = shape
   return lr * (0.2 * math.sqrt(max(rows, cols)) if rule == 'match_rms_adamw' else math.sqrt(max(1.0, rows / cols)))

@@ -1,84 +1,66 @@
-"""Optimizers under NxD Training's names, over a flat dict of named parameters.
+"""Optimizers by name (`model.optim.name`), over a flat dict of named parameters.
+
+Each name is one `Entry` in `ENTRIES`: how to build it, how many state tensors shaped like a
+parameter it keeps (the memory estimate), which of them each parameter holds (the checkpoint's
+layout, the same on every rank), and what of its own config it checks. `register` adds one; a
+fork's optimizer is a class in its own file and one `register` line below (docs/extending.md).
+
+`build(params, optim_cfg, matrices, chunk_bytes)` gets this rank's trained rows (name -> fp32 leaf
+tensor: under ZeRO-1 the rows it owns, under TP its box), the `model.optim` section, what
+assembles whole matrices from those rows across the layout (optim/matrices.py: `whole`, `part`,
+`matrix_shape` by name; for an update that is not elementwise, like Muon's), and the fp32 bytes
+of a foreach run (`chunks`).
 
 Weight decay skips norm weights and all biases unless do_layer_norm_weight_decay.
 Embeddings and the LM head are decayed, as in Megatron. Each parameter group carries its
 parameters' names (torch's `param_names`), so optimizer state dicts say which tensor is which.
 """
+import dataclasses
 import inspect
+from typing import Callable, Optional, Union
 
 import torch
 
 from model import param_table
-from optim import muon
-
-OPTIMIZERS = ('adamw', 'adamw_fp32OptState', 'adam', 'sgd', 'adadelta', 'adamax', 'adagrad', 'rmsprop',
-              'rprop', 'adafactor', 'novograd', 'muon', 'lion')
+from optim import muon, novograd
 
 
-class Novograd(torch.optim.Optimizer):
-  """NeMo's Novograd (Ginsburg et al. 2019, arXiv:1905.11286), without its amsgrad/luc options.
-
-  Per parameter tensor (the "layer" of layer-wise moments), with gradient g:
-    v = ||g||^2 while v is 0 (first step), else beta2 v + (1 - beta2) ||g||^2   (one scalar)
-    m = beta1 m + g / (sqrt(v) + eps) + weight_decay p
-    p = p - lr m
-  As in NeMo, m sums whole normalized gradients (no 1 - beta1 factor: NeMo's grad_averaging=False).
-  Unlike NeMo, p.grad is left as it was rather than overwritten with the normalized gradient.
-  """
-
-  def __init__(self, params, lr=1e-3, betas=(0.95, 0.98), eps=1e-8, weight_decay=0.0):
-    if lr < 0 or eps < 0 or not all(0.0 <= b < 1.0 for b in betas):
-      raise ValueError(f'Novograd: invalid lr={lr}, eps={eps} or betas={betas}')
-    super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-
-  @torch.no_grad()
-  def step(self, closure=None):
-    loss = None
-    if closure is not None:
-      with torch.enable_grad():
-        loss = closure()
-    for group in self.param_groups:
-      beta1, beta2 = group['betas']
-      for p in group['params']:
-        if p.grad is None:
-          continue
-        state = self.state[p]
-        if not state:
-          state['step'] = 0
-          state['exp_avg'] = torch.zeros_like(p, memory_format=torch.preserve_format)
-          state['exp_avg_sq'] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state['step'] += 1
-        grad_sq = torch.linalg.vector_norm(p.grad, dtype=torch.float32).square()
-        exp_avg_sq = state['exp_avg_sq']
-        # NeMo starts the average at the first nonzero norm; torch.where keeps that without a
-        # host sync on the comparison.
-        exp_avg_sq.copy_(torch.where(exp_avg_sq == 0, grad_sq, exp_avg_sq * beta2 + grad_sq * (1 - beta2)))
-        update = p.grad / (exp_avg_sq.sqrt() + group['eps'])
-        if group['weight_decay'] != 0:
-          update = update + p * group['weight_decay']
-        state['exp_avg'].mul_(beta1).add_(update)
-        p.add_(state['exp_avg'], alpha=-group['lr'])
-    return loss
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  build: Callable                      # (params, optim_cfg, matrices, chunk_bytes) -> torch.optim.Optimizer
+  states: Union[float, Callable] = 2   # state tensors shaped like a parameter: a number, or (name, ndim) -> number
+  holds: Optional[Callable] = None     # (key, name, ndim) -> bool: which state keys parameter `name` keeps; None: all
+  check: Optional[Callable] = None     # (optim_cfg) -> [problem, ...] with its own keys
 
 
-_ADAM_KEYS = ('lr', 'betas', 'eps', 'weight_decay')
+ENTRIES = {}
 
-# Constructor and the config keys it takes, per name. Adafactor gets no eps: torch's is a pair
-# (eps1, eps2) with its own defaults, not an Adam epsilon. Rprop has no weight decay at all.
-_BUILDERS = {
-    'adamw': (torch.optim.AdamW, _ADAM_KEYS),
-    # fp32 moments under bf16 params come with the precision work; until then this is AdamW.
-    'adamw_fp32OptState': (torch.optim.AdamW, _ADAM_KEYS),
-    'adam': (torch.optim.Adam, _ADAM_KEYS),
-    'sgd': (torch.optim.SGD, ('lr', 'momentum', 'weight_decay')),
-    'adadelta': (torch.optim.Adadelta, ('lr', 'eps', 'weight_decay')),
-    'adamax': (torch.optim.Adamax, _ADAM_KEYS),
-    'adagrad': (torch.optim.Adagrad, ('lr', 'eps', 'weight_decay')),
-    'rmsprop': (torch.optim.RMSprop, ('lr', 'eps', 'momentum', 'weight_decay')),
-    'rprop': (torch.optim.Rprop, ('lr',)),
-    'adafactor': (torch.optim.Adafactor, ('lr', 'weight_decay')),
-    'novograd': (Novograd, _ADAM_KEYS),
-}
+
+def register(name: str, entry: Entry):
+  """Make `name` a valid model.optim.name. A name taken is refused (a fork's optimizer never
+  silently replaces another)."""
+  if name in ENTRIES:
+    raise ValueError(f'optimizer {name!r} is registered already; choose another name')
+  ENTRIES[name] = entry
+
+
+def entry(name: str) -> Entry:
+  if name not in ENTRIES:
+    raise ValueError(_unknown_name(name))
+  return ENTRIES[name]
+
+
+def state_count(optim_name, name, ndim) -> float:
+  """State tensors shaped like parameter `name` (of global rank `ndim`) the optimizer keeps."""
+  states = entry(optim_name).states
+  return states(name, ndim) if callable(states) else states
+
+
+def holds_state(optim_name, key, name, ndim) -> bool:
+  """Whether optimizer `optim_name` keeps state tensor `key` for parameter `name` (of global rank
+  `ndim`): what a checkpoint's layout declares, the same on every rank."""
+  holds = entry(optim_name).holds
+  return holds is None or holds(key, name, ndim)
 
 
 def decays_weight(name: str) -> bool:
@@ -136,26 +118,9 @@ def _chunked(groups, chunk_bytes):
 
 
 def make_optimizer(params: dict, optim_cfg, chunk_bytes=CHUNK_BYTES, matrices=None) -> torch.optim.Optimizer:
-  """The optimizer `optim_cfg.name` over `params` (name -> leaf tensor), grouped for weight decay,
-  each group split into runs of at most `chunk_bytes` of fp32 (see `chunks`). `matrices`: what
-  Muon assembles its whole matrices with (optim/matrices.py; None: `params` are whole)."""
-  if optim_cfg.name in ('muon', 'lion'):
-    return _matrix_or_sign(params, optim_cfg, matrices)
-  if optim_cfg.name not in _BUILDERS:
-    raise ValueError(_unknown_name(optim_cfg.name))
-  cls, keys = _BUILDERS[optim_cfg.name]
-  kwargs = {k: tuple(optim_cfg[k]) if k == 'betas' else float(optim_cfg[k]) for k in keys}
-  kwargs.pop('weight_decay', None)  # set per group
-  device_types = {p.device.type for p in params.values()}
-  accepts = inspect.signature(cls.__init__).parameters
-  if 'xla' in device_types and 'capturable' in accepts:
-    kwargs['capturable'] = True     # the step count on the device: no host value inside the graph
-  elif device_types == {'cuda'} and 'fused' in accepts:
-    # One kernel per tensor list. On CPU fused AdamW was 4x faster (32M params: 146 -> 35 ms) but
-    # moved a TP-sharded bias past the 1e-5 layout-parity bound: on CPU torch steps one tensor at
-    # a time, and Adam(W)'s large fp32 rows take optim/sr_update.py's one pass (Updater.fused).
-    kwargs['fused'] = True
-  return cls(_chunked(param_groups(params, optim_cfg, 'weight_decay' in keys), chunk_bytes), **kwargs)
+  """The optimizer `optim_cfg.name` over `params` (name -> leaf tensor). `matrices`: what
+  assembles whole matrices from this rank's rows (optim/matrices.py; None: `params` are whole)."""
+  return entry(optim_cfg.name).build(params, optim_cfg, matrices or _Whole(params), chunk_bytes)
 
 
 class _Whole:
@@ -174,11 +139,30 @@ class _Whole:
     return tuple(self.params[name].shape[-2:])
 
 
-def _matrix_or_sign(params, optim_cfg, matrices):
-  """Muon (hidden matrices; AdamW for the rest) or Lion, grouped by decay (and by rule)."""
-  betas = tuple(optim_cfg.betas)
-  if optim_cfg.name == 'lion':
-    return muon.Lion(param_groups(params, optim_cfg), float(optim_cfg.lr), betas)
+def torch_optimizer(cls, keys) -> Callable:
+  """A `build` for optimizer class `cls` (torch's signature: parameter groups, then keyword
+  arguments) taking config keys `keys` of model.optim, grouped for weight decay, each group split
+  into runs of at most `chunk_bytes` of fp32 (see `chunks`)."""
+
+  def build(params, optim_cfg, matrices, chunk_bytes):  # pylint: disable=unused-argument
+    kwargs = {k: tuple(optim_cfg[k]) if k == 'betas' else float(optim_cfg[k]) for k in keys}
+    kwargs.pop('weight_decay', None)  # set per group
+    device_types = {p.device.type for p in params.values()}
+    accepts = inspect.signature(cls.__init__).parameters
+    if 'xla' in device_types and 'capturable' in accepts:
+      kwargs['capturable'] = True     # the step count on the device: no host value inside the graph
+    elif device_types == {'cuda'} and 'fused' in accepts:
+      # One kernel per tensor list. On CPU fused AdamW was 4x faster (32M params: 146 -> 35 ms) but
+      # moved a TP-sharded bias past the 1e-5 layout-parity bound: on CPU torch steps one tensor at
+      # a time, and Adam(W)'s large fp32 rows take optim/sr_update.py's one pass (Updater.fused).
+      kwargs['fused'] = True
+    return cls(_chunked(param_groups(params, optim_cfg, 'weight_decay' in keys), chunk_bytes), **kwargs)
+
+  return build
+
+
+def _muon(params, optim_cfg, matrices, chunk_bytes):  # pylint: disable=unused-argument
+  """Muon over the hidden matrices and AdamW over the rest, grouped by decay and by rule."""
   groups = []
   for g in param_groups(params, optim_cfg):
     for rule in (True, False):
@@ -186,19 +170,59 @@ def _matrix_or_sign(params, optim_cfg, matrices):
       if pairs:
         groups.append({**g, 'params': pairs, 'muon': rule})
   m = optim_cfg.muon
-  return muon.Muon(groups, matrices or _Whole(params), float(optim_cfg.lr), betas, float(optim_cfg.eps),
+  return muon.Muon(groups, matrices, float(optim_cfg.lr), tuple(optim_cfg.betas), float(optim_cfg.eps),
                    float(m.momentum), bool(m.nesterov), int(m.ns_steps), m.ns_dtype, m.adjust_lr)
 
 
+def _lion(params, optim_cfg, matrices, chunk_bytes):  # pylint: disable=unused-argument
+  return muon.Lion(param_groups(params, optim_cfg), float(optim_cfg.lr), tuple(optim_cfg.betas))
+
+
+def _muon_states(name, ndim):
+  """Muon's momentum on the layers' matrices; AdamW's two moments elsewhere."""
+  return 1 if param_table.is_hidden_matrix(name, ndim) else 2
+
+
+def _muon_holds(key, name, ndim):
+  return (key == 'momentum_buffer') == param_table.is_hidden_matrix(name, ndim)
+
+
+def _rprop_check(optim_cfg):
+  if optim_cfg.weight_decay > 0:
+    return [f'model.optim.weight_decay={optim_cfg.weight_decay!r} would be ignored: rprop has no weight '
+            f'decay; set it to 0']
+  return []
+
+
+_ADAM_KEYS = ('lr', 'betas', 'eps', 'weight_decay')
+# The config keys each constructor takes. Adafactor gets no eps: torch's is a pair (eps1, eps2) with
+# its own defaults, not an Adam epsilon. Rprop has no weight decay at all.
+register('adamw', Entry(torch_optimizer(torch.optim.AdamW, _ADAM_KEYS)))
+# fp32 moments under bf16 params come with the precision work; until then this is AdamW.
+register('adamw_fp32OptState', Entry(torch_optimizer(torch.optim.AdamW, _ADAM_KEYS)))
+register('adam', Entry(torch_optimizer(torch.optim.Adam, _ADAM_KEYS)))
+register('sgd', Entry(torch_optimizer(torch.optim.SGD, ('lr', 'momentum', 'weight_decay')), states=0))
+register('adadelta', Entry(torch_optimizer(torch.optim.Adadelta, ('lr', 'eps', 'weight_decay'))))
+register('adamax', Entry(torch_optimizer(torch.optim.Adamax, _ADAM_KEYS)))
+register('adagrad', Entry(torch_optimizer(torch.optim.Adagrad, ('lr', 'eps', 'weight_decay')), states=1))
+register('rmsprop', Entry(torch_optimizer(torch.optim.RMSprop, ('lr', 'eps', 'momentum', 'weight_decay')), states=1))
+register('rprop', Entry(torch_optimizer(torch.optim.Rprop, ('lr',)), check=_rprop_check))
+register('adafactor', Entry(torch_optimizer(torch.optim.Adafactor, ('lr', 'weight_decay')), states=1))
+register('novograd', Entry(torch_optimizer(novograd.Novograd, _ADAM_KEYS), states=1))
+register('muon', Entry(_muon, states=_muon_states, holds=_muon_holds, check=muon.check))
+register('lion', Entry(_lion, states=1))
+OPTIMIZERS = tuple(ENTRIES)     # the built-in names
+
+
 def _unknown_name(name):
-  return f"model.optim.name={name!r} is unknown; valid: {', '.join(OPTIMIZERS)}"
+  return f"model.optim.name={name!r} is unknown; valid: {', '.join(ENTRIES)}"
 
 
 def check(optim_cfg) -> list[str]:
   """Problems with `model.optim` (not its `sched`), each naming the key and what would be valid."""
   p = 'model.optim.'
   problems = []
-  if optim_cfg.name not in OPTIMIZERS:
+  if optim_cfg.name not in ENTRIES:
     problems.append(_unknown_name(optim_cfg.name))
   if not optim_cfg.lr > 0:
     problems.append(f'{p}lr={optim_cfg.lr!r} must be > 0')
@@ -211,17 +235,5 @@ def check(optim_cfg) -> list[str]:
     problems.append(f'{p}weight_decay={optim_cfg.weight_decay!r} must be >= 0')
   if not optim_cfg.momentum >= 0:
     problems.append(f'{p}momentum={optim_cfg.momentum!r} must be >= 0')
-  if optim_cfg.name == 'muon':
-    m = optim_cfg.muon
-    if not 0.0 <= m.momentum < 1.0:
-      problems.append(f'{p}muon.momentum={m.momentum!r} must be in [0, 1)')
-    if m.ns_steps < 1:
-      problems.append(f'{p}muon.ns_steps={m.ns_steps!r} must be >= 1')
-    if m.ns_dtype not in muon.NS_DTYPES:
-      problems.append(f'{p}muon.ns_dtype={m.ns_dtype!r}; valid: {", ".join(muon.NS_DTYPES)}')
-    if m.adjust_lr not in muon.ADJUST_LR:
-      problems.append(f'{p}muon.adjust_lr={m.adjust_lr!r}; valid: {", ".join(muon.ADJUST_LR)}')
-  if optim_cfg.name == 'rprop' and optim_cfg.weight_decay > 0:
-    problems.append(f'{p}weight_decay={optim_cfg.weight_decay!r} would be ignored: rprop has no weight '
-                    f'decay; set it to 0')
-  return problems
+  own = ENTRIES[optim_cfg.name].check if optim_cfg.name in ENTRIES else None
+  return problems + (own(optim_cfg) if own else [])

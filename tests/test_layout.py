@@ -13,8 +13,9 @@ LAYERS = (
     ('numerics', 'data'),                  # precision recipes and stochastic rounding; datasets
     ('model',),                            # the single-device model: it knows no parallelism
     ('parallel',),                         # the runtime on a mesh: collectives, TP/SP/PP/CP/EP, ZeRO-1, the step
-    ('estimates', 'optim', 'checkpoint', 'logs', 'monitor'),   # what a run costs; the update; checkpoints;
-                                                             # reports; trackers and the profiler
+    ('optim',),                            # the update: optimizers by name, ZeRO-1's owned rows, rounding
+    ('estimates', 'checkpoint', 'logs', 'monitor'),   # what a run costs; checkpoints; reports;
+                                                      # trackers and the profiler
     ('configs', 'step_trace', 'validation'),   # config files, their validation, NxD YAML; one rank's step
                                              # traced; when and how a run evaluates
     ('train', 'tools'),                    # the loop and the command-line tools

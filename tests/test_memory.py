@@ -73,13 +73,6 @@ def test_state_components_are_the_bytes_the_code_allocates(recipe):
   assert est['master'] + est['optimizer'] == updater.state_bytes()
 
 
-def test_largest_run_is_the_optimizer_chunks():
-  elements = [10, 3000, 7, 7, 9000, 1, 2, 40]
-  for limit in (4, 100, 12_000, 40_000, 2**30):
-    runs = optimizers.chunks(elements, limit)
-    assert memory.largest_run(elements, limit) == max(4 * sum(elements[i] for i in run) for run in runs)
-
-
 def test_update_temporaries_on_cpu_are_twice_the_largest_owned_tensor():
   c = llama_tiny.get_config()
   sizes = {'a': 1000, 'b': 5000, 'c': 10}

@@ -178,3 +178,22 @@ def test_chunked_steps_are_bitwise_equal(name):
       opt.step()
   for n, p in whole.items():
     assert torch.equal(p, chunked[n]), n
+
+
+def test_a_registered_optimizer_is_built_checked_and_counted(monkeypatch):
+  monkeypatch.setattr(optimizers, 'ENTRIES', dict(optimizers.ENTRIES))
+  seen = []
+
+  def build(params, optim_cfg, matrices, chunk_bytes):
+    seen.append((sorted(params), matrices.matrix_shape('lm_head.weight'), chunk_bytes))
+    return torch.optim.SGD(optimizers.param_groups(params, optim_cfg), lr=optim_cfg.lr)
+
+  optimizers.register('plain_sgd', optimizers.Entry(build, states=0, check=lambda o: ['own problem']))
+  params = tiny_params()
+  assert isinstance(optimizers.make_optimizer(params, optim_cfg(name='plain_sgd'), chunk_bytes=64), torch.optim.SGD)
+  assert seen == [(sorted(params), (8, 4), 64)]
+  assert optimizers.check(optim_cfg(name='plain_sgd')) == ['own problem']
+  assert optimizers.state_count('plain_sgd', 'lm_head.weight', 2) == 0
+  assert 'plain_sgd' in optimizers.check(optim_cfg(name='nope'))[0]
+  with pytest.raises(ValueError, match="'adamw' is registered already"):
+    optimizers.register('adamw', optimizers.Entry(build))
