@@ -119,6 +119,12 @@ def get_config(arg=None):
   data.global_batch_size = 8              # sequences per optimizer step over all DP ranks
   data.seq_length = 128                   # tokens per sequence (the model sees seq_length, predicts the next)
   data.data_prefix = ()                   # () = synthetic stream; else (w1, prefix1, w2, prefix2, ...) of .bin/.idx
+  data.source = 'auto'                    # where samples come from (data/sources.py): auto | synthetic | indexed | sft | preference | text | a name a fork registers; auto: preference pairs when model.objective is dpo/orpo, SFT records when train_dir is set, the indexed corpus when data_prefix is, text when text.train is, else synthetic
+  data.text = config_dict.ConfigDict()    # data.source=text: .jsonl / .parquet documents tokenized as they are read (data/text.py)
+  data.text.train = ()                    # paths or globs of .jsonl / .parquet files, one stream in this order, repeating after the last
+  data.text.valid = ()                    # the validation split's files (starts at its first document each validation)
+  data.text.test = ()                     # the test split's files (trainer.limit_test_batches)
+  data.text.key = 'text'                  # the JSON field / parquet column holding each document's text
   data.splits_string = '980,10,10'        # train,valid,test proportions of documents
   data.index_mapping_dir = placeholder(str)  # where sample-index caches go; default: beside the data
   data.eod_mask_loss = False              # Megatron: no loss where the input token is end-of-document

@@ -10,17 +10,19 @@ A micro batch is a dict of tensors, all [micro_batch_size, seq_length] unless no
   segment_ids (document index inside the sample; only with reset_attention_mask),
   sample_ids [micro_batch_size] (global sample index: keys dropout).
 
-Samples come from SFT records (`data.train_dir` / `data.val_dir`: data/sft.py, one packed or
-padded row per sample, its own loss mask, positions and segments), from preference pairs when
-model.objective is dpo or orpo (data/preference.py: one pair per row, two segments, and
-chosen_mask / rejected_mask beside loss_mask), from `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend,
-split by `splits_string`), or from the synthetic stream when it is empty. Validation builds
-its own Loader(split='valid') and starts at consumed_samples 0 each time; so does the test
-split (split='test': splits_string's third part, or data.test_dir).
+Samples come from the source `data.source` names (data/sources.py; `auto` picks as listed):
+preference pairs when model.objective is dpo or orpo (data/preference.py: one pair per row, two
+segments, and chosen_mask / rejected_mask beside loss_mask), SFT records (`data.train_dir` /
+`data.val_dir`: data/sft.py, one packed or padded row per sample, its own loss mask, positions
+and segments), `data.data_prefix` (Megatron .bin/.idx, one prefix or a weighted blend, split by
+`splits_string`), `.jsonl` / `.parquet` text tokenized as it is read (`data.text`: data/text.py),
+or the synthetic stream. Validation builds its own Loader(split='valid') and starts at
+consumed_samples 0 each time; so does the test split (split='test': splits_string's third
+part, data.test_dir or data.text.test).
 
 Epochs. `num_samples` is the split's samples per epoch: the rows SFT / preference data builds,
 one pass over a corpus split's documents (a blend: until its first dataset repeats), None for
-the endless synthetic stream. The sample stream runs on across epochs (each one reshuffled),
+the endless synthetic and text streams. The sample stream runs on across epochs (each one reshuffled),
 so epoch boundaries fall inside global batches: `steps_for_epochs` and `crosses_epochs` count
 a pass as done on the step whose global batch completes it.
 """
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from config_checks import one_of, positive
-from data import blend, gpt_dataset, masks, preference, sft, synthetic, tokenizer
+from data import gpt_dataset, masks, sources, tokenizer
 from data.errors import DataError
 
 
@@ -40,23 +42,11 @@ class Loader:
     self.cfg = config.data
     self.split = split
     self.dp_rank, self.dp_size = dp_rank, dp_size
-    pairs = config.model.objective in preference.OBJECTIVES
-    self.sft = pairs or bool(sft.settings(config)['train_dir'])   # rows built from records
-    if source is not None:
-      self.source, self.num_samples = source, getattr(source, 'samples_per_epoch', None)
-      self.sft = isinstance(source, sft.SFTSource)
-    elif pairs:
-      self.source = preference.PreferenceSource(config, split)
-      self.num_samples = self.source.samples_per_epoch
-    elif self.sft:
-      self.source = sft.SFTSource(config, split)
-      self.num_samples = self.source.samples_per_epoch
-    elif self.cfg.data_prefix:
-      self.source = corpus_source(config, split)
-      self.num_samples = self.source.samples_per_epoch   # before any sample repeats
-    else:
-      self.source = synthetic.SyntheticSource(config, split)
-      self.num_samples = None                            # endless
+    self.source_name = sources.resolve(config)
+    self.source = sources.make(config, split) if source is None else source
+    # records build their own micro batches (rows with their own masks): the interface tells
+    self.sft = callable(getattr(self.source, 'micro_batch', None))
+    self.num_samples = getattr(self.source, 'samples_per_epoch', None)   # None: endless
     self.eod_id = self._eod_id() if source is None else eod_id
     self.ref_logps = None           # [rows, 2]: set by the loop with dpo.precompute_ref_log_probs
 
@@ -72,8 +62,8 @@ class Loader:
 
   def _epoch_samples(self):
     if self.num_samples is None:
-      raise DataError('the synthetic stream (data.data_prefix=()) has no epochs; set data.data_prefix '
-                      'or data.train_dir, or leave trainer.max_epochs / check_val_every_n_epoch off')
+      what, fix = _endless(self.source_name)
+      raise DataError(f'{what} has no epochs; {fix}, or leave trainer.max_epochs / check_val_every_n_epoch off')
     return self.num_samples
 
   def steps_for_epochs(self, epochs: int) -> int:
@@ -117,24 +107,22 @@ class Loader:
     return batch
 
 
-def corpus_source(config, split):
-  """The GPTDataset of one prefix, or the BlendedDataset of several, for `split`."""
-  c = config.data
-  datasets, weights = [], []
-  for weight, prefix in blend.parse_data_prefix(c.data_prefix):
-    datasets.append(gpt_dataset.GPTDataset(
-        prefix, split, c.seq_length, config.seed, c.splits_string,
-        cache_dir=c.get('index_mapping_dir'), vocab_size=config.model.vocab_size))
-    weights.append(weight)
-  return datasets[0] if len(datasets) == 1 else blend.BlendedDataset(datasets, weights)
-
-
 # --- config checks (configs/validate.py gathers them) ---------------------------------
 
 
+# Sources without epochs: what each is, and the fix for a setting that counts epochs.
+ENDLESS = {'synthetic': ('the synthetic stream (data.data_prefix=())', 'set data.data_prefix or data.train_dir'),
+           'text': ("the text source (data.source='text'), an endless stream repeating its files,",
+                    'count in steps instead (trainer.max_steps, trainer.val_check_interval)')}
+
+
+def _endless(name):
+  return ENDLESS.get(name, (f'the {name!r} source', 'choose a source with epochs'))
+
+
 def _records(config) -> bool:
-  """Whether the data are SFT / preference records (else a corpus or the synthetic stream)."""
-  return bool(config.data.train_dir) or config.model.objective in preference.OBJECTIVES
+  """Whether the data are SFT / preference records (else token windows)."""
+  return sources.resolve(config) in ('sft', 'preference')
 
 
 def check(config, dp) -> list:
@@ -147,9 +135,10 @@ def check(config, dp) -> list:
                     f'data-parallel size = {data.micro_batch_size} x {dp}; use a multiple of '
                     f'{data.micro_batch_size * dp}')
   one_of(problems, 'data.tokenizer.type', data.tokenizer.type, tokenizer.TYPES)
+  problems += sources.check(config)
   if data.data_prefix and len(data.data_prefix) > 1 and len(data.data_prefix) % 2:
     problems.append('data.data_prefix must be (prefix,) or (weight1, prefix1, weight2, prefix2, ...)')
-  if not data.data_prefix and data.synthetic_vocab_size > config.model.vocab_size:
+  if sources.resolve(config) == 'synthetic' and data.synthetic_vocab_size > config.model.vocab_size:
     problems.append(f'data.synthetic_vocab_size={data.synthetic_vocab_size} exceeds '
                     f'model.vocab_size={config.model.vocab_size}')
   return problems
@@ -157,24 +146,28 @@ def check(config, dp) -> list:
 
 def check_epochs(config) -> list:
   """trainer.max_epochs, check_val_every_n_epoch and limit_test_batches against the data:
-  the synthetic stream has no epochs, records need data.test_dir, a corpus a test share."""
+  the synthetic and text streams have no epochs, records need data.test_dir, a corpus a test
+  share, text data.text.test."""
   problems, t, data = [], config.trainer, config.data
   if t.max_epochs != -1:
     positive(problems, 'trainer.max_epochs', t.max_epochs)
   if t.check_val_every_n_epoch is not None:
     positive(problems, 'trainer.check_val_every_n_epoch', t.check_val_every_n_epoch)
-  synthetic_stream = not data.data_prefix and not _records(config)
+  name = sources.resolve(config)
   for key, value, off in (('max_epochs', t.max_epochs, '-1'),
                           ('check_val_every_n_epoch', t.check_val_every_n_epoch, 'None')):
-    if synthetic_stream and value is not None and value > 0:
-      problems.append(f'trainer.{key}={value} counts passes over the train split, but the synthetic stream '
-                      f'(data.data_prefix=()) has no epochs; set data.data_prefix or data.train_dir, or '
-                      f'trainer.{key}={off}')
+    if name in ENDLESS and value is not None and value > 0:
+      what, fix = ENDLESS[name]
+      problems.append(f'trainer.{key}={value} counts passes over the train split, but {what} has no epochs; '
+                      f'{fix}, or trainer.{key}={off}')
   positive(problems, 'trainer.limit_test_batches', t.limit_test_batches, allow_zero=True)
   if t.limit_test_batches > 0 and _records(config) and not data.test_dir:
     problems.append(f'trainer.limit_test_batches={t.limit_test_batches} evaluates the test records: set '
                     'data.test_dir (same formats as data.val_dir), or trainer.limit_test_batches=0')
-  elif t.limit_test_batches > 0 and data.data_prefix and not _records(config):
+  elif t.limit_test_batches > 0 and name == 'text' and not sources.is_set(config, 'data.text.test'):
+    problems.append(f'trainer.limit_test_batches={t.limit_test_batches} evaluates the test split: set '
+                    'data.text.test (.jsonl / .parquet files or globs), or trainer.limit_test_batches=0')
+  elif t.limit_test_batches > 0 and name == 'indexed':
     try:
       if gpt_dataset.parse_splits(data.splits_string)[2] == 0:
         problems.append(f'data.splits_string={data.splits_string!r} gives the test split no documents but '
