@@ -93,6 +93,12 @@ def test_windows_are_the_concatenated_tokenization_repeating(corpus):
   np.testing.assert_array_equal(text.TextSource(make_config(corpus, cache='jumps')).samples(jumps), windows(s, jumps))
 
 
+def test_a_glob_is_its_matches_in_order(corpus):
+  ids = [0, 3, 150]
+  want = text.TextSource(make_config(corpus, cache='glob')).samples(ids)
+  assert np.array_equal(text.TextSource(make_config(corpus, ('*.jsonl',), cache='glob')).samples(ids), want)
+
+
 def test_jsonl_and_parquet_give_the_same_windows(corpus, monkeypatch):
   monkeypatch.setattr(text_files, 'BATCH_ROWS', 3)     # record batches inside row groups of 7
   ids = [0, 40, 3, 100, 41]
@@ -176,6 +182,17 @@ def test_files_that_cannot_be_read_are_named(corpus, pattern, message):
   c.data.text.train = (str(corpus['root'] / pattern) if pattern else str(corpus['root']),)
   with pytest.raises(DataError, match=message):
     text.TextSource(c)
+
+
+def test_a_file_without_documents_is_named_when_the_stream_reaches_it(corpus, tmp_path):
+  c = make_config(corpus, cache='blank')
+  (tmp_path / 'blank.jsonl').write_text('\n  \n')
+  c.data.text.train = (c.data.text.train[0], str(tmp_path / 'blank.jsonl'), c.data.text.train[1])
+  source = text.TextSource(c)
+  source.samples([0])                             # the first file's documents are fine
+  with pytest.raises(DataError, match=r'blank.jsonl: no documents \(empty, or blank lines only\); remove it from '
+                     'data.text.train'):
+    source.samples([len(stream(corpus)) // SEQ])
 
 
 def test_a_run_resumed_from_its_checkpoint_trains_as_the_uninterrupted_one(corpus, tmp_path):
