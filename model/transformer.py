@@ -19,6 +19,19 @@ from model.param_table import param_specs
 head_dim = layers.head_dim
 
 
+class LayerInputs(typing.NamedTuple):
+  """What differs between layers, handed to `block` as one bundle. A feature that differs by
+  layer is a field here, set in `stage`: model.compile traces the block once per distinct bundle
+  and at `index` 0 (parallel/compiled.py), so the block must not branch on `index` itself."""
+  index: int                  # the layer's number: its parameters' prefix `layers.{index}`
+  cos_sin: typing.Any         # RoPE's (cos, sin), Llama 4's query temperature on a NoPE layer, or None
+  mask: typing.Any            # this layer kind's attention mask (a tensor, or the ring's layers.Attend)
+  drop_key: Optional[tuple]   # keys this layer's dropout (None: no dropout)
+  sample_ids: Optional[torch.Tensor]   # [b] global sample indices (dropout masks by sample)
+  moe: bool = False           # the MLP is model/moe.py's experts
+  kv: typing.Any = None       # generation: (earlier positions' cache or None, the cache this step fills)
+
+
 def layer_types(cfg) -> tuple:
   """Each layer's attention, HF's names: 'full_attention' or 'sliding_attention' (the last
   model.sliding_window positions). Empty model.layer_types: every layer slides when a window
@@ -102,7 +115,7 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
   `batch`: tokens, labels, loss_mask, optional position_ids, segment_ids (per-document masks),
   sample_ids (keys dropout), kv_cache (generation: (earlier positions' cache or None, an empty
   KVCache each layer fills)). `dropout_key` (seed, 'dropout') enables dropout; `layer_fn(fn,
-  *args)` wraps each block (recompute).
+  params, layer, x_bsh, cfg, ops)` runs each block (recompute, ZeRO-3's gathers, model.compile).
   """
   tokens_bs = batch['tokens']
   b, s = tokens_bs.shape
@@ -144,10 +157,9 @@ def stage(params, batch, cfg, ops=layers.LOCAL_OPS, *, layer_range=None, x_bsh=N
     ops = dataclasses.replace(ops, moe=collector)
   for i in range(lo, hi):
     key = dropout_key and dropout_key + (i,)
-    # what differs between layers reaches the block as arguments (model.compile traces a graph per kind)
-    cos_sin = no_rope if i in nope else rope_tables.get(kinds[i])
-    x_bsh = layer_fn(block, params, i, x_bsh, cos_sin, masks[kinds[i]], cfg, ops, key, sample_ids_b, kv,
-                     moe.is_moe_layer(cfg, i))
+    layer = LayerInputs(i, no_rope if i in nope else rope_tables.get(kinds[i]), masks[kinds[i]], key,
+                        sample_ids_b, moe.is_moe_layer(cfg, i), kv)
+    x_bsh = layer_fn(block, params, layer, x_bsh, cfg, ops)
   aux_sum = collector and collector.finish(ops.moe_tally, last, objective is not None and objective.adds_aux)
   if not last:
     return x_bsh if moe_carry is None else (x_bsh, collector.carry())
@@ -168,16 +180,16 @@ def _with_aux(out, aux_sum, ops):
   return (loss, metrics) if aux_sum is None else (loss + aux_sum, metrics)
 
 
-def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None, moe_layer=False):
+def block(params, layer: LayerInputs, x_bsh, cfg, ops):
   """One transformer layer. Pre-norm (Llama): x + attn(norm(x)), then + mlp(norm(x)); with
   model.sandwich_norm (Gemma) the attention and MLP outputs are normed too before the add; with
-  model.post_norms_only (OLMo 2) only they are. `cos_sin` None: no RoPE in this layer (NoPE);
-  `moe_layer`: the MLP is model/moe.py's experts.
+  model.post_norms_only (OLMo 2) only they are. `layer.cos_sin` None: no RoPE in this layer (NoPE);
+  `layer.moe`: the MLP is model/moe.py's experts.
 
   `x_bsh` may be a slice of the residual stream (`ops.residual_slices`); residual dropout
   draws the whole sequence's mask and applies its part.
   """
-  p = f'layers.{i}'
+  p, drop_key, sample_ids_b = f'layers.{layer.index}', layer.drop_key, layer.sample_ids
 
   def residual_dropout(h, site):
     if not drop_key or cfg.hidden_dropout == 0.0:
@@ -188,13 +200,14 @@ def block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=
 
   sandwich, after_only = cfg.get('sandwich_norm'), cfg.get('post_norms_only')
   h = x_bsh if after_only else ops.recompute_norm(layers.norm, params, p + '.input_layernorm', x_bsh, cfg)
-  h = attention.self_attention(params, p + '.self_attn', h, cos_sin, mask, cfg, ops, i, drop_key, sample_ids_b, kv)
+  h = attention.self_attention(params, p + '.self_attn', h, layer.cos_sin, layer.mask, cfg, ops, layer.index,
+                               drop_key, sample_ids_b, layer.kv)
   if sandwich or after_only:
     h = layers.norm(params, p + '.post_attention_layernorm', h, cfg)
   x_bsh = x_bsh + residual_dropout(h, 'attn_out')
   h = x_bsh if after_only else ops.recompute_norm(
       layers.norm, params, p + ('.pre_feedforward_layernorm' if sandwich else '.post_attention_layernorm'), x_bsh, cfg)
-  if moe_layer:       # SP: routes the whole (gathered) sequence, returns this rank's slice
+  if layer.moe:       # SP: routes the whole (gathered) sequence, returns this rank's slice
     h = ops.recompute_mlp(moe.mlp, params, p + '.mlp', ops.full_input(h) if ops.residual_slices > 1 else h, cfg, ops)
   else:
     h = layers.mlp(params, p + '.mlp', h, cfg, ops, drop_key, sample_ids_b)

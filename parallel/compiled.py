@@ -60,8 +60,8 @@ def check(config) -> list:
   return problems
 
 
-def _block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, moe_layer):
-  return transformer.block(params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, None, moe_layer)
+def _block(params, layer, x_bsh, cfg, ops):
+  return transformer.block(params, layer, x_bsh, cfg, ops)
 
 
 def _compiled(backend='inductor'):
@@ -96,14 +96,14 @@ class Blocks:
       limit = 2 * num_layers + 8
       torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
 
-  def __call__(self, fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv=None, moe_layer=False):
-    if fn is not transformer.block or kv is not None:
-      return self.wrap(fn, params, i, x_bsh, cos_sin, mask, cfg, ops, drop_key, sample_ids_b, kv, moe_layer)
-    index = _canonical(cfg, i)
+  def __call__(self, fn, params, layer, x_bsh, cfg, ops):
+    if fn is not transformer.block or layer.kv is not None:
+      return self.wrap(fn, params, layer, x_bsh, cfg, ops)
+    i, index, drop_key = layer.index, _canonical(cfg, layer.index), layer.drop_key
     if drop_key and drop_key[-1] == i:        # stage keys each layer's dropout by (..., i)
       drop_key = drop_key[:-1] + (torch.tensor(i),)
-    return self.wrap(_compiled(self.backend), _local_params(params, i, index), index, x_bsh, cos_sin, mask, cfg, ops, drop_key,
-                     sample_ids_b, moe_layer)
+    return self.wrap(_compiled(self.backend), _local_params(params, i, index),
+                     layer._replace(index=index, drop_key=drop_key), x_bsh, cfg, ops)
 
 
 def _final_norm(params, prefix, x_bsh, cfg):

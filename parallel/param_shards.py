@@ -197,12 +197,13 @@ class ParamShards:
     """`layer_fn` wrapped: each layer i of [lo, hi) gathered before it runs, i + 1 (or, after
     the last, the head) prefetched, i freed after it; a hook on its output re-gathers it for
     its backward."""
-    def run(fn, params, i, *args):
+    def run(fn, params, layer, *args):
+      i = layer.index
       self.gather(self.unit(f'layers.{i}'))
       self.gather(self.unit(f'layers.{i + 1}') if i + 1 < hi else self.unit('head') if last else [], wait=False)
       if i == lo and first and not (last and self.tied):     # the lookup is done (a tied head still needs it)
         self.free(self.unit('embedding'))
-      out = layer_fn(fn, params, i, *args)
+      out = layer_fn(fn, params, layer, *args)
       training = torch.is_grad_enabled() and out.requires_grad
       if training:
         out.register_hook(self._before_backward(i, lo))

@@ -27,10 +27,10 @@ def _not_layer(name):
 def _waiting(layer_fn, wait_params, hi):
   """layer_fn that first waits for layer i's parameter gathers (ZeRO-1's overlap_param_gather),
   and after the stage's last layer `hi - 1` for the rest (the final norm and the head)."""
-  def run(fn, params, i, *args):
-    wait_params(lambda n: n.startswith(f'layers.{i}.'))
-    out = layer_fn(fn, params, i, *args)
-    if i == hi - 1:
+  def run(fn, params, layer, *args):
+    wait_params(lambda n: n.startswith(f'layers.{layer.index}.'))
+    out = layer_fn(fn, params, layer, *args)
+    if layer.index == hi - 1:
       wait_params(_not_layer)
     return out
   return run
@@ -40,10 +40,10 @@ def _releasing(layer_fn, hi):
   """layer_fn that offers the kept CPU heap's free pages back (parallel/device.py: past the
   start-up estimate they stop being resident) before each layer's forward, after the stage's
   last layer `hi - 1` (before the head's logits), and as each layer's backward starts."""
-  def run(fn, params, i, *args):
+  def run(fn, params, layer, *args):
     devices.release_freed_host_memory()
-    out = layer_fn(fn, params, i, *args)
-    if i == hi - 1:
+    out = layer_fn(fn, params, layer, *args)
+    if layer.index == hi - 1:
       devices.release_freed_host_memory()
     if out.requires_grad:
       out.register_hook(_release_in_backward)
