@@ -12,8 +12,10 @@ data: `params` (flat dict of tensors), the updater (optimizer, master weights, Z
 optim/update.py), and `consumed_samples` (the whole data position). Every random draw is keyed,
 so nothing else needs saving.
 """
+import dataclasses
 import os
 import sys
+import typing
 
 import torch
 from absl import app, flags, logging
@@ -140,19 +142,19 @@ def run(config, workdir=None):
                              trainable=lora.trainable(config.model, params))
     checkpoints = session.Session(config, workdir, mesh, updater)
     start_step, consumed_samples = checkpoints.restore_or_init()
-    frozen_ref = None
+    reference = None                       # the reference model's params, for objectives that need one (DPO)
     if objectives.for_config(config).reference is not None:
-      frozen_ref = references.setup(
+      reference = references.params(params, references.setup(
           config, mesh, ops, params, tuple(data.values()),
           lambda: checkpoints.load_init_weights(training.init_params(config, mesh)),
-          lambda: checkpoints.starting_adapters(training.init_params(config, mesh, set(updater.trainable))))
+          lambda: checkpoints.starting_adapters(training.init_params(config, mesh, set(updater.trainable)))))
     if lead:
       workdirs.write_config(workdir, config)
     log = logs.MetricsLog(workdir, lead, config.exp_manager.create_tensorboard_logger,
                           resumed_at=start_step if start_step > 0 else None, name=config.name,
                           trackers=trackers.start(config, workdir, start_step > 0) if lead else ())
-    record = _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data,
-                   start_step, consumed_samples, frozen_ref)
+    record = _loop(Run(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data, reference),
+                   start_step, consumed_samples)
     logging.info('%s', memory_check.peak_report(mesh, est['total'], before))   # every rank's peak against its estimate
     return record, params
   finally:
@@ -164,56 +166,62 @@ def run(config, workdir=None):
       lock.release(unused=log is None)      # failed before the run started: leave no empty workdir
 
 
-def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, data, start_step, consumed_samples,
-          frozen_ref=None):
-  t, train_data = config.trainer, data['train']
-  reference = references.params(params, frozen_ref) if objectives.for_config(config).reference else None
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """What `run` sets up, handed to the loop and to its evaluations (validation.py) as one."""
+  config: typing.Any
+  workdir: str
+  mesh: meshes.Mesh
+  ops: typing.Any           # the model's Ops on this mesh (parallel/tensor.py)
+  peak: tuple               # (peak FLOP/s per process, where the figure comes from): MFU
+  params: dict
+  updater: update.Updater
+  checkpoints: session.Session
+  log: logs.MetricsLog
+  data: dict                # split -> Loader
+  reference: typing.Optional[dict]     # the reference model's params (DPO without precomputed log-probs)
+
+
+def _loop(r: Run, start_step, consumed_samples):
+  config, t, train_data, updater, checkpoints = r.config, r.config.trainer, r.data['train'], r.updater, r.checkpoints
   if t.num_sanity_val_steps:
-    sanity, sanity_metrics = passes.evaluate(params, data['valid'], config, mesh, ops, t.num_sanity_val_steps,
-                                             reference)
+    sanity, sanity_metrics = passes.evaluate(r.params, r.data['valid'], config, r.mesh, r.ops, t.num_sanity_val_steps,
+                                             r.reference)
     logging.info('sanity validation: val_loss %.4f', sanity)
     if start_step == 0:                     # the model before training, e.g. a fine-tune's base
-      log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples,
-                 **{f'sanity_val_{k}': v for k, v in sanity_metrics.items()}})
+      r.log.write({'step': 0, 'sanity_val_loss': sanity, 'consumed_samples': consumed_samples,
+                   **{f'sanity_val_{k}': v for k, v in sanity_metrics.items()}})
   flops_per_token = flop_count.flops_per_token(config.model, config.data.seq_length)
   total = last_step(t, train_data)
-  reporter = logs.StepReporter(config, mesh, log, peak, total, start_step, flops_per_token)
+  reporter = logs.StepReporter(config, r.mesh, r.log, r.peak, total, start_step, flops_per_token)
   val = None
-  window = profiling.Window(config, workdir, mesh.rank, mesh.device)
+  window = profiling.Window(config, r.workdir, r.mesh.rank, r.mesh.device)
   for step in range(start_step, total):
     window.before(step + 1)
-    # ZeRO-1's parameter gathers stay in flight into the next step's forward (overlap_param_gather):
-    # whatever reads the parameters in between waits for them first (updater.wait_params).
     last = step + 1 == total
     logged = logs.every(step + 1, t.log_every_n_steps) or last
-    norm = config.exp_manager.log_parameter_norm and logged
-    # the parameter norm of a ZeRO-1 step from the rows each rank owns: no wait for the gathers
-    out = training.train_step(params, updater, train_data.global_batch(consumed_samples), config, step, mesh, ops,
-                              reference, defer_param_gather=True, param_norm=norm,
+    # ZeRO-1's parameter gathers stay in flight into the next step's forward (overlap_param_gather);
+    # the parameter norm comes from the rows each rank owns: no wait for them
+    out = training.train_step(r.params, updater, train_data.global_batch(consumed_samples), config, step, r.mesh,
+                              r.ops, r.reference, defer_param_gather=True,
+                              param_norm=config.exp_manager.log_parameter_norm and logged,
                               layer_stats=config.exp_manager.log_layer_stats and logged)
-    if last:
-      updater.wait_params()
-    devices.step_boundary(mesh.device)  # XLA: the step is one graph, compiled once
+    devices.step_boundary(r.mesh.device)  # XLA: the step is one graph, compiled once
     window.after(step + 1)
     if step == start_step:
-      logging.info('optimizer state + master weights on rank 0 (measured): %s',
-                   memory.human_bytes(updater.state_bytes()))
-      if config.model.compile:
-        stats = compiled.stats()
-        logging.info('model.compile: the first step compiled %d graph(s) (%d graph break(s)) in %.1f s; the first '
-                     'logged step time includes it', stats['graphs'], stats['graph_breaks'], stats['compile_s'])
+      _first_step_report(config, updater)
     before, consumed_samples = consumed_samples, consumed_samples + config.data.global_batch_size
     reporter.add(step, out, consumed_samples)    # reads the step before this one
     stopped = None if last else checkpoints.stop_reason(step + 1)
     saving = checkpoints.due(step + 1, last, stopped is not None)
+    validating = validation.due(t, train_data, step + 1, last, before, consumed_samples) or (
+        saving and checkpoints.needs_metrics)
+    if last or saving or stopped or validating:
+      updater.wait_params()                 # the one place the loop reads the parameters outside a step
     val = None                              # a validation metric as monitor: every save is validated
-    if saving or stopped:
-      updater.wait_params()
-    if validation.due(t, train_data, step + 1, last, before, consumed_samples) or (saving and checkpoints.needs_metrics):
-      updater.wait_params()
+    if validating:
       reporter.flush()
-      val = validation.evaluate_and_log('val', params, data['valid'], t.limit_val_batches, config, mesh, ops,
-                                        reference, log, step + 1, consumed_samples)
+      val = validation.evaluate_and_log(r, 'val', t.limit_val_batches, step + 1, consumed_samples)
       reporter.restart_window()
     if saving or stopped:
       reporter.flush()                      # the log is whole up to a committed step
@@ -227,10 +235,18 @@ def _loop(config, workdir, mesh, ops, peak, params, updater, checkpoints, log, d
   window.close()                            # a window past the last step: what it recorded
   record = {**reporter.flush(), **(val or {})}
   if t.limit_test_batches:                  # after training, not after a stop
-    record.update(validation.evaluate_and_log('test', params, data['test'], t.limit_test_batches, config, mesh,
-                                              ops, reference, log, max(total, start_step), consumed_samples))
-  logging.info('done: %d steps | %s', total, log.destinations())
+    record.update(validation.evaluate_and_log(r, 'test', t.limit_test_batches, max(total, start_step),
+                                              consumed_samples))
+  logging.info('done: %d steps | %s', total, r.log.destinations())
   return record
+
+
+def _first_step_report(config, updater):
+  logging.info('optimizer state + master weights on rank 0 (measured): %s', memory.human_bytes(updater.state_bytes()))
+  if config.model.compile:
+    stats = compiled.stats()
+    logging.info('model.compile: the first step compiled %d graph(s) (%d graph break(s)) in %.1f s; the first '
+                 'logged step time includes it', stats['graphs'], stats['graph_breaks'], stats['compile_s'])
 
 
 def _run_flags():

@@ -7,13 +7,15 @@ import logs
 from parallel import passes
 
 
-def evaluate_and_log(prefix, params, loader, num_batches, config, mesh, ops, reference, log, step, consumed_samples):
-  """Evaluate `num_batches` global batches of `loader` (validation, test); print and record
-  them as {prefix}_loss and {prefix}_<metric>, which are returned."""
-  loss, metrics = passes.evaluate(params, loader, config, mesh, ops, num_batches, reference)
+def evaluate_and_log(run, prefix, num_batches, step, consumed_samples):
+  """Evaluate `num_batches` global batches of the split `prefix` ('val': validation, 'test') of
+  `run` (train.Run: its params, data, config, mesh, ops, reference model and log); print and
+  record them as {prefix}_loss and {prefix}_<metric>, which are returned."""
+  loader = run.data['valid' if prefix == 'val' else prefix]
+  loss, metrics = passes.evaluate(run.params, loader, run.config, run.mesh, run.ops, num_batches, run.reference)
   values = {f'{prefix}_loss': loss, **{f'{prefix}_{k}': v for k, v in metrics.items()}}
   logging.info('step %d | %s', step, ' | '.join(f'{k} {v:.4f}' for k, v in values.items()))
-  log.write({'step': step, f'{prefix}_loss': loss, 'consumed_samples': consumed_samples, **values})
+  run.log.write({'step': step, f'{prefix}_loss': loss, 'consumed_samples': consumed_samples, **values})
   return values
 
 

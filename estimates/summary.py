@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from estimates import clusters, memory, memory_check, step_time
-from model import flop_count, lora, lora_targets, mla, param_init, param_table, transformer
+from model import flop_count, lora, lora_targets, param_init, param_table, transformer
 from parallel import device as devices, experts, mesh as meshes, tensor, training
 
 
@@ -163,11 +163,11 @@ def describe_layout(config, mesh):
     return f'experts {rows.start}-{rows.stop - 1}'
 
   def heads(r):
-    if mla.enabled(m):               # latent attention: the heads of kv_b_proj's rows (keys and values alike)
+    q, k = 'layers.0.self_attn.q_proj.weight', 'layers.0.self_attn.k_proj.weight'
+    if q not in specs or k not in specs:   # latent attention (kv_b_proj's rows), or a fork's own: heads split evenly
       per = m.num_attention_heads // mesh.tp
       return f'heads {r.tp_rank * per}-{(r.tp_rank + 1) * per - 1}'
-    return (f'q heads {span("layers.0.self_attn.q_proj.weight", r.tp_rank, d)}, '
-            f'kv heads {span("layers.0.self_attn.k_proj.weight", r.tp_rank, d)}')
+    return f'q heads {span(q, r.tp_rank, d)}, kv heads {span(k, r.tp_rank, d)}'
 
   ranks = [dataclasses.replace(mesh, rank=r) for r in range(mesh.world_size)]
   return [f'rank {r.rank}: dp {r.dp_rank} pp {r.pp_rank}{f" cp {r.cp_rank}" if r.cp > 1 else ""} tp {r.tp_rank} | '

@@ -61,13 +61,36 @@ def model_batch(batch, mesh):
   return context.slice_batch(to_device(batch, mesh.device), mesh.cp, mesh.cp_rank)
 
 
-def _run(params, batches, config, mesh, ops, recipe, objective, on_last, training=False,
-         layer_fn=None, dropout_key=None, wait_params=None):
-  """Run `batches` through this rank's chunks (the 1F1B / interleaved schedule when
-  training, else forward only); the last stage's objective output of micro batch i goes to
-  on_last(i, out), whose result is what backward starts from. `wait_params(match)`: waits for
-  the named parameters' gathers still in flight, called before each is first read."""
+def around_layers(layer_fn, wait_params, shards, trims_heap):
+  """`chunk(lo, hi, first, last)` -> the layer_fn for layers [lo, hi) of one chunk: `layer_fn`
+  (recompute, model.compile) inside what must happen around each layer, composed here once:
+  the CPU heap's freed pages offered back (`trims_heap`), ZeRO-1's parameter gathers waited for
+  (`wait_params(match)`, None: none in flight), ZeRO-3's layer gathered and freed (`shards`)."""
+
+  def chunk(lo, hi, first, last):
+    run_layer = _releasing(layer_fn, hi) if trims_heap else layer_fn
+    if wait_params is not None:
+      # the embedding first; the final norm and head after the last layer (all of it: no layers)
+      wait_params(lambda n: _not_layer(n) and (lo == hi or n.startswith('embed_')))
+      run_layer = _waiting(run_layer, wait_params, hi)
+    if shards is not None:
+      shards.before_chunk(lo, hi, first, last)
+      run_layer = shards.around_layers(run_layer, lo, hi, first, last)
+    return run_layer
+
+  return chunk
+
+
+def _run(params, batches, config, mesh, ops, recipe, objective, on_last, training=False, wait_params=None):
+  """Run `batches` through this rank's chunks (`training`: the 1F1B / interleaved schedule, with
+  dropout and the recompute policy; else forward only); the last stage's objective output of
+  micro batch i goes to on_last(i, out), whose result is what backward starts from.
+  `wait_params(match)`: waits for the named parameters' gathers still in flight, called before
+  each is first read."""
   m = config.model
+  dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
+  ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
+                              m.activations_checkpoint_recompute) if training else (ops, None)
   vp = config.distributed_strategy.virtual_pipeline_model_parallel_size
   bounds = pipeline.config_bounds(config, mesh.pp)
   last = len(bounds) - 1
@@ -79,6 +102,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
   # MoE across stages: the auxiliary losses' sums travel with the activations (router_losses.Collector)
   carry_shape = (b, router_losses.carry_width(m)) if mesh.pp > 1 and moe.enabled(m) else None
   shards = param_shards.shards_of(params)      # ZeRO-3: each layer gathered around its passes
+  around = around_layers(layer_fn, wait_params, shards, devices.trims_host_heap())
 
   def stage_fn(i, chunk, x):
     vs = chunk * mesh.pp + mesh.pp_rank
@@ -86,15 +110,7 @@ def _run(params, batches, config, mesh, ops, recipe, objective, on_last, trainin
     if carry_shape is not None:
       x, carry = (None, torch.zeros(carry_shape, device=mesh.device)) if x is None else \
           pipeline.unpack(x, act_shape, carry_shape)
-    lo, hi = bounds[vs]
-    run_layer = _releasing(layer_fn, hi) if devices.trims_host_heap() else layer_fn
-    if wait_params is not None:
-      # the embedding first; the final norm and head after the last layer (all of it: no layers)
-      wait_params(lambda n: _not_layer(n) and (lo == hi or n.startswith('embed_')))
-      run_layer = _waiting(run_layer, wait_params, hi)
-    if shards is not None:
-      shards.before_chunk(lo, hi, vs == 0, vs == last)
-      run_layer = shards.around_layers(run_layer, lo, hi, vs == 0, vs == last)
+    run_layer = around(*bounds[vs], vs == 0, vs == last)
     with precision.compute_context(recipe, mesh.device.type):
       out = transformer.stage(params, batches[i], m, ops, layer_range=bounds[vs], x_bsh=x, last=vs == last,
                               layer_fn=run_layer, dropout_key=dropout_key, objective=objective, moe_carry=carry)
@@ -142,9 +158,6 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
                                     name='all_reduce(loss counts over dp)').unbind()
   else:
     count = comm.all_reduce_(count, mesh.dp_group, name='all_reduce(loss count over dp)')
-  dropout_key = (config.seed, 'dropout') if training and layers.has_dropout(m) else None
-  ops, layer_fn = remat.setup(ops, m.activations_checkpoint_granularity,
-                              m.activations_checkpoint_recompute) if training else (ops, None)
   sums = {'loss': torch.zeros((), device=mesh.device)}
   tally = {} if moe.enabled(m) else None          # MoE routing metrics, summed over stages by global_loss
   ops = dataclasses.replace(ops, moe_tally=tally)
@@ -170,8 +183,7 @@ def forward_backward(params, micro_batches, config, mesh, ops, recipe=None, trai
         sums[name] = sums.get(name, 0) + value.detach()
     return loss / count
 
-  _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, layer_fn, dropout_key,
-       wait_params)
+  _run(params, batches, config, mesh, ops, recipe, objective, accumulate, training, wait_params)
   loss_sum = sums.pop('loss')
   zero = torch.zeros((), device=mesh.device)
   metric_sums = {name: sums.get(name, zero) for name in objective.metrics}
