@@ -98,14 +98,16 @@ def check(config) -> list:
     if given != AUTO and not is_set(config, key):     # (auto's choices say what they miss themselves)
       problems.append(f'{said} needs {key} ({what}), but {key}={lookup(config, key)!r}; set {key}, or '
                       'choose another data.source')
+  owners = {}                 # key -> the other sources that read it
   for other, entry in REGISTRY.items():
-    if other == name or (given == AUTO and name in PRECEDENCE and other in PRECEDENCE):
-      continue
-    for key in entry.claims:
-      if key not in REGISTRY[name].claims and is_set(config, key):
-        unset = f'set {key}={UNSET[key]!r}' if key in UNSET else f'unset {key}'
-        problems.append(f'{said} does not read {key}={lookup(config, key)!r} (the {other!r} source\'s): '
-                        f'{unset}, or set data.source={other!r}')
+    if other != name and not (given == AUTO and name in PRECEDENCE and other in PRECEDENCE):
+      for key in entry.claims:
+        owners.setdefault(key, []).append(repr(other))
+  for key, others in owners.items():
+    if key not in REGISTRY[name].claims and is_set(config, key):
+      unset = f'set {key}={UNSET[key]!r}' if key in UNSET else f'unset {key}'
+      problems.append(f'{said} does not read {key}={lookup(config, key)!r} (the {" or ".join(others)} source\'s): '
+                      f'{unset}, or set data.source={" or ".join(others)}')
   return problems
 
 

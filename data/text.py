@@ -108,7 +108,7 @@ class TextSource:
   # --- the count index --------------------------------------------------------------
 
   def _cache_path(self, data):
-    stats = [(os.path.abspath(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in self.files]
+    stats = [(os.path.abspath(p), st.st_size, st.st_mtime_ns) for p, st in ((p, os.stat(p)) for p in self.files)]
     tok = [_file_digest(data.tokenizer.get(k)) for k in ('model', 'vocab_file', 'merge_file')]
     stem = index_cache.digest(FORMAT, self.key, stats, data.tokenizer.type, tok, self.eod_id)
     directory = data.get('index_mapping_dir') or os.path.join(os.path.dirname(os.path.abspath(self.files[0])),
@@ -125,7 +125,8 @@ class TextSource:
     except (OSError, ValueError, KeyError):
       return
     if (len(counts) != len(starts) or len(file_first) > len(self.files) or (counts < 1).any()
-        or list(file_first) != sorted(file_first) or (len(counts) and (not len(file_first) or file_first[0]))):
+        or list(file_first) != sorted(file_first) or (len(counts) and (not len(file_first) or file_first[0]))
+        or (done and (not len(counts) or len(file_first) != len(self.files)))):
       return                                             # torn or foreign: rebuilt
     self.counts, self.starts, self.ends = _Grown(counts), _Grown(starts), _Grown(np.cumsum(counts))
     self.file_first, self.done, self._saved = [int(i) for i in file_first], done, len(counts)
@@ -182,15 +183,18 @@ class TextSource:
     if doc in self._kept:
       self._kept.move_to_end(doc)
       return self._kept[doc]
-    if self._next_doc != doc:
-      self._cursor = self._documents(doc)
-    item = next(self._cursor, None)
+    cursor = self._cursor if self._next_doc == doc else self._documents(doc)
+    self._next_doc = -1         # until this read succeeds: a reader's error ends its generator
+    item = next(cursor, None)
     if item is None:
-      self._next_doc, self.done = -1, True
+      if doc != self.counts.n:
+        raise DataError(f'document {doc} of {", ".join(self.files)} is gone: a file changed while the run read '
+                        'it; restart the run (its token counts are then rebuilt)')
+      self.done = True
       self._save()
       return None
     f, start, text = item
-    self._next_doc = doc + 1
+    self._cursor, self._next_doc = cursor, doc + 1
     tokens = np.asarray(self.tokenizer.encode(text) + [self.eod_id], np.int32)
     top = int(tokens.max())
     if top >= self.vocab_size:

@@ -74,8 +74,8 @@ def test_an_explicit_name_builds_its_source(tmp_path):
      "data.source='text' needs data.text.train (.jsonl / .parquet files or globs), but data.text.train=(); "
      'set data.text.train, or choose another data.source'),
     ({'data.source': 'synthetic', 'data.train_dir': 'sft.jsonl'},
-     "data.source='synthetic' does not read data.train_dir='sft.jsonl' (the 'preference' source's): unset "
-     "data.train_dir, or set data.source='preference'"),
+     "data.source='synthetic' does not read data.train_dir='sft.jsonl' (the 'sft' or 'preference' source's): "
+     "unset data.train_dir, or set data.source='sft' or 'preference'"),
     ({'data.source': 'sft', 'data.train_dir': 'sft.jsonl', 'model.objective': 'dpo'},
      "data.source='sft' does not read model.objective='dpo' (the 'preference' source's): set "
      "model.objective='next_token', or set data.source='preference'"),
@@ -171,3 +171,8 @@ def test_the_text_stream_has_no_epochs_and_its_test_split_needs_files():
       'globs), or trainer.limit_test_batches=0']
   c.data.text.test, c.trainer.max_epochs = ('t.jsonl',), -1
   assert loader.check_epochs(c) == []
+
+
+def test_a_key_two_sources_read_is_named_once():
+  c = config(**{'data.source': 'text', 'data.text.train': ('a.jsonl',), 'data.train_dir': 'sft.jsonl'})
+  assert len(sources.check(c)) == 1
