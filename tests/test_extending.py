@@ -1,7 +1,7 @@
 """docs/extending.md's recipes, each worked through as a fork would: a registered optimizer that
 needs whole tensors trains like one device at dp2 + ZeRO-1 and tp2 + SP; a metric added to the
 step reaches metrics.jsonl; a per-layer block feature carried in the block's inputs gives under
-model.compile what it gives eagerly; a registered data source feeds the loop; every family's
+model.compile what it gives eagerly; a registered data source feeds the loop its samples; every family's
 attention declares what the summary, the estimate and the layouts read."""
 import typing
 
@@ -10,6 +10,9 @@ import pytest
 import torch
 
 import train
+from configs import validate
+from data import sources
+from data.loader import Loader
 from model import param_table, transformer
 from optim import optimizers
 from parallel import mesh as meshes
@@ -161,3 +164,36 @@ def test_every_attention_declares_its_layouts_and_describes_its_heads(family):
   assert all(spec.layout in param_table.LAYOUTS for spec in specs.values())
   lines = summary.describe_layout(c, meshes.Mesh(tp=2, dp=1, rank=0))
   assert len(lines) == 2 and all('heads' in line for line in lines), lines
+
+
+# --- a data source -------------------------------------------------------------------------------
+
+class Counting:
+  """Token windows of one endless count: sample i is i*s, i*s + 1, ... (mod `modulus`)."""
+  samples_per_epoch = None
+
+  def __init__(self, modulus, seq_length):
+    self.modulus, self.s = modulus, seq_length
+
+  def samples(self, sample_ids):
+    starts = np.asarray(sample_ids, np.int64)[:, None] * self.s
+    return (starts + np.arange(self.s + 1)) % self.modulus
+
+
+def test_a_registered_data_source_is_checked_and_feeds_the_loop_from_any_position(tmp_path, monkeypatch):
+  monkeypatch.setattr(sources, 'REGISTRY', dict(sources.REGISTRY))
+  sources.register('counting', lambda config, split: Counting(config.data.counting_modulus, config.data.seq_length),
+                   needs={'data.counting_modulus': 'the token ids wrap here'})
+  c = tiny_config(max_steps=4, val_check_interval=0)
+  c.data.source, c.data.synthetic_vocab_size = 'counting', 0
+  assert any('data.counting_modulus' in p for p in validate.check(c))       # needed, and unset
+  with c.unlocked():
+    c.data.counting_modulus = 32
+  assert validate.check(c) == []
+  batch = Loader(c, 'train').global_batch(8)[0]
+  s = c.data.seq_length
+  want = (np.arange(8, 8 + c.data.micro_batch_size)[:, None] * s + np.arange(s)) % 32
+  np.testing.assert_array_equal(batch['tokens'].numpy(), want)
+  train.run(c, str(tmp_path))
+  losses = [r['loss'] for r in read_metrics(tmp_path) if 'loss' in r]
+  assert len(losses) == 4 and losses[-1] < losses[0]      # a count is learnable
