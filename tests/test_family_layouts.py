@@ -119,6 +119,7 @@ def test_family_layouts_train_like_one_device(world_size, tmp_path, tmp_path_fac
   check_rows(parity.of_size(LAYOUTS, world_size), tmp_path, tmp_path_factory)
 
 
+@pytest.mark.timeout(900)    # eight families' inductor compiles from a cold cache: ~3 minutes on two idle cores
 def test_compiled_families_train_like_eager(tmp_path, tmp_path_factory):
   """Each family compiled equals its eager single-device run at the layout bounds; a world of its
   own: from a cold inductor cache its compiles take as long as every layout above."""
