@@ -19,14 +19,12 @@ def states(config, sizes=None) -> float:
   """State tensors per trained element: the mean over the trained elements of `sizes` (name ->
   elements; default the whole model) of what the optimizer keeps for each (optim/optimizers.py:
   Adam 2, Lion 1, Muon 1 on the layers' matrices and 2 elsewhere)."""
-  counts = optimizers.entry(config.model.optim.name).states
-  if not callable(counts):
-    return counts
   specs = param_table.param_specs(config.model)
   sizes = sizes or {n: math.prod(s.shape) for n, s in specs.items()}
   trained = list(lora.trainable(config.model, sizes))
   total = sum(sizes[n] for n in trained)
-  return sum(sizes[n] * counts(n, len(specs[n].shape)) for n in trained) / max(total, 1)
+  name = config.model.optim.name
+  return sum(sizes[n] * optimizers.state_count(name, n, len(specs[n].shape)) for n in trained) / max(total, 1)
 
 
 def bucket_bytes(config):

@@ -3,7 +3,7 @@ needs whole tensors trains like one device at dp2 + ZeRO-1 and tp2 + SP; a metri
 step reaches metrics.jsonl; a per-layer block feature carried in the block's inputs gives under
 model.compile what it gives eagerly; a registered data source feeds the loop its samples; every family's
 attention declares what the summary, the estimate and the layouts read."""
-import typing
+import collections
 
 import numpy as np
 import pytest
@@ -115,16 +115,9 @@ def test_a_metric_returned_by_the_step_is_logged(tmp_path, monkeypatch):
 
 # --- a block feature that differs by layer -------------------------------------------------------
 
-class ScaledLayer(typing.NamedTuple):
-  """transformer.LayerInputs with the recipe's new field: each layer's residual branch scale."""
-  index: int
-  cos_sin: typing.Any
-  mask: typing.Any
-  drop_key: typing.Any
-  sample_ids: typing.Any
-  moe: bool = False
-  kv: typing.Any = None
-  branch_scale: float = 1.0
+# transformer.LayerInputs with the recipe's new field: each layer's residual branch scale
+ScaledLayer = collections.namedtuple('ScaledLayer', transformer.LayerInputs._fields + ('branch_scale',),
+                                     defaults=tuple(transformer.LayerInputs._field_defaults.values()) + (1.0,))
 
 
 SCALES = (0.5, 2.0, 1.0, 0.25)
